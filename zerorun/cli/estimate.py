@@ -1,0 +1,11 @@
+"""``zerorun estimate``: placeholder until its issue lands."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("estimate", hidden=True)
+    def _placeholder() -> None:
+        raise typer.Exit(1)

@@ -1,0 +1,11 @@
+"""``zerorun report``: placeholder until its issue lands."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("report", hidden=True)
+    def _placeholder() -> None:
+        raise typer.Exit(1)

@@ -1,0 +1,48 @@
+"""One error tree for zerorun.
+
+Every error a user can cause is a ``ZerorunError``: the CLI prints it as a single line
+(``error: <message>`` and, when present, ``hint: <hint>``) and exits non-zero, without a
+traceback. Set ``ZERORUN_DEBUG=1`` to see the traceback of zerorun itself.
+"""
+
+from __future__ import annotations
+
+
+class ZerorunError(Exception):
+    """Base of every error a user can cause. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(ZerorunError):
+    """A config file or dict is unreadable, has unknown keys, wrong types or impossible values."""
+
+
+class HostfileError(ZerorunError):
+    """A hostfile or an --include/--exclude filter is malformed (the message names the line/token)."""
+
+
+class LaunchError(ZerorunError):
+    """The job cannot start: missing script, GPUs that are not there, unreachable hosts."""
+
+
+class JobFailed(ZerorunError):
+    """A worker failed; the message names the root cause (host, rank, exit code or signal)."""
+
+    exit_code = 1
+
+
+class PlannerError(ZerorunError):
+    """``zerorun estimate`` got a model or job it cannot plan."""
+
+
+class RuntimeConfigError(ZerorunError):
+    """The engine was given a model/optimizer/config combination it cannot run."""

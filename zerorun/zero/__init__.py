@@ -1,0 +1,1 @@
+"""The sharding runtime: ZeRO stages 0-3 composed from small, single-concern modules."""
