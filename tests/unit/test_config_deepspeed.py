@@ -1,0 +1,162 @@
+"""pytest tests/unit/test_config_deepspeed.py — DeepSpeed JSON configs: the two seed configs, the key mapping, notes, "auto" values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zerorun.config import BatchConfig, OffloadConfig, OptimizerConfig, ZeroConfig, load_config, to_dict
+from zerorun.config.deepspeed import DEEPSPEED_MARKERS, TOP_LEVEL, looks_like_deepspeed
+from zerorun.errors import ConfigError
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_seed_000_zero2_fp16_gives_the_intended_settings():
+    config = load_config(DATA / "ds_zero2_fp16.json", world_size=2, environ={})
+    assert config.zero.stage == 2
+    assert config.zero.overlap_comm is True
+    assert config.zero.reduce_bucket_size == 500_000_000  # written 5e8 in the JSON
+    assert config.zero.allgather_bucket_size == 500_000_000
+    assert config.precision.dtype == "fp16"
+    assert config.precision.loss_scale == 0.0  # dynamic
+    assert config.precision.initial_scale_power == 16
+    # train 64 = micro x 2 accumulation x 2 ranks
+    assert config.batch == BatchConfig(train_batch_size=64, micro_batch_size=16, gradient_accumulation_steps=2)
+    assert config.zero.offload_optimizer == OffloadConfig() and config.zero.offload_param == OffloadConfig()
+    # The harmless keys are accepted, each with a note saying it has no effect here.
+    noted = sorted(note.split(":")[0] for note in config.notes)
+    assert noted == ["steps_per_print", "wall_clock_breakdown", "zero_optimization.contiguous_gradients",
+                     "zero_optimization.reduce_scatter"]
+
+
+def test_seed_004_zero3_offload_gives_the_intended_settings():
+    config = load_config(DATA / "ds_zero3_offload_fp16.json", world_size=8, environ={})
+    assert config.zero.stage == 3
+    assert config.zero.offload_optimizer == OffloadConfig(device="cpu", pin_memory=True)
+    assert config.zero.offload_param == OffloadConfig(device="cpu", pin_memory=True)
+    assert config.zero.reduce_bucket_size == 500_000_000
+    assert config.zero.prefetch_bucket_size == 500_000_000
+    assert config.zero.param_persistence_threshold == 1_000_000
+    assert config.zero.allgather_bucket_size == ZeroConfig().allgather_bucket_size  # not set: default
+    assert config.gradient_clipping == 1.0
+    assert config.precision.dtype == "fp16" and config.precision.initial_scale_power == 16
+    assert config.batch == BatchConfig(train_batch_size=256, micro_batch_size=2, gradient_accumulation_steps=16)
+    assert [note.split(":")[0] for note in config.notes] == ["zero_optimization.contiguous_gradients"]
+
+
+def test_seed_configs_need_a_world_size_that_divides_the_batch():
+    with pytest.raises(ConfigError, match=r"cannot be split evenly over 3 ranks x 2 accumulation"):
+        load_config(DATA / "ds_zero2_fp16.json", world_size=3, environ={})
+    with pytest.raises(ConfigError, match=r"cannot be split evenly over 3 ranks x 16 accumulation"):
+        load_config(DATA / "ds_zero3_offload_fp16.json", world_size=3, environ={})
+
+
+def test_seed_configs_round_trip_as_zerorun_dicts():
+    for name in ("ds_zero2_fp16.json", "ds_zero3_offload_fp16.json"):
+        config = load_config(DATA / name, world_size=2, environ={})
+        assert load_config(to_dict(config), world_size=2, environ={}) == config
+
+
+def test_bf16_and_legacy_bfloat16_sections():
+    assert load_config({"bf16": {"enabled": True}}, environ={}).precision.dtype == "bf16"
+    assert load_config({"bfloat16": {"enabled": True}}, environ={}).precision.dtype == "bf16"
+    assert load_config({"fp16": {"loss_scale": 128}}, environ={}).precision.dtype == "fp32"  # not enabled
+
+
+def test_optimizer_names_follow_deepspeed_semantics():
+    adam = load_config({"optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+                        "train_batch_size": 8}, environ={})
+    # DeepSpeed's "Adam" decouples weight decay (adam_w_mode defaults to true): torch's AdamW.
+    assert adam.optimizer == OptimizerConfig(type="AdamW", params={"lr": 3e-4, "weight_decay": 0.1})
+    assert any("runs as torch.optim.AdamW" in note for note in adam.notes)
+    plain = load_config({"optimizer": {"type": "adam", "params": {"adam_w_mode": False, "lr": 1e-3}},
+                         "train_batch_size": 8}, environ={})
+    assert plain.optimizer == OptimizerConfig(type="Adam", params={"lr": 1e-3})
+    sgd = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+                       "train_batch_size": 8}, environ={})
+    assert sgd.optimizer == OptimizerConfig(type="SGD", params={"lr": 0.1, "momentum": 0.9})
+
+
+def test_hugging_face_auto_values_are_resolved_with_notes():
+    config = load_config({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                              "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto"},
+    }, world_size=2, environ={})
+    assert config.zero == ZeroConfig(stage=3)  # every "auto" bucket size falls back to zerorun's default
+    assert config.batch == BatchConfig()  # nothing to derive: the script batches its own data
+    assert config.gradient_clipping == 0.0
+    assert config.precision.dtype == "fp32"
+    assert config.optimizer == OptimizerConfig(type="AdamW", params={"weight_decay": 0.0})
+    assert sum("'auto'" in note for note in config.notes) == 11
+
+
+def test_offload_details_and_legacy_cpu_offload():
+    config = load_config({"zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 4, "ratio": 1.0},
+        "offload_param": {"device": "none", "max_in_cpu": 1e9},
+    }}, environ={})
+    assert config.zero.offload_optimizer == OffloadConfig(device="nvme", nvme_path="/local_nvme")
+    assert config.zero.offload_param.device == "none"
+    legacy = load_config({"zero_optimization": {"stage": 2, "cpu_offload": True}}, environ={})
+    assert legacy.zero.offload_optimizer.device == "cpu"
+    with pytest.raises(ConfigError, match=r"offload_optimizer.ratio = 0.3: not supported: partial"):
+        load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+                    environ={})
+
+
+def test_combination_errors_name_the_deepspeed_keys():
+    with pytest.raises(ConfigError) as info:
+        load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, environ={})
+    assert ("zero_optimization.offload_param.device (zerorun key zero.offload_param.device) = 'cpu': "
+            "parameter offload needs ZeRO stage 3") in str(info.value)
+
+
+def test_harmless_key_with_a_harmful_value_is_an_error():
+    with pytest.raises(ConfigError, match=r"prescale_gradients = true: not supported"):
+        load_config({"train_batch_size": 8, "prescale_gradients": True}, environ={})
+    notes = load_config({"train_batch_size": 8, "prescale_gradients": False}, environ={}).notes
+    assert notes == ["prescale_gradients: accepted; zerorun averages gradients after reduction; remove it"]
+
+
+def test_format_detection():
+    assert looks_like_deepspeed({"zero_optimization": {}})
+    assert looks_like_deepspeed({"train_micro_batch_size_per_gpu": 1})
+    assert not looks_like_deepspeed({"zero": {}, "optimizer": {"type": "SGD"}})
+    assert not looks_like_deepspeed({"optimizer": {}, "scheduler": {}, "gradient_clipping": 1.0})
+    assert DEEPSPEED_MARKERS <= set(TOP_LEVEL)
+
+
+def test_every_deepspeed_key_is_accounted_for():
+    """No DeepSpeed key is ignored silently: each one maps, notes or errors."""
+    from zerorun.config.deepspeed import HANDLED, Map, Note, Section, Unsupported
+
+    def walk(spec):
+        for key, rule in spec.items():
+            assert isinstance(rule, (Map, Note, Section, Unsupported)) or rule is HANDLED, key
+            if isinstance(rule, Section):
+                walk(rule.spec)
+
+    walk(TOP_LEVEL)
+
+
+def test_docs_name_every_deepspeed_key():
+    from zerorun.config.deepspeed import Section
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+
+    def keys(spec):
+        for key, rule in spec.items():
+            yield key
+            if isinstance(rule, Section):
+                yield from keys(rule.spec)
+
+    missing = sorted({key for key in keys(TOP_LEVEL) if key != "enabled" and key not in docs})
+    assert missing == []

@@ -1,0 +1,374 @@
+"""DeepSpeed JSON -> a zerorun config dict, with every DeepSpeed key accounted for.
+
+Each DeepSpeed key is one of:
+  Map         carried onto a zerorun key (the value is checked there, errors name the DeepSpeed key)
+  Note        accepted, but has no effect in zerorun: loading records a note saying so; when the
+              value asks for behaviour zerorun lacks (``harmless`` says no) it is an error instead
+  Unsupported a feature zerorun does not have: always an error naming the key
+Anything else is an unknown key, reported with a did-you-mean. Nothing is dropped silently.
+
+"auto" values (Hugging Face Trainer fills them in from its own arguments) are replaced by what
+zerorun would do without them: derived batch sizes, zerorun defaults, torch defaults, with a note.
+docs/config.md carries the same table for users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from zerorun.config.problems import Problems, join_path, unknown_key_message
+
+
+@dataclass(frozen=True)
+class Map:
+    target: str
+    transform: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Note:
+    text: str
+    harmless: Callable[[Any], bool] = lambda value: True
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    text: str
+
+
+@dataclass(frozen=True)
+class Handled:
+    """Read by a dedicated function (precision flags, optimizer, scheduler), not by the walker."""
+
+
+HANDLED = Handled()
+
+
+@dataclass(frozen=True)
+class Section:
+    spec: dict
+
+
+@dataclass
+class Translation:
+    """The zerorun dict plus what the translation noticed; aliases map zerorun -> DeepSpeed paths."""
+
+    data: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    problems: Problems = field(default_factory=Problems)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+def _off(value: Any) -> bool:
+    return value is False or value is None or (isinstance(value, dict) and not value.get("enabled"))
+
+
+def _offload_device(value: Any) -> Any:
+    return "none" if value is None else value
+
+
+NO_EFFECT = "has no effect in zerorun"
+TELEMETRY = "zerorun's telemetry (live dashboard, metrics.jsonl) replaces it; " + NO_EFFECT
+
+OFFLOAD_COMMON = {
+    "device": Map("device", _offload_device),
+    "nvme_path": Map("nvme_path"),
+    "pin_memory": Map("pin_memory"),
+    "buffer_count": Note("zerorun sizes its own offload buffers; " + NO_EFFECT),
+}
+OFFLOAD_OPTIMIZER = {
+    **OFFLOAD_COMMON,
+    "fast_init": Note(NO_EFFECT),
+    "pipeline": Note(NO_EFFECT), "pipeline_read": Note(NO_EFFECT), "pipeline_write": Note(NO_EFFECT),
+    "ratio": Note("partial optimizer offload is not supported; remove it or set 1.0",
+                  harmless=lambda v: v in (1, 1.0)),
+}
+OFFLOAD_PARAM = {
+    **OFFLOAD_COMMON,
+    "buffer_size": Note("zerorun sizes its own offload buffers; " + NO_EFFECT),
+    "max_in_cpu": Note(NO_EFFECT),
+}
+
+def _under(prefix: str, spec: dict) -> Section:
+    """The offload specs map relative names; anchor them under a zerorun section."""
+    return Section({key: Map(f"{prefix}.{rule.target}", rule.transform) if isinstance(rule, Map) else rule
+                    for key, rule in spec.items()})
+
+
+ZERO_OPTIMIZATION = {
+    "stage": Map("zero.stage"),
+    "overlap_comm": Map("zero.overlap_comm"),
+    "reduce_bucket_size": Map("zero.reduce_bucket_size"),
+    "allgather_bucket_size": Map("zero.allgather_bucket_size"),
+    "stage3_prefetch_bucket_size": Map("zero.prefetch_bucket_size"),
+    "stage3_param_persistence_threshold": Map("zero.param_persistence_threshold"),
+    "offload_optimizer": _under("zero.offload_optimizer", OFFLOAD_OPTIMIZER),
+    "offload_param": _under("zero.offload_param", OFFLOAD_PARAM),
+    "cpu_offload": Map("zero.offload_optimizer.device", lambda v: "cpu" if v is True else "none" if v is False else v),
+    "cpu_offload_params": Map("zero.offload_param.device", lambda v: "cpu" if v is True else "none" if v is False else v),
+    "cpu_offload_use_pin_memory": Note("set pin_memory inside offload_optimizer/offload_param instead; " + NO_EFFECT),
+    "contiguous_gradients": Note("zerorun manages its own gradient buffers; " + NO_EFFECT),
+    "reduce_scatter": Note("zerorun reduce-scatters gradients from stage 2 on and all-reduces below it",
+                           harmless=lambda v: v is True),
+    "allgather_partitions": Note("zerorun all-gathers updated shards by bucket itself",
+                                 harmless=lambda v: v is True),
+    "sub_group_size": Note("zerorun steps the optimizer bucket by bucket; " + NO_EFFECT),
+    "stage3_max_live_parameters": Note("stage 3 prefetching is bounded by zero.prefetch_bucket_size; " + NO_EFFECT),
+    "stage3_max_reuse_distance": Note("stage 3 prefetching is bounded by zero.prefetch_bucket_size; " + NO_EFFECT),
+    "stage3_gather_16bit_weights_on_model_save": Note("engine.full_state_dict() gives the whole model; " + NO_EFFECT),
+    "stage3_gather_fp16_weights_on_model_save": Note("engine.full_state_dict() gives the whole model; " + NO_EFFECT),
+    "round_robin_gradients": Note(NO_EFFECT),
+    "load_from_fp32_weights": Note(NO_EFFECT, harmless=lambda v: v is True),
+    "elastic_checkpoint": Note(NO_EFFECT),
+    "ignore_unused_parameters": Note("zerorun handles parameters unused in a step", harmless=lambda v: v is True),
+    "memory_efficient_linear": Note(NO_EFFECT),
+    "legacy_stage1": Note("there is only one stage 1 in zerorun", harmless=lambda v: v is False),
+    "use_multi_rank_bucket_allreduce": Note(NO_EFFECT),
+    "zero_hpz_partition_size": Note("hierarchical partitioning (ZeRO++ hpZ) is not supported; remove it",
+                                    harmless=lambda v: v == 1),
+    "zero_quantized_weights": Note("quantized weights (ZeRO++ qwZ) are not supported; remove it",
+                                   harmless=lambda v: v is False),
+    "zero_quantized_gradients": Note("quantized gradients (ZeRO++ qgZ) are not supported; remove it",
+                                     harmless=lambda v: v is False),
+    "zero_quantized_nontrainable_weights": Note("quantized weights are not supported; remove it",
+                                                harmless=lambda v: v is False),
+    "mics_shard_size": Note("MiCS sharding is not supported; remove it", harmless=lambda v: v in (-1, 0)),
+    "mics_hierarchical_params_gather": Note("MiCS is not supported; remove it", harmless=lambda v: v is False),
+}
+
+
+LOSS_SCALING = {
+    "loss_scale": Map("precision.loss_scale"),
+    "initial_scale_power": Map("precision.initial_scale_power"),
+    "loss_scale_window": Map("precision.loss_scale_window"),
+    "hysteresis": Map("precision.hysteresis"),
+    "min_loss_scale": Map("precision.min_loss_scale"),
+}
+FP16 = {
+    "enabled": HANDLED,  # read by _precision
+    **LOSS_SCALING,
+    "consecutive_hysteresis": Note("zerorun's dynamic loss scaler resets hysteresis on overflow only",
+                                   harmless=lambda v: v is False),
+    "auto_cast": Note("zerorun does not cast model inputs; cast them in the script and remove it",
+                      harmless=lambda v: v is False),
+    "fp16_master_weights_and_grads": Note("zerorun keeps fp32 master weights; remove it",
+                                          harmless=lambda v: v is False),
+}
+BF16 = {
+    "enabled": HANDLED,
+    "immediate_grad_update": Note(NO_EFFECT),
+    "check_grad_overflow": Note(NO_EFFECT),
+}
+UNSUPPORTED_FEATURE = "is a DeepSpeed feature zerorun does not have; remove this section"
+
+TOP_LEVEL: dict[str, Any] = {
+    "train_batch_size": Map("batch.train_batch_size"),
+    "train_micro_batch_size_per_gpu": Map("batch.micro_batch_size"),
+    "gradient_accumulation_steps": Map("batch.gradient_accumulation_steps"),
+    "gradient_clipping": Map("gradient_clipping"),
+    "zero_optimization": Section(ZERO_OPTIMIZATION),
+    "fp16": Section(FP16),
+    "bf16": Section(BF16),
+    "bfloat16": Section(BF16),
+    "optimizer": HANDLED,  # _optimizer
+    "scheduler": HANDLED,  # _scheduler
+    "steps_per_print": Note(TELEMETRY),
+    "wall_clock_breakdown": Note(TELEMETRY),
+    "memory_breakdown": Note(TELEMETRY),
+    "dump_state": Note(NO_EFFECT),
+    "tensorboard": Note(TELEMETRY), "wandb": Note(TELEMETRY), "csv_monitor": Note(TELEMETRY),
+    "comet": Note(TELEMETRY), "comms_logger": Note(TELEMETRY), "flops_profiler": Note(TELEMETRY),
+    "zero_allow_untested_optimizer": Note("zerorun shards any torch.optim optimizer"),
+    "zero_force_ds_cpu_optimizer": Note("zerorun steps offloaded shards with the torch optimizer; " + NO_EFFECT),
+    "activation_checkpointing": Note(
+        "DeepSpeed's section tunes deepspeed.checkpointing calls in model code; use zerorun's "
+        "activation_checkpointing.modules in a zerorun YAML config instead; " + NO_EFFECT),
+    "checkpoint": Note("zerorun's checkpoint section (dir, interval_steps, keep_last) sets checkpointing; "
+                       + NO_EFFECT),
+    "aio": Note("zerorun's NVMe offload sets its own I/O parameters; " + NO_EFFECT),
+    "prescale_gradients": Note("zerorun averages gradients after reduction; remove it",
+                               harmless=lambda v: v is False),
+    "gradient_predivide_factor": Note("zerorun averages gradients after reduction; remove it",
+                                      harmless=lambda v: v in (1, 1.0)),
+    "sparse_gradients": Note("sparse gradients are not supported; remove it", harmless=lambda v: v is False),
+    "amp": Note("Apex AMP is not supported; use fp16 or bf16 instead", harmless=_off),
+    "communication_data_type": Note("zerorun communicates in the training dtype; remove it",
+                                    harmless=lambda v: v is None),
+    "seq_parallel_communication_data_type": Note(NO_EFFECT),
+    **{name: Unsupported(UNSUPPORTED_FEATURE) for name in (
+        "data_types", "pipeline", "elasticity", "compression_training", "autotuning",
+        "curriculum_learning", "data_efficiency", "sequence_parallel_size", "tensor_parallel",
+        "hybrid_engine", "quantize_training", "sparse_attention", "nebula", "eigenvalue",
+        "progressive_layer_drop", "fp8", "torch_autocast", "compile")},
+}
+
+# Keys that only a DeepSpeed config has at its top level: any one of them marks a DeepSpeed config.
+DEEPSPEED_MARKERS = frozenset(TOP_LEVEL) - {"optimizer", "scheduler", "gradient_clipping", "checkpoint",
+                                            "activation_checkpointing"}
+
+# DeepSpeed optimizer names (case-insensitive, as DeepSpeed reads them) -> torch.optim classes.
+# DeepSpeed's "Adam" is decoupled-weight-decay Adam unless params.adam_w_mode is false.
+OPTIMIZER_NAMES = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
+DEEPSPEED_ONLY_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam",
+                             "muadamw", "musgd", "muon", "fusedadam", "cpuadam"}
+DEEPSPEED_SCHEDULERS = {"WarmupLR": "LinearLR", "WarmupDecayLR": "LinearLR (chained with SequentialLR)",
+                        "WarmupCosineLR": "CosineAnnealingLR (chained with SequentialLR)",
+                        "OneCycle": "OneCycleLR", "LRRangeTest": "LinearLR"}
+
+
+def looks_like_deepspeed(data: dict) -> bool:
+    return any(key in DEEPSPEED_MARKERS for key in data)
+
+
+def translate(data: dict) -> Translation:
+    """A DeepSpeed config (already parsed) -> Translation; never raises for bad user values."""
+    out = Translation()
+    _walk(data, TOP_LEVEL, "", out)
+    _precision(data, out)
+    if "optimizer" in data:
+        _optimizer(data["optimizer"], out)
+    if "scheduler" in data:
+        _scheduler(data["scheduler"], out)
+    return out
+
+
+def _walk(section: Any, spec: dict, path: str, out: Translation) -> None:
+    if not isinstance(section, dict):
+        out.problems.add(path, "must be a mapping of keys to values", section)
+        return
+    for key, value in section.items():
+        key_path = join_path(path, key)
+        rule = spec.get(key)
+        if rule is None:
+            out.problems.add(key_path, unknown_key_message(key, spec, "DeepSpeed key"))
+        elif isinstance(rule, Map):
+            _map(rule, value, key_path, out)
+        elif isinstance(rule, Section):
+            _walk(value, rule.spec, key_path, out)
+        elif isinstance(rule, Note):
+            if _safe(rule.harmless, value):
+                out.notes.append(f"{key_path}: accepted; {rule.text}")
+            else:
+                out.problems.add(key_path, f"not supported: {rule.text}", value)
+        elif isinstance(rule, Unsupported):
+            out.problems.add(key_path, rule.text)
+
+
+def _safe(predicate: Callable[[Any], bool], value: Any) -> bool:
+    try:
+        return bool(predicate(value))
+    except Exception:  # a predicate meeting a value of the wrong type: not harmless
+        return False
+
+
+def _map(rule: Map, value: Any, ds_path: str, out: Translation) -> None:
+    out.aliases[rule.target] = ds_path
+    if value == "auto":
+        out.notes.append(f"{ds_path}: 'auto' (a Hugging Face Trainer placeholder) left to zerorun: "
+                         + ("derived from the other batch sizes" if rule.target.startswith("batch.")
+                            else f"zerorun's default for {rule.target}"))
+        return
+    if rule.transform is not None:
+        value = rule.transform(value)
+    _set_path(out.data, rule.target, value)
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        data = data.setdefault(part, {})
+    data[leaf] = value
+
+
+def _enabled(data: dict, name: str, out: Translation) -> bool:
+    section = data.get(name)
+    if not isinstance(section, dict):
+        return False  # a non-mapping is reported by _walk
+    value = section.get("enabled", False)
+    if value == "auto":
+        out.notes.append(f"{name}.enabled: 'auto' (a Hugging Face Trainer placeholder) read as false")
+        return False
+    if not isinstance(value, bool):
+        out.problems.add(f"{name}.enabled", "must be true, false or 'auto'", value)
+        return False
+    return value
+
+
+def _precision(data: dict, out: Translation) -> None:
+    fp16 = _enabled(data, "fp16", out)
+    bf16 = _enabled(data, "bf16", out) or _enabled(data, "bfloat16", out)
+    if fp16 and bf16:
+        out.problems.add("fp16.enabled", "fp16 and bf16 are both enabled; enable only one of them", True)
+    out.aliases["precision.dtype"] = "fp16.enabled / bf16.enabled"
+    _set_path(out.data, "precision.dtype", "fp16" if fp16 else "bf16" if bf16 else "fp32")
+
+
+def _optimizer(section: Any, out: Translation) -> None:
+    if not isinstance(section, dict):
+        out.problems.add("optimizer", "must be a mapping with 'type' and 'params'", section)
+        return
+    for key in section:
+        if key not in ("type", "params"):
+            out.problems.add(f"optimizer.{key}", unknown_key_message(key, ["type", "params"]))
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        out.problems.add("optimizer.params", "must be a mapping of keyword arguments", params)
+        params = {}
+    name = section.get("type")
+    if not isinstance(name, str):
+        out.problems.add("optimizer.type", "must name an optimizer, e.g. AdamW", name)
+        return
+    params = dict(params)
+    adam_w_mode = params.get("adam_w_mode", True)
+    # DeepSpeed's implementation switches, meaningless for a torch.optim class.
+    for switch in ("torch_adam", "adam_w_mode"):
+        if switch in params:
+            del params[switch]
+            out.notes.append(f"optimizer.params.{switch}: accepted; zerorun runs a torch.optim class")
+    lowered = name.lower()
+    if lowered in DEEPSPEED_ONLY_OPTIMIZERS:
+        out.problems.add("optimizer.type", "is a DeepSpeed-only optimizer; use a torch.optim class "
+                         "such as AdamW, Adam or SGD", name)
+        return
+    torch_name = OPTIMIZER_NAMES.get(lowered, name)
+    if lowered == "adam" and adam_w_mode is False:
+        torch_name = "Adam"
+    if torch_name != name:
+        out.notes.append(f"optimizer.type: DeepSpeed's {name!r} runs as torch.optim.{torch_name}")
+    out.data["optimizer"] = {"type": torch_name, "params": _without_auto(params, "optimizer.params", out)}
+    out.aliases["optimizer.type"] = "optimizer.type"
+
+
+def _scheduler(section: Any, out: Translation) -> None:
+    if not isinstance(section, dict):
+        out.problems.add("scheduler", "must be a mapping with 'type' and 'params'", section)
+        return
+    for key in section:
+        if key not in ("type", "params"):
+            out.problems.add(f"scheduler.{key}", unknown_key_message(key, ["type", "params"]))
+    name = section.get("type")
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        out.problems.add("scheduler.params", "must be a mapping of keyword arguments", params)
+        params = {}
+    if name in DEEPSPEED_SCHEDULERS:
+        out.problems.add("scheduler.type", "DeepSpeed's own scheduler is not available; use a zerorun "
+                         f"YAML config with a torch.optim.lr_scheduler class such as "
+                         f"{DEEPSPEED_SCHEDULERS[name]}, or drop the scheduler section", name)
+        return
+    if not isinstance(name, str):
+        out.problems.add("scheduler.type", "must name a torch.optim.lr_scheduler class", name)
+        return
+    out.data["scheduler"] = {"type": name, "params": _without_auto(params, "scheduler.params", out)}
+
+
+def _without_auto(params: dict, path: str, out: Translation) -> dict:
+    kept = {}
+    for key, value in params.items():
+        if value == "auto":
+            out.notes.append(f"{path}.{key}: 'auto' (a Hugging Face Trainer placeholder) dropped; "
+                             "torch's default applies")
+        else:
+            kept[key] = value
+    return kept

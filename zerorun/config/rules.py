@@ -1,0 +1,180 @@
+"""Rules a well-typed config must still satisfy: ranges, combinations, the batch-size rule.
+
+Pure functions of the built config (plus torch.optim for class names); each records problems
+with the key path and the fix instead of raising, so one error lists everything.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+from typing import Any, Callable
+
+from zerorun.config.problems import Problems, did_you_mean
+from zerorun.config.schema import BatchConfig, ZerorunConfig
+
+Check = tuple[Callable[[Any], bool], str]
+
+
+def _at_least(low: float) -> Check:
+    return (lambda v: v >= low), f"must be at least {low}"
+
+
+def _above(low: float) -> Check:
+    return (lambda v: v > low), f"must be greater than {low}"
+
+
+def _within(low: int, high: int) -> Check:
+    return (lambda v: low <= v <= high), f"must be between {low} and {high}"
+
+
+# Every numeric key and its allowed range; a unit test checks no numeric key is missing here.
+RANGES: dict[str, Check] = {
+    "zero.stage": ((lambda v: v in (0, 1, 2, 3)), "must be a ZeRO stage: 0, 1, 2 or 3"),
+    "zero.reduce_bucket_size": _at_least(1),
+    "zero.allgather_bucket_size": _at_least(1),
+    "zero.prefetch_bucket_size": _at_least(1),
+    "zero.param_persistence_threshold": _at_least(0),
+    "precision.loss_scale": ((lambda v: v >= 0), "must be 0 (dynamic) or a positive static scale"),
+    "precision.initial_scale_power": _within(0, 63),
+    "precision.loss_scale_window": _at_least(1),
+    "precision.hysteresis": _at_least(1),
+    "precision.min_loss_scale": _above(0),
+    "batch.train_batch_size": _at_least(1),
+    "batch.micro_batch_size": _at_least(1),
+    "batch.gradient_accumulation_steps": _at_least(1),
+    "gradient_clipping": ((lambda v: v >= 0), "must be 0 (off) or a positive max gradient norm"),
+    "telemetry.interval_s": _above(0),
+    "telemetry.total_steps": _at_least(1),
+    "telemetry.hang_after_s": _above(0),
+    "checkpoint.interval_steps": ((lambda v: v >= 0), "must be 0 (only when asked) or a step count"),
+    "checkpoint.keep_last": _at_least(1),
+    "seed": _within(0, 2**32 - 1),
+}
+
+
+def get_path(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        if config is None:
+            return None
+        config = getattr(config, part)
+    return config
+
+
+def check_ranges(config: ZerorunConfig, problems: Problems) -> None:
+    for path, (allowed, requirement) in RANGES.items():
+        value = get_path(config, path)
+        if value is not None and not allowed(value):
+            problems.add(path, requirement, value)
+
+
+def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
+    """Settings that are each valid but cannot work together."""
+    zero = config.zero
+    if zero.offload_param.device != "none" and zero.stage != 3:
+        problems.add(
+            "zero.offload_param.device", f"parameter offload needs ZeRO stage 3 (stage is "
+            f"{zero.stage}); set zero.stage: 3 or offload_param.device: none",
+            zero.offload_param.device)
+    if zero.offload_optimizer.device != "none" and zero.stage == 0:
+        problems.add(
+            "zero.offload_optimizer.device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage "
+            "is 0); raise zero.stage or set offload_optimizer.device: none",
+            zero.offload_optimizer.device)
+    for name in ("offload_optimizer", "offload_param"):
+        offload = getattr(zero, name)
+        if offload.device == "nvme" and not offload.nvme_path:
+            problems.add(f"zero.{name}.nvme_path", "NVMe offload needs a directory on a fast local "
+                         f"disk; set zero.{name}.nvme_path", offload.nvme_path)
+    ckpt = config.checkpoint
+    if ckpt.interval_steps > 0 and not ckpt.dir:
+        problems.add("checkpoint.dir", f"checkpoint.interval_steps is {ckpt.interval_steps} but "
+                     "there is no directory to write to; set checkpoint.dir", ckpt.dir)
+
+
+def check_torch_names(config: ZerorunConfig, problems: Problems) -> None:
+    """Optimizer/scheduler ``type`` must name a torch class whose keywords match ``params``."""
+    if config.optimizer is None and config.scheduler is None:
+        return
+    import torch  # deferred: only configs naming torch classes pay for the import
+
+    if config.optimizer is not None:
+        classes = _subclasses_in(torch.optim, torch.optim.Optimizer)
+        _check_class("optimizer", config.optimizer.type, config.optimizer.params, classes,
+                     "torch.optim", problems)
+    if config.scheduler is not None:
+        scheduler_module = torch.optim.lr_scheduler
+        base = getattr(scheduler_module, "LRScheduler", None) or scheduler_module._LRScheduler
+        classes = _subclasses_in(scheduler_module, base)
+        _check_class("scheduler", config.scheduler.type, config.scheduler.params, classes,
+                     "torch.optim.lr_scheduler", problems)
+
+
+def _subclasses_in(module: Any, base: type) -> dict[str, type]:
+    return {
+        name: obj for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, base) and obj is not base
+        and not name.startswith("_")
+    }
+
+
+def _check_class(section: str, name: str, params: dict, classes: dict[str, type],
+                 module_name: str, problems: Problems) -> None:
+    cls = classes.get(name)
+    if cls is None:
+        problems.add(f"{section}.type", f"not a class in {module_name}{did_you_mean(name, classes)}; "
+                     f"choose one of {', '.join(sorted(classes))}", name)
+        return
+    signature = inspect.signature(cls.__init__)
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return
+    # The engine supplies the first positional argument (parameters or the optimizer).
+    accepted = [p for p in list(signature.parameters)[2:]]
+    for key, value in params.items():
+        if key not in accepted:
+            problems.add(f"{section}.params.{key}", f"{module_name}.{name} takes no such argument"
+                         f"{did_you_mean(key, accepted)}; it accepts {', '.join(accepted)}")
+        elif value == "auto":
+            problems.add(f"{section}.params.{key}", "'auto' is a Hugging Face Trainer placeholder; "
+                         "give a value or remove the key to use torch's default", value)
+
+
+def resolve_batch(batch: BatchConfig, world_size: int | None, problems: Problems) -> BatchConfig:
+    """Apply train_batch = micro_batch x accumulation x world_size.
+
+    With the world size known the missing size is derived (one given size alone implies
+    accumulation 1) and a fully given triple is checked; without it only divisibility is checked.
+    """
+    train, micro, accum = batch.train_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps
+    given = f"train_batch_size={train}, micro_batch_size={micro}, gradient_accumulation_steps={accum}"
+    if world_size is None:
+        if train is not None and micro is not None and accum is not None and train % (micro * accum):
+            problems.add("batch.train_batch_size", f"is not a multiple of micro_batch_size x "
+                         f"gradient_accumulation_steps = {micro * accum}, so no world size fits; "
+                         f"adjust one of them", train)
+        return batch
+    if train is None and micro is None:
+        return batch  # the script batches its own data; nothing to derive
+    if train is None:
+        accum = accum or 1
+        return replace(batch, train_batch_size=micro * accum * world_size, gradient_accumulation_steps=accum)
+    if micro is None:
+        accum = accum or 1
+        if train % (accum * world_size):
+            problems.add("batch.train_batch_size", f"cannot be split evenly over {world_size} ranks x "
+                         f"{accum} accumulation steps ({given}); make it a multiple of "
+                         f"{accum * world_size}", train)
+            return batch
+        return replace(batch, micro_batch_size=train // (accum * world_size), gradient_accumulation_steps=accum)
+    if accum is None:
+        if train % (micro * world_size):
+            problems.add("batch.train_batch_size", f"is not micro_batch_size x world_size "
+                         f"({micro} x {world_size}) times a whole number of accumulation steps; "
+                         f"make it a multiple of {micro * world_size}", train)
+            return batch
+        return replace(batch, gradient_accumulation_steps=train // (micro * world_size))
+    if train != micro * accum * world_size:
+        problems.add("batch.train_batch_size", f"must equal micro_batch_size x gradient_accumulation_steps"
+                     f" x world_size = {micro} x {accum} x {world_size} = {micro * accum * world_size}; "
+                     "fix one of them or leave one out to have it derived", train)
+    return batch

@@ -1,0 +1,191 @@
+"""Where config values come from: files, environment variables, command-line overrides.
+
+Precedence: command-line flags > environment > file > defaults. Files may be zerorun YAML or
+DeepSpeed JSON (either extension; the keys decide). Environment variables name a key path in
+upper case with ``__`` between levels after the ``ZERORUN_`` prefix:
+
+    ZERORUN_ZERO__STAGE=3   ZERORUN_ZERO__OFFLOAD_OPTIMIZER__DEVICE=cpu   ZERORUN_SEED=1
+
+Other ZERORUN_ variables (ZERORUN_DEBUG, the launcher's own) have no ``__`` and are not config.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+from zerorun.config.problems import Problems, did_you_mean, show
+from zerorun.errors import ConfigError
+
+ENV_PREFIX = "ZERORUN_"
+ENV_SEPARATOR = "__"
+# Top-level keys with a single-word env name (no "__" needed to reach them).
+ENV_TOP_LEVEL = {"ZERORUN_SEED": "seed", "ZERORUN_GRADIENT_CLIPPING": "gradient_clipping"}
+SUFFIXES = (".yaml", ".yml", ".json")
+MAX_FILE_BYTES = 1 << 20  # a config is a few KB; anything larger is surely the wrong file
+
+
+def read_file(path: str | Path) -> dict:
+    """Parse a config file into a dict; every failure is a one-line ConfigError."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise ConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .json",
+                          hint="zerorun reads zerorun YAML and DeepSpeed JSON configs")
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ConfigError(f"config file {str(path)!r} is larger than 1 MiB; is it the right file?")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path {str(path)!r} is a directory, not a file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
+    return parse_text(text, str(path), json_syntax=path.suffix.lower() == ".json")
+
+
+def parse_text(text: str, name: str, *, json_syntax: bool) -> dict:
+    import json
+
+    import yaml
+
+    try:
+        data = json.loads(text) if json_syntax else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"config file {name!r} is not valid JSON: {err.msg} at line {err.lineno} "
+                          f"column {err.colno}") from None
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1} column {where.column + 1}" if where is not None else ""
+        what = getattr(err, "problem", None) or "syntax error"
+        raise ConfigError(f"config file {name!r} is not valid YAML: {what}{at}") from None
+    except (RecursionError, ValueError, OverflowError) as err:
+        raise ConfigError(f"config file {name!r} cannot be parsed: {type(err).__name__}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {name!r} must hold a mapping of keys to values at the top, "
+                          f"not {show(data)}")
+    return data
+
+
+def env_overrides(environ: Mapping[str, str], known_paths: Mapping[str, Any], problems: Problems) -> dict[str, Any]:
+    """Dotted key path -> value for every config variable in ``environ``.
+
+    ``known_paths`` maps each leaf key path to its type hint, so that text keys keep the text
+    as written (ZERORUN_CHECKPOINT__DIR=2024 is a directory name, not a number).
+    """
+    overrides: dict[str, Any] = {}
+    for name, raw in sorted(environ.items()):
+        if name in ENV_TOP_LEVEL:
+            path = ENV_TOP_LEVEL[name]
+        elif name.startswith(ENV_PREFIX) and ENV_SEPARATOR in name[len(ENV_PREFIX):]:
+            path = ".".join(name[len(ENV_PREFIX):].lower().split(ENV_SEPARATOR))
+        else:
+            continue
+        if not _reachable(path, known_paths):
+            problems.add(f"environment {name}", "names no config key" + did_you_mean(
+                path, known_paths) + "; the form is ZERORUN_<SECTION>__<KEY>, e.g. ZERORUN_ZERO__STAGE")
+            continue
+        overrides[path] = _text_value(raw) if _is_text(known_paths.get(path)) else parse_scalar(raw)
+    return overrides
+
+
+def _is_text(hint: Any) -> bool:
+    """``str`` or ``str | None`` (not list[str], whose text is YAML to parse)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return str in typing.get_args(hint)
+    return hint is str
+
+
+def _text_value(raw: str) -> str | None:
+    return None if raw.strip() in ("null", "~") else raw
+
+
+def parse_assignments(items: list[str], known_paths: Mapping[str, Any]) -> dict[str, Any]:
+    """``["zero.stage=3", "precision.dtype=bf16"]`` (e.g. repeated ``--set`` flags) -> overrides.
+
+    Values are read like environment values; unknown keys are reported by load_config.
+    """
+    overrides: dict[str, Any] = {}
+    for item in items:
+        path, sep, raw = item.partition("=")
+        if not sep or not path.strip():
+            raise ConfigError(f"cannot read the setting {item!r}: write KEY=VALUE, e.g. zero.stage=3")
+        path = path.strip()
+        overrides[path] = _text_value(raw) if _is_text(known_paths.get(path)) else parse_scalar(raw)
+    return overrides
+
+
+def config_env_names(environ: Mapping[str, str]) -> list[str]:
+    """Names of the variables env_overrides would read (for a launcher that resolves them once)."""
+    return sorted(
+        name for name in environ
+        if name in ENV_TOP_LEVEL
+        or (name.startswith(ENV_PREFIX) and ENV_SEPARATOR in name[len(ENV_PREFIX):])
+    )
+
+
+def parse_scalar(raw: str) -> Any:
+    """An environment string read as YAML: "3" -> 3, "true" -> True, "null" -> None, "[a]" -> ["a"].
+
+    Numbers PyYAML leaves as text ("3e-4": YAML 1.1 wants a dot) become numbers too, since a
+    free-form value such as optimizer.params.lr is handed to torch as it is.
+    """
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw)
+    except Exception:  # not YAML: the text itself (a path, a name)
+        return raw
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if not math.isfinite(number):
+            return value  # "nan", "inf": text, which a numeric key then rejects by name
+        return int(number) if number.is_integer() and "." not in value and "e" not in value.lower() else number
+    return value if value is None or isinstance(value, (bool, int, float, list, dict)) else raw
+
+
+def apply_overrides(data: dict, overrides: Mapping[str, Any], known_paths: Mapping[str, Any],
+                    origin: str, problems: Problems) -> dict:
+    """A copy of ``data`` with each dotted path set; free-form params accept any sub-key."""
+    result = _deep_copy(data)
+    for path, value in overrides.items():
+        if not isinstance(path, str) or not _reachable(path, known_paths):
+            problems.add(f"{origin} {path}", "names no config key" + did_you_mean(path, known_paths))
+            continue
+        target = result
+        parts = path.split(".")
+        for part in parts[:-1]:
+            child = target.get(part)
+            if not isinstance(child, dict):
+                # a section set to null or a scalar in the file: the override replaces it
+                child = {}
+                target[part] = child
+            target = child
+        target[parts[-1]] = value
+    return result
+
+
+def _reachable(path: str, known_paths: Mapping[str, Any]) -> bool:
+    """A leaf key path, a section path, or a key inside a free-form ``params`` mapping."""
+    if path in known_paths:
+        return True
+    if any(known.startswith(path + ".") for known in known_paths):
+        return True
+    return any(path.startswith(known + ".") and known.endswith(".params") for known in known_paths)
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
