@@ -9,8 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def initialize(model, optimizer=None, config=None, **kwargs):
-    """Wrap ``model`` and ``optimizer`` in a ZeRO engine (see zerorun.zero.engine)."""
+def initialize(model, optimizer=None, config=None):
+    """Wrap ``model`` and ``optimizer`` in a ZeRO engine (see zerorun.zero.engine.initialize)."""
     from zerorun.zero.engine import initialize as _initialize
 
-    return _initialize(model, optimizer, config, **kwargs)
+    return _initialize(model, optimizer, config)

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from zerorun.zero.ring import Ring
 
 
 class CollectiveObserver(Protocol):
@@ -52,3 +58,129 @@ def notify_started(seq: int, op: str, nbytes: int) -> None:
 def notify_finished(seq: int, op: str, nbytes: int, seconds: float) -> None:
     for observer in list(_observers):
         observer.collective_finished(seq, op, nbytes, seconds)
+
+
+# --- the collectives ---------------------------------------------------------------------
+# Every function below takes its group explicitly (``group=None`` means the default group)
+# and issues nothing at all when the group has one member: world size 1 is the plain path.
+
+ReduceOp = dist.ReduceOp
+
+
+def group_size(group) -> int:
+    """Members of ``group``; 1 when torch.distributed is not initialised at all."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Handle:
+    """An issued collective: ``wait()`` blocks until it is done and reports it once."""
+
+    __slots__ = ("_work", "_seq", "_op", "_nbytes", "_start", "_done")
+
+    def __init__(self, work, seq: int, op: str, nbytes: int, start: float):
+        self._work, self._seq, self._op, self._nbytes, self._start = work, seq, op, nbytes, start
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._done = True
+        notify_finished(self._seq, self._op, self._nbytes, time.perf_counter() - self._start)
+
+
+class _Done:
+    """What a collective on a one-member group returns: already complete."""
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = _Done()
+
+
+def _issue(op: str, nbytes: int, call, async_op: bool, *, ring=None):
+    seq = next_sequence()
+    notify_started(seq, op, nbytes)
+    start = time.perf_counter()
+    work = ring(seq) if ring is not None else call(async_op)
+    handle = Handle(work, seq, op, nbytes, start)  # None when torch already finished it
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+# torch 2.13 renamed the flat collectives; older releases only have the *_tensor names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_reduce(tensor: torch.Tensor, *, group, op=ReduceOp.SUM, async_op: bool = False):
+    if group_size(group) == 1:
+        return DONE
+    return _issue(
+        "all_reduce", _nbytes(tensor),
+        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op,
+    )
+
+
+def _ring_maker(kind: str, output: torch.Tensor, input: torch.Tensor, group):
+    """gloo on CPU: our point-to-point ring beats gloo's own flat collectives (see ring.py)."""
+    if output.is_cuda or dist.get_backend(group) != "gloo":
+        return None
+    return lambda seq: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False):
+    """Sum ``input`` over the group; rank r receives elements [r*n, (r+1)*n), n = output.numel()."""
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input[: output.numel()])
+        return DONE
+    return _issue(
+        "reduce_scatter", _nbytes(input),
+        lambda a: _reduce_scatter_flat(output, input, group=group, async_op=a), async_op,
+        ring=_ring_maker("reduce_scatter", output, input, group),
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False):
+    """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's slice
+    of ``output`` (in place)."""
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output[: input.numel()].copy_(input)
+        return DONE
+    return _issue(
+        "all_gather", _nbytes(output),
+        lambda a: _all_gather_flat(output, input, group=group, async_op=a), async_op,
+        ring=_ring_maker("all_gather", output, input, group),
+    )
+
+
+def broadcast(tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
+    if group_size(group) == 1:
+        return DONE
+    return _issue(
+        "broadcast", _nbytes(tensor),
+        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), async_op,
+    )
+
+
+def barrier(*, group) -> None:
+    if group_size(group) == 1:
+        return
+    _issue("barrier", 0, lambda a: dist.barrier(group=group, async_op=a), False)

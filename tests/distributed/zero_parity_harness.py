@@ -1,0 +1,223 @@
+"""Shared pieces of the parity suite (imported by tests/distributed/test_zero_parity.py and by
+the spawned ranks): the awkward model, the cases, the engine loop and the reference loop.
+
+The model is built to hit every hard case at once: odd sizes (7, 15, 17) that do not divide
+by 2 or 3, an embedding tied to the output head, a frozen layer, a layer never used, a layer
+called twice in one forward, a 240-element weight that needs no padding at 1-3 ranks, and two
+optimizer param groups (no weight decay on biases/norms).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, WIDTH, NARROW, SEQ = 17, 15, 7, 5
+GLOBAL_BATCH = 12  # sequences per optimizer step: divides by world x accumulation for 1-3 ranks
+STEPS = 10
+OVERFLOW_SCALE_POWER = 20
+
+
+class OddNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.inner = nn.Linear(WIDTH, NARROW)
+        self.outer = nn.Linear(NARROW, WIDTH)
+        self.twice = nn.Linear(WIDTH, WIDTH)
+        # 16 x 15 = 240 elements divide by 8 x {1, 2, 3}: a lone, unpadded unit (no-copy path).
+        self.widen = nn.Linear(WIDTH, 16, bias=False)
+        self.unwiden = nn.Linear(16, WIDTH, bias=False)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(WIDTH, 3)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens, targets):
+        h = self.embed(tokens)
+        h = h + self.outer(torch.tanh(self.inner(h)))
+        h = self.twice(torch.tanh(self.twice(h)))
+        h = h + self.unwiden(torch.tanh(self.widen(h)))
+        h = h + self.frozen(h)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def build_model() -> OddNet:
+    torch.manual_seed(1234)
+    return OddNet()
+
+
+def build_optimizer(model: nn.Module, kind: str, lr_scale: float = 1.0):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
+    if kind == "adamw":
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=3e-2 * lr_scale, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": 1e-3}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.05 * lr_scale}]
+    return torch.optim.SGD(groups, lr=0.1 * lr_scale, momentum=0.9)
+
+
+def global_batch(step: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+    targets = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=gen)
+    return tokens, targets
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    stage: int
+    optimizer: str = "adamw"
+    dtype: str = "fp32"
+    accumulation: int = 1
+    clipping: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def config(self) -> dict:
+        precision = {"dtype": self.dtype, **self.extra.get("precision", {})}
+        return {
+            # Small buckets and units: several collectives per step, per-module gathers.
+            "zero": {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 20,
+                     "allgather_bucket_size": 100, **self.extra.get("zero", {})},
+            "precision": precision,
+            "batch": {"gradient_accumulation_steps": self.accumulation},
+            "gradient_clipping": self.clipping,
+        }
+
+
+def cases() -> list[Case]:
+    found = []
+    for stage in range(4):
+        found += [
+            Case(f"s{stage}-adamw-fp32", stage),
+            Case(f"s{stage}-sgd-accum-clip-fp32", stage, "sgd", accumulation=2, clipping=0.3),
+            Case(f"s{stage}-adamw-bf16", stage, dtype="bf16"),
+            # Scale 2^8: this model's fp16 gradients overflow from about 2^13, and a skipped step
+            # is not parity (the overflow case below covers skipping).
+            Case(f"s{stage}-adamw-fp16-accum-clip", stage, dtype="fp16", accumulation=2, clipping=0.5,
+                 extra={"precision": {"initial_scale_power": 8}}),
+        ]
+    # Stage 3 with large units: the root module owns (gathers) every partitioned parameter.
+    found.append(Case("s3-sgd-root-unit-fp32", 3, "sgd", accumulation=2, extra={"zero": {"allgather_bucket_size": 10**6}}))
+    # fp16 overflow: a loss scale of 2^20 overflows fp16 gradients, so every rank must skip
+    # the step and halve the scale until it fits, then train normally.
+    found.append(Case("s2-fp16-overflow", 2, dtype="fp16",
+                      extra={"precision": {"initial_scale_power": OVERFLOW_SCALE_POWER, "hysteresis": 1}}))
+    return found
+
+
+def train_engine(case: Case, rank: int, world: int) -> dict:
+    """Train 10 steps on this rank's rows of each global batch; return what rank 0 reports."""
+    import zerorun
+
+    model = build_model()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = zerorun.initialize(model, build_optimizer(model, case.optimizer), case.config())
+    rows_per_micro = GLOBAL_BATCH // (world * case.accumulation)
+    losses, scales, skipped = [], [], []
+    for step in range(STEPS):
+        tokens, targets = global_batch(step)
+        window = torch.zeros(1)
+        for micro in range(case.accumulation):
+            start = (micro * world + rank) * rows_per_micro
+            rows = slice(start, start + rows_per_micro)
+            loss = engine(tokens[rows], targets[rows])
+            engine.backward(loss)
+            engine.step()
+            window += loss.detach().float()
+        if world > 1:
+            dist.all_reduce(window)
+        losses.append(float(window) / (world * case.accumulation))
+        scales.append(engine.loss_scale)
+        skipped.append(engine.skipped_steps)
+    skips = torch.tensor([engine.skipped_steps, -engine.skipped_steps])
+    if world > 1:
+        dist.all_reduce(skips, op=dist.ReduceOp.MAX)
+    return {
+        "skipped_agree": int(skips[0]) == -int(skips[1]),
+        "losses": losses,
+        "scales": scales,
+        "skipped": skipped,
+        "initial": initial,
+        "final": engine.full_state_dict(rank0_only=True),
+        "global_step": engine.global_step,
+    }
+
+
+def train_reference(case: Case, lr_scale: float = 1.0) -> dict:
+    """One process, fp32, the whole global batch per step: what every world must reproduce."""
+    model = build_model()
+    optimizer = build_optimizer(model, case.optimizer, lr_scale)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = global_batch(step)
+        loss = model(tokens, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        for param in model.parameters():  # "unused" gets a zero gradient, as in the engine
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if case.clipping > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clipping)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "final": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def check_collectives(rank: int, world: int) -> list[str]:
+    """zerorun.zero.collectives against torch's own all_reduce; returns the failures."""
+    from zerorun.zero import collectives
+
+    failures = []
+    gen = torch.Generator().manual_seed(rank)
+    for n in (1, 5, 1000):
+        data = torch.randn(n * world, generator=gen)
+        untouched = data.clone()
+        expected = data.clone()
+        dist.all_reduce(expected)
+        out = torch.empty(n)
+        collectives.reduce_scatter(out, data, group=None)
+        if not torch.allclose(out, expected[rank * n : (rank + 1) * n], atol=1e-6):
+            failures.append(f"reduce_scatter n={n}")
+        if not torch.equal(data, untouched):
+            failures.append(f"reduce_scatter modified its input n={n}")
+        full = torch.zeros(n * world)
+        full[rank * n : (rank + 1) * n] = rank + 1
+        collectives.all_gather(full, full[rank * n : (rank + 1) * n], group=None, async_op=True).wait()
+        if not torch.equal(full, torch.arange(1.0, world + 1).repeat_interleave(n)):
+            failures.append(f"in-place all_gather n={n}")
+    # Two reduce-scatters in flight at once, waited in order (what stage 2 does in backward).
+    a, b = torch.ones(4 * world), torch.full((6 * world,), 2.0)
+    out_a, out_b = torch.empty(4), torch.empty(6)
+    handles = [collectives.reduce_scatter(out_a, a, group=None, async_op=True),
+               collectives.reduce_scatter(out_b, b, group=None, async_op=True)]
+    for handle in handles:
+        handle.wait()
+    if not (torch.equal(out_a, torch.full((4,), float(world))) and torch.equal(out_b, torch.full((6,), 2.0 * world))):
+        failures.append("overlapping reduce_scatters")
+    return failures
+
+
+def run_world(rank: int, world: int, init_file: str, out_path: str) -> None:
+    """Entry point of one spawned rank: every case in one process group."""
+    torch.set_num_threads(1)  # 2-3 ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {"collectives": check_collectives(rank, world)}
+        for case in cases():
+            results[case.name] = train_engine(case, rank, world)
+        if rank == 0:
+            torch.save(results, out_path)
+        # Every rank's last collective must be finished everywhere before any rank tears its
+        # group down: otherwise gloo could abort a peer mid-transfer at exit.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,139 @@
+"""pytest tests/unit/test_sharding_runtime.py — engine pieces at world size 1 (no process group):
+the loss scaler, config errors, the rebuilt optimizer and LR schedulers, state transitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zerorun
+from zerorun.config import PrecisionConfig
+from zerorun.errors import RuntimeConfigError, ZerorunError
+from zerorun.zero.precision import LossScaler
+from zerorun.zero.units import FlatUnit, ParamState
+
+
+def test_loss_scaler_halves_after_hysteresis_and_grows_after_a_clean_window():
+    scaler = LossScaler.from_config(PrecisionConfig(dtype="fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2))
+    assert scaler.dynamic and scaler.scale == 16
+    assert scaler.update(overflow=True) is False and scaler.scale == 16  # hysteresis absorbs one
+    assert scaler.update(overflow=True) is False and scaler.scale == 8
+    assert [scaler.update(False) for _ in range(3)] == [True] * 3
+    assert scaler.scale == 16
+
+
+def test_loss_scaler_respects_floor_and_static_scale():
+    scaler = LossScaler.from_config(PrecisionConfig(dtype="fp16", initial_scale_power=1, hysteresis=1, min_loss_scale=1.0))
+    scaler.update(True)
+    scaler.update(True)
+    assert scaler.scale == 1.0
+    static = LossScaler.from_config(PrecisionConfig(dtype="fp16", loss_scale=128.0))
+    assert not static.dynamic and static.update(True) is False and static.scale == 128.0
+    assert LossScaler.from_config(PrecisionConfig(dtype="bf16")).scale == 1.0
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 15), nn.Tanh(), nn.Linear(15, 3))
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"zero": {"stage": 4}}, "zero.stage"),
+        ({"zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "not supported yet"),
+        ({"zero": {"stage": 0}, "optimizer": {"type": "NoSuchOpt"}}, "NoSuchOpt"),
+    ],
+)
+def test_bad_configs_raise_runtime_config_errors(config, message):
+    with pytest.raises(ZerorunError, match=message):
+        zerorun.initialize(_model(), None if "optimizer" in config else torch.optim.SGD(_model().parameters(), lr=0.1), config)
+
+
+def test_missing_optimizer_and_foreign_parameters_are_reported():
+    with pytest.raises(RuntimeConfigError, match="no optimizer"):
+        zerorun.initialize(_model(), None, {})
+    model = _model()
+    with pytest.raises(RuntimeConfigError, match="not a parameter of the model"):
+        zerorun.initialize(model, torch.optim.SGD(_model().parameters(), lr=0.1), {})
+    model = _model()
+    with pytest.raises(RuntimeConfigError, match="in no optimizer param group"):
+        zerorun.initialize(model, torch.optim.SGD(model[0].parameters(), lr=0.1), {})
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_lr_scheduler_on_engine_optimizer_drives_the_update(stage):
+    """A scheduler that zeroes the LR after one step must freeze the model from then on."""
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                {"zero": {"stage": stage, "param_persistence_threshold": 0}})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda step: 1.0 if step == 0 else 0.0)
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    initial = engine.full_state_dict()["0.weight"].clone()
+    snapshots = []
+    for _ in range(3):
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        scheduler.step()
+        snapshots.append(engine.full_state_dict()["0.weight"].clone())
+    assert not torch.equal(snapshots[0], initial)  # the first step (lr 0.1) moved it
+    assert torch.equal(snapshots[1], snapshots[2])
+    assert engine.optimizer.param_groups[0]["lr"] == 0.0
+    assert engine.global_step == 3
+
+
+def test_config_optimizer_section_and_memory_breakdown_keys():
+    engine = zerorun.initialize(_model(), None, {"zero": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    assert type(engine.optimizer) is torch.optim.AdamW
+    breakdown = engine.memory_breakdown()
+    assert set(breakdown) == {"parameters", "gradients", "optimizer_state", "communication_buffers", "total"}
+    n = sum(p.numel() for p in engine.module.parameters())
+    assert breakdown["parameters"] >= 4 * n and breakdown["total"] == sum(v for k, v in breakdown.items() if k != "total")
+
+
+def test_partitioned_unit_state_transitions_are_checked():
+    params = [nn.Parameter(torch.arange(6.0)), nn.Parameter(torch.ones(5))]
+    unit = FlatUnit(0, 0, [("a", params[0]), ("b", params[1])], shard_world=1, shard_rank=0, partition_params=True)
+    assert unit.state is ParamState.SHARDED and unit.full.untyped_storage().nbytes() == 0
+    unit.gather(group=None)
+    assert unit.state is ParamState.GATHERED and torch.equal(params[0].detach(), torch.arange(6.0))
+    unit.release()
+    assert unit.state is ParamState.SHARDED and unit.full.untyped_storage().nbytes() == 0
+    with pytest.raises(AssertionError):
+        unit._move(ParamState.SHARDED)  # SHARDED -> SHARDED is not a transition
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+        ({"WORLD_SIZE": "2"}, "RANK is not"),
+        ({"WORLD_SIZE": "2", "RANK": "1"}, "MASTER_ADDR is not set"),
+    ],
+)
+def test_broken_launcher_environment_is_reported(monkeypatch, env, message):
+    for name in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = _model()
+    with pytest.raises(RuntimeConfigError, match=message):
+        zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+
+
+def test_config_path_from_environment(monkeypatch, tmp_path):
+    path = tmp_path / "zr.yaml"
+    path.write_text("zero:\n  stage: 2\n")
+    monkeypatch.setenv("ZERORUN_CONFIG", str(path))
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert engine.stage == 2
+
+
+def test_host_malloc_tuning_is_opt_in(monkeypatch):
+    from zerorun.zero import host_memory
+
+    monkeypatch.setattr(host_memory, "_applied", False)
+    monkeypatch.delenv("ZERORUN_HOST_MALLOC_TUNING", raising=False)
+    assert host_memory.return_large_frees_to_os() is False

@@ -1,0 +1,162 @@
+"""Activation checkpointing: recompute chosen submodules' activations in backward.
+
+    from zerorun.zero.checkpointing import apply_activation_checkpointing
+    wrapped = apply_activation_checkpointing(model, ["Block"])      # -> ["blocks.0", ...]
+
+Driven by ``config.activation_checkpointing`` (``enabled`` + ``modules``, class names).
+
+Contract with the engine (zerorun/zero/engine.py, param_gather.py):
+- ``initialize`` calls ``apply_from_config(model, config.activation_checkpointing)`` before it
+  builds its stage-3 hooks (so hooks and partition see the final module classes).
+- Stage 3's forward hooks consult ``is_recomputing()``: True while backward re-runs a
+  checkpointed module's forward. Then the pre-hook must not record execution order nor
+  prefetch "the next forward module", and the post-hook must NOT release the gathered
+  parameters: the backward of that very module runs next and reads the tensors the
+  recomputation saved, which alias the gathered storage (releasing it leaves them with a
+  storage of size 0). They are released as usual when their gradients arrive / backward ends.
+
+Note [checkpoint at __call__, not at forward]. Stage 3 gathers a module's parameters in forward
+pre-hooks and releases them in forward post-hooks. If we only replaced ``module.forward``, the
+recomputation in backward would call the bare forward and skip the wrapped module's own hooks, so
+any parameter held directly by that module (not by a child) would be recomputed while still
+sharded. Instead we give the instance a subclass (same name, same behaviour) whose ``__call__``
+runs ``torch.utils.checkpoint`` around the ordinary ``nn.Module.__call__``: recomputation is then
+exactly "the forward again", hooks included, and stage 3 gathers parameters again for it.
+Parameter names, ``state_dict`` keys, ``isinstance`` and ``type(m).__name__`` are unchanged.
+
+Note [non-reentrant]. ``use_reentrant=False`` is required: the reentrant variant runs the
+forward under no_grad, so the hooks stage 3 puts on module outputs (to gather parameters again
+before each module's backward) are never installed, and when no input of the wrapped module
+requires grad its parameters get no gradient at all. Both variants preserve the RNG state, so
+dropout masks are identical in the recomputation.
+
+Note [no early stop]. By default the non-reentrant checkpoint aborts the recomputation as soon as
+it has rebuilt every tensor backward needs, by raising out of the middle of the forward. The
+module's forward post-hooks then never run, and stage 3 would never release (reshard) the
+parameters its pre-hooks gathered for the recomputation. We turn early stop off so every
+recomputation is a complete forward with balanced pre/post hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from zerorun.errors import RuntimeConfigError
+
+_recomputation = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while backward is re-running a checkpointed module's forward (on this thread)."""
+    return getattr(_recomputation, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _recomputation.depth = getattr(_recomputation, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _recomputation.depth -= 1
+
+
+def _contexts():
+    """torch.utils.checkpoint's context_fn: (context for the forward, context for the recompute)."""
+    return contextlib.nullcontext(), _recomputing()
+
+
+# Marker attribute on the generated subclasses, so applying twice never nests checkpoints.
+_MARKER = "_zerorun_activation_checkpointed"
+# One generated subclass per original class, so every Block instance shares one type.
+_checkpointed_classes: dict[type, type] = {}
+
+
+def _checkpointed_class(original: type) -> type:
+    cls = _checkpointed_classes.get(original)
+    if cls is not None:
+        return cls
+
+    def __call__(self, *args, **kwargs):
+        # super(cls, ...) names the generated class itself, not type(self): a wrapper that later
+        # subclasses the instance's class again (FSDP2's fully_shard does) must not make this
+        # call resolve back to itself.
+        call_with_hooks = super(cls, self).__call__
+        if not torch.is_grad_enabled():
+            # Nothing is saved for backward under no_grad/inference_mode: checkpointing would
+            # only add overhead.
+            return call_with_hooks(*args, **kwargs)
+        # Note [no early stop]: the flag is read here, at forward time, for this checkpoint.
+        with set_checkpoint_early_stop(False):
+            return checkpoint(call_with_hooks, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+
+    cls = type(
+        original.__name__,
+        (original,),
+        {"__call__": __call__, _MARKER: True, "__module__": original.__module__,
+         "__qualname__": original.__qualname__},
+    )
+    _checkpointed_classes[original] = cls
+    return cls
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return bool(getattr(type(module), _MARKER, False))
+
+
+def apply_activation_checkpointing(model: nn.Module, module_class_names: Iterable[str]) -> list[str]:
+    """Checkpoint every submodule of ``model`` whose class name is listed; return their names.
+
+    The root module itself is never wrapped (checkpointing the whole model saves nothing).
+    Raises RuntimeConfigError when a listed class name matches no submodule: a typo would
+    otherwise silently train without checkpointing.
+    """
+    wanted = list(dict.fromkeys(module_class_names))
+    if not wanted:
+        return []
+    wrapped: list[str] = []
+    matched: set[str] = set()
+    for name, module in model.named_modules():
+        class_name = type(module).__name__
+        if module is model or class_name not in wanted:
+            continue
+        matched.add(class_name)
+        if not is_checkpointed(module):
+            module.__class__ = _checkpointed_class(type(module))
+        wrapped.append(name)
+    missing = [n for n in wanted if n not in matched]
+    if missing:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise RuntimeConfigError(
+            f"activation_checkpointing.modules: no submodule of class {', '.join(map(repr, missing))}",
+            hint=f"class names in this model: {', '.join(present[:20])}"
+            + (" ..." if len(present) > 20 else ""),
+        )
+    return wrapped
+
+
+def apply_from_config(model: nn.Module, ac_config) -> list[str]:
+    """Apply ``config.activation_checkpointing`` (an ActivationCheckpointingConfig) to ``model``."""
+    if ac_config is None or not ac_config.enabled:
+        return []
+    if not ac_config.modules:
+        raise RuntimeConfigError(
+            "activation_checkpointing.enabled is true but activation_checkpointing.modules is empty",
+            hint="list the class names to checkpoint, e.g. modules: [Block] or [GPT2Block]",
+        )
+    return apply_activation_checkpointing(model, ac_config.modules)
+
+
+def remove_activation_checkpointing(model: nn.Module) -> int:
+    """Undo ``apply_activation_checkpointing``; returns how many modules were restored."""
+    restored = 0
+    for module in model.modules():
+        if type(module) in _checkpointed_classes.values():
+            module.__class__ = type(module).__mro__[1]
+            restored += 1
+    return restored

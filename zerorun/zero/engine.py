@@ -1,0 +1,279 @@
+"""The engine users hold: ``engine = zerorun.initialize(model, optimizer, config)``.
+
+    loss = engine(*inputs); engine.backward(loss); engine.step()
+
+It composes the parts and owns the step counters; the mechanisms live elsewhere:
+partition.py (which parameters form which unit), units.py (flat storage and gathering),
+grad_reduce.py (gradient collectives), sharded_optim.py (masters and the update),
+param_gather.py (stage 3 hooks), precision.py (dtypes and loss scaling).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+from zerorun.config import ZerorunConfig, load_config
+from zerorun.errors import RuntimeConfigError
+from zerorun.telemetry import get_recorder
+from zerorun.zero import collectives
+from zerorun.zero.checkpointing import apply_from_config
+from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap
+from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
+from zerorun.zero.param_gather import ParamGatherer
+from zerorun.zero.partition import build_partition
+from zerorun.zero.precision import LossScaler, model_dtype
+from zerorun.zero.process_group import resolve_process_group
+from zerorun.zero.sharded_optim import ShardedOptimizer
+from zerorun.zero.unit_plan import STAGE3_UNIT_CAP
+
+# Chunks are multiples of this many elements (16-32 bytes), so every rank's chunk of every unit
+# starts aligned for vectorised kernels.
+CHUNK_ALIGNMENT = 8
+BROADCAST_BUCKET_NUMEL = 4_000_000
+
+
+def initialize(model: nn.Module, optimizer=None, config=None) -> "Engine":
+    """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
+    a YAML/JSON path or a ZerorunConfig.
+
+    The config is validated twice: once on its own, and once the process group exists, with the
+    real world size, so the batch rule (train = micro x accumulation x world) is checked and the
+    missing batch size derived even for scripts started without the launcher.
+    """
+    from_launcher = config is None and bool(os.environ.get("ZERORUN_CONFIG"))
+    source = os.environ["ZERORUN_CONFIG"] if from_launcher else config
+    # The launcher already applied CLI > env > file; applying the environment again here could
+    # let a stale variable beat a --set flag.
+    cfg = load_config(source, environ={} if from_launcher else None)
+    engine = Engine(model, optimizer, cfg)
+    engine.config = load_config(cfg, world_size=engine.world_size)
+    engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
+    return engine
+
+
+def _check_supported(cfg: ZerorunConfig) -> None:
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(cfg.zero, key).device != "none":
+            raise RuntimeConfigError(
+                f"zero.{key}.device={getattr(cfg.zero, key).device!r}: offload is not supported yet",
+                hint=f"remove zero.{key} (or set its device to 'none')",
+            )
+
+
+def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer is None:
+        raise RuntimeConfigError(
+            "initialize() got no optimizer and the config has no 'optimizer' section",
+            hint="pass optimizer=torch.optim.AdamW(model.parameters()) or add optimizer: {type: AdamW}",
+        )
+    cls = getattr(torch.optim, cfg.optimizer.type, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise RuntimeConfigError(f"optimizer.type {cfg.optimizer.type!r} is not a torch.optim optimizer")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return cls(trainable, **cfg.optimizer.params)
+
+
+def _broadcast_state(model: nn.Module, group) -> None:
+    """Start every rank from rank 0's parameters and buffers: tensors of one dtype are packed
+    into buckets of at most BROADCAST_BUCKET_NUMEL elements, one collective per bucket, so the
+    packing copy stays small next to the model (a single flat copy raised stage 3's peak)."""
+    if collectives.group_size(group) == 1:
+        return
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+    buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for tensor in tensors:
+        lists = buckets.setdefault(tensor.dtype, [[]])
+        if lists[-1] and sum(t.numel() for t in lists[-1]) + tensor.numel() > BROADCAST_BUCKET_NUMEL:
+            lists.append([])
+        lists[-1].append(tensor)
+    with torch.no_grad():
+        for bucket in (b for lists in buckets.values() for b in lists):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                collectives.broadcast(bucket[0], src=0, group=group)
+                continue
+            flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+            collectives.broadcast(flat, src=0, group=group)
+            position = 0
+            for tensor in bucket:
+                tensor.copy_(flat[position : position + tensor.numel()].view_as(tensor))
+                position += tensor.numel()
+
+
+class Engine:
+    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig):
+        _check_supported(cfg)
+        self.config = cfg
+        first = next(model.parameters(), None)
+        if first is None:
+            raise RuntimeConfigError("the model has no parameters to train")
+        self.pg = resolve_process_group(first.device)
+        if self.pg.device != first.device:
+            model.to(self.pg.device)
+        self.group = self.pg.group
+        self.dtype = model_dtype(cfg.precision)
+        if self.dtype != torch.float32:
+            model.to(self.dtype)
+        if optimizer is None:
+            optimizer = _optimizer_from_config(model, cfg)
+        if cfg.zero.stage == 3 and self.pg.device.type == "cpu":
+            return_large_frees_to_os()  # opt-in (ZERORUN_HOST_MALLOC_TUNING=1), see host_memory.py
+        _broadcast_state(model, self.group)
+        # Before any hook or partition: they must see the final module classes.
+        self.checkpointed_modules = apply_from_config(model, cfg.activation_checkpointing)
+        self.module = model
+        self.stage = cfg.zero.stage
+        self.partition = build_partition(
+            model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
+            bucket_numel=cfg.zero.reduce_bucket_size,
+            persistence_threshold=cfg.zero.param_persistence_threshold,
+            min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
+        )
+        units = self.partition.units
+        self.gatherer = None
+        if self.stage == 3 and self.partition.module_units:
+            self.gatherer = ParamGatherer(model, self.partition.module_units, self.group)
+        policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
+        self.reducer = GradReducer(
+            units, self.partition.reduce_order, policy, self.group,
+            on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
+        )
+        self.sharded = ShardedOptimizer(
+            optimizer, units, self.reducer, self.group,
+            data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
+        )
+        self.optimizer = self.sharded.optimizer
+        self.lr_scheduler = self._scheduler_from_config()
+        self.loss_scaler = LossScaler.from_config(cfg.precision)
+        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.global_step = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._window_loss = 0.0
+        self._window_samples = 0
+        self._step_started = time.perf_counter()
+        self._recorder = get_recorder()
+        self._trim_host_heap = (self.stage == 3 and self.pg.device.type == "cpu"
+                                and os.environ.get("ZERORUN_HOST_TRIM", "1") == "1")
+
+    def _scheduler_from_config(self):
+        spec = self.config.scheduler
+        if spec is None:
+            return None
+        cls = getattr(torch.optim.lr_scheduler, spec.type, None)
+        if cls is None:
+            raise RuntimeConfigError(f"scheduler.type {spec.type!r} is not in torch.optim.lr_scheduler")
+        return cls(self.optimizer, **spec.params)
+
+    # -- the training loop ------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def world_size(self) -> int:
+        return self.pg.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.pg.rank
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        if self.dtype != torch.float32:
+            args = tuple(_cast_floating(a, self.dtype) for a in args)
+            kwargs = {k: _cast_floating(v, self.dtype) for k, v in kwargs.items()}
+        first = next((a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)), None)
+        if first is not None and first.dim() > 0:
+            self._window_samples += first.shape[0]
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        self.reducer.communicate = self.is_gradient_accumulation_boundary()
+        self._window_loss = self._window_loss + loss.detach().float()  # no sync per micro-step
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        (loss.float() * factor).backward()
+        self.reducer.finish_backward()
+        if self.gatherer is not None:
+            self.gatherer.finish_backward()
+
+    def step(self) -> None:
+        """Apply the optimizer at an accumulation boundary; a no-op on other micro-steps."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        applied, self.last_grad_norm = self.sharded.step(
+            loss_scaler=self.loss_scaler, clip=self.config.gradient_clipping
+        )
+        self.global_step += 1
+        if self._trim_host_heap:
+            trim_host_heap()  # Note [trim after step] in host_memory.py
+        if not applied:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        now = time.perf_counter()
+        self._recorder.record_step(
+            step=self.global_step,
+            loss=float(self._window_loss) / self.gradient_accumulation_steps,
+            loss_scale=self.loss_scale,
+            lr=self.optimizer.param_groups[0]["lr"],
+            samples=self._window_samples,  # this rank's; the collector sums ranks
+            step_time_s=now - self._step_started,
+        )
+        self._recorder.set_memory_breakdown(self.memory_breakdown())
+        self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # -- inspection -----------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds right now, counted from the tensors' storages."""
+        parameters = sum(u.param_nbytes() for u in self.partition.units)
+        parameters += sum(p.numel() * p.element_size() for p in self.partition.frozen)
+        gradients, transient = self.reducer.nbytes()
+        optimizer_state = self.sharded.state_nbytes()
+        breakdown = {
+            "parameters": parameters,
+            "gradients": gradients,
+            "optimizer_state": optimizer_state,
+            "communication_buffers": transient,
+        }
+        breakdown["total"] = sum(breakdown.values())
+        return breakdown
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole, unsharded model state dict (every rank must call this)."""
+        if self.gatherer is not None:
+            self.gatherer.gather_all()
+        try:
+            keep = not rank0_only or self.rank == 0
+            state = {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()} if keep else {}
+        finally:
+            if self.gatherer is not None:
+                self.gatherer.finish_backward()
+        return state
+
+
+def _cast_floating(value, dtype: torch.dtype):
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.to(dtype)
+    return value

@@ -1,0 +1,158 @@
+"""Stage 3: gather a module's partitioned parameters just before it runs, free them after.
+
+Forward: a pre-hook gathers the units holding the module's own parameters (waiting on a
+prefetch when one was issued) and prefetches the units of the module that ran next in the
+previous forward; a post-hook releases them and, when autograd will come back, hooks the
+module's outputs so the units are gathered again right before the module's backward.
+Backward: units are released as soon as all their gradients have arrived (the reducer tells
+us), and anything still gathered is released when backward ends.
+
+Note [shared units]: a unit used by several modules (a tied embedding and output head) would
+otherwise stay gathered from the first of their backwards to the last, because its gradient
+arrives only once every use has contributed (33.5 MB of the 33.7M GPT for all of backward). So
+after each sharing module's backward (a hook on its inputs' gradients) the shared unit is
+released, and gathered again only by a module whose backward reads it; an Embedding's backward
+needs only the indices, so it gathers nothing.
+
+Note [execution order]: the prefetch order is recorded from the first forward and re-recorded
+whenever the order changes, so a wrong guess costs one wasted gather, never correctness.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerorun.zero.checkpointing import is_recomputing
+from zerorun.zero.units import FlatUnit, ParamState
+
+
+class ParamGatherer:
+    def __init__(self, root: nn.Module, module_units: dict[nn.Module, list[FlatUnit]], group):
+        self.root = root
+        self.module_units = module_units
+        self.group = group
+        self.units = sorted({u.index: u for us in module_units.values() for u in us}.values(), key=lambda u: u.index)
+        self.in_use = {u.index: 0 for u in self.units}
+        self.forward_order: list[nn.Module] = []
+        self._recording: list[nn.Module] = []
+        self._handles = []
+        for module in module_units:
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward))
+        users: dict[int, int] = {}
+        for units in module_units.values():
+            for unit in units:
+                users[unit.index] = users.get(unit.index, 0) + 1
+        self.shared = {m: [u for u in us if users[u.index] > 1] for m, us in module_units.items()}
+        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
+        self._handles.append(root.register_forward_hook(self._root_post_forward))
+
+    # -- forward ------------------------------------------------------------------------
+    def _root_pre_forward(self, module, args) -> None:
+        self._recording = []
+
+    def _pre_forward(self, module, args) -> None:
+        recomputing = is_recomputing()
+        if not recomputing:
+            self._recording.append(module)
+        for unit in self.module_units[module]:
+            self.in_use[unit.index] += 1
+            unit.gather(self.group)
+        if not recomputing:
+            self._prefetch_after(module, step=1)
+
+    def _post_forward(self, module, args, output) -> None:
+        # Note [no release in recomputation] (zero/checkpointing.py): the tensors a checkpoint
+        # recomputation saves alias the gathered storage and the module's backward runs next;
+        # its units are released when their gradients arrive or backward ends.
+        recomputing = is_recomputing()
+        for unit in self.module_units[module]:
+            self.in_use[unit.index] -= 1
+            if self.in_use[unit.index] == 0 and not recomputing:
+                unit.release()
+        if torch.is_grad_enabled() and not recomputing:
+            self._hook_outputs(module, output)
+            if self.shared[module]:
+                self._hook_inputs(module, args)
+
+    def _root_post_forward(self, module, args, output) -> None:
+        if self._recording != self.forward_order:
+            self.forward_order = self._recording
+        self._release_idle()
+
+    def _prefetch_after(self, module: nn.Module, step: int) -> None:
+        """Issue the async gather of the module expected ``step`` places after ``module``."""
+        order = self.forward_order
+        try:
+            position = order.index(module)
+        except ValueError:
+            return
+        target = position + step
+        if 0 <= target < len(order):
+            for unit in self.module_units[order[target]]:
+                unit.start_gather(self.group)
+
+    # -- backward -----------------------------------------------------------------------
+    def _hook_outputs(self, module: nn.Module, output) -> None:
+        tensors = [t for t in _flatten(output) if t.requires_grad]
+        if not tensors:
+            return
+
+        reads_params = not isinstance(module, nn.Embedding)  # Note [shared units]
+
+        def before_backward(grad):
+            for unit in self.module_units[module] if reads_params else ():
+                unit.gather(self.group)
+            self._prefetch_after(module, step=-1)
+            return grad
+
+        for tensor in tensors:
+            tensor.register_hook(before_backward)
+
+    def _hook_inputs(self, module: nn.Module, args) -> None:
+        """Release ``module``'s shared units once its backward is over (Note [shared units])."""
+        tensors = [t for t in _flatten(args) if t.requires_grad]
+
+        def after_backward(grad):
+            if not is_recomputing():
+                for unit in self.shared[module]:
+                    if self.in_use[unit.index] == 0:
+                        unit.release()
+            return grad
+
+        for tensor in tensors:
+            tensor.register_hook(after_backward)
+
+    def unit_grads_done(self, unit: FlatUnit) -> None:
+        """All of ``unit``'s gradients arrived: its values are not needed any more."""
+        if unit.partitioned and self.in_use[unit.index] == 0:
+            unit.release()
+
+    def finish_backward(self) -> None:
+        self._release_idle()
+
+    def _release_idle(self) -> None:
+        for unit in self.units:
+            if self.in_use[unit.index] == 0 and unit.state is not ParamState.SHARDED:
+                unit.release()
+
+    def gather_all(self) -> None:
+        for unit in self.units:
+            unit.gather(self.group)
+
+
+def _flatten(value):
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flatten(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _flatten(item)
+    elif hasattr(value, "__dataclass_fields__") or hasattr(value, "to_tuple"):
+        # Hugging Face ModelOutput and plain dataclasses
+        items = value.to_tuple() if hasattr(value, "to_tuple") else vars(value).values()
+        for item in items:
+            yield from _flatten(item)

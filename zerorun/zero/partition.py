@@ -1,0 +1,151 @@
+"""Decide which parameters form which unit, per stage, and build the units.
+
+Stages 0-2: each optimizer param group's trainable parameters, in reverse registration order
+(roughly the order backward produces their gradients), packed into buckets of
+``reduce_bucket_size`` elements.
+Stage 3: trainable parameters above ``param_persistence_threshold`` are partitioned, into
+units of whole modules chosen by unit_plan.coalesce_units (one unit per param group per owner),
+and the owner gathers them around its forward and backward. The small parameters stay whole
+on every rank and are bucketed as in stage 2.
+
+Frozen parameters belong to no unit: they are not in the optimizer and never communicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zerorun.errors import RuntimeConfigError
+from zerorun.zero.sharding import ParamSpec, pack_buckets
+from zerorun.zero.units import FlatUnit
+
+from zerorun.zero.unit_plan import ModuleNode, ParamNode, coalesce_units
+
+
+@dataclass
+class Partition:
+    units: list[FlatUnit]
+    # Order in which gradient collectives are issued (Note [launch order] in grad_reduce).
+    reduce_order: list[int]
+    # Stage 3 only: the partitioned units each module needs gathered to run.
+    module_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
+    frozen: list[nn.Parameter] = field(default_factory=list)
+
+
+def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
+    """Map each trainable parameter to its optimizer group, checking the two agree."""
+    model_params = {id(p) for p in model.parameters()}
+    group_of: dict[int, int] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in model_params:
+                raise RuntimeConfigError(
+                    f"the optimizer's param group {index} holds a tensor of shape {tuple(param.shape)} "
+                    "that is not a parameter of the model",
+                    hint="build the optimizer from model.parameters() (or named groups of them)",
+                )
+            group_of[id(param)] = index
+    for name, param in model.named_parameters():
+        if param.requires_grad and id(param) not in group_of:
+            raise RuntimeConfigError(
+                f"parameter {name!r} requires grad but is in no optimizer param group",
+                hint="add it to the optimizer, or set requires_grad=False to freeze it",
+            )
+    return group_of
+
+
+def build_partition(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    stage: int,
+    world_size: int,
+    rank: int,
+    bucket_numel: int,
+    persistence_threshold: int,
+    min_unit_numel: int = 0,
+    alignment: int = 1,
+) -> Partition:
+    group_of = group_of_params(model, optimizer)
+    named = list(model.named_parameters())
+    registration = {id(p): i for i, (_, p) in enumerate(named)}
+    name_of = {id(p): n for n, p in named}
+    frozen = [p for _, p in named if not p.requires_grad]
+    shard_world, shard_rank = (1, 0) if stage == 0 else (world_size, rank)
+    units: list[FlatUnit] = []
+    module_units: dict[nn.Module, list[FlatUnit]] = {}
+
+    def add_unit(members: list[tuple[str, nn.Parameter]], group_index: int, partitioned: bool) -> FlatUnit:
+        unit = FlatUnit(len(units), group_index, members, shard_world, shard_rank,
+                        partition_params=partitioned, alignment=alignment)
+        units.append(unit)
+        return unit
+
+    assigned: set[int] = set()
+    if stage == 3:
+        for owner, members in _coalesce_modules(model, persistence_threshold, min_unit_numel):
+            by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
+            for param in members:
+                assigned.add(id(param))
+                by_group.setdefault(group_of[id(param)], []).append((name_of[id(param)], param))
+            module_units[owner] = [add_unit(m, g, partitioned=True) for g, m in sorted(by_group.items())]
+        _add_outside_users(model, units, module_units)
+
+    for group_index in range(len(optimizer.param_groups)):
+        rest = [(n, p) for n, p in reversed(named)
+                if p.requires_grad and group_of[id(p)] == group_index and id(p) not in assigned]
+        by_name = dict(rest)
+        for bucket in pack_buckets([ParamSpec(n, p.numel()) for n, p in rest], bucket_numel):
+            add_unit([(spec.name, by_name[spec.name]) for spec in bucket], group_index, partitioned=False)
+
+    # Gradients of later-registered parameters come first in backward.
+    reduce_order = sorted(range(len(units)), key=lambda i: -min(registration[id(p)] for p in units[i].params))
+    return Partition(units, reduce_order, module_units, frozen)
+
+
+
+def module_tree(model: nn.Module) -> ModuleNode:
+    """The model as plain data for unit_plan.coalesce_units; a module reached twice appears once,
+    and a tied parameter has the same key wherever it is registered."""
+    seen: set[int] = set()
+
+    def node(module: nn.Module, name: str) -> ModuleNode:
+        seen.add(id(module))
+        children = tuple(
+            node(child, f"{name}.{child_name}" if name else child_name)
+            for child_name, child in module.named_children() if id(child) not in seen
+        )
+        params = tuple(ParamNode(id(p), p.numel(), p.requires_grad) for p in module.parameters(recurse=False))
+        return ModuleNode(name, not isinstance(module, (nn.ModuleList, nn.ModuleDict)), params, children)
+
+    return node(model, "")
+
+
+def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(owner module, parameters) pairs from unit_plan's rules; each parameter appears once."""
+    modules = dict(model.named_modules())
+    params = {id(p): p for p in model.parameters()}
+    eligible = lambda p: p.trainable and p.numel > persistence_threshold  # noqa: E731
+    return [(modules[u.owner], [params[p.key] for p in u.params])
+            for u in coalesce_units(module_tree(model), eligible, min_numel)]
+
+
+def _add_outside_users(model: nn.Module, units: list[FlatUnit], module_units: dict) -> None:
+    """A module using a parameter of a unit owned outside its ancestors (a tied output head)
+    must gather that unit itself."""
+    owner_of_unit = {u.index: m for m, us in module_units.items() for u in us}
+    unit_of_param = {id(p): u for u in units for p in u.params}
+    covered_by: dict[int, set[int]] = {}
+    for owner in set(owner_of_unit.values()):
+        for inner in owner.modules():
+            covered_by.setdefault(id(inner), set()).update(u.index for u in module_units[owner])
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            unit = unit_of_param.get(id(param))
+            if unit is not None and unit.index not in covered_by.get(id(module), set()):
+                module_units.setdefault(module, [])
+                if unit not in module_units[module]:
+                    module_units[module].append(unit)

@@ -1,0 +1,85 @@
+"""Ring reduce-scatter and all-gather from point-to-point sends, for gloo on CPU.
+
+Why: gloo's own flat reduce-scatter and all-gather are far slower than its all-reduce (2 CPU
+ranks, 32 MB: all-reduce 20-27 ms, reduce_scatter_single 52-86 ms, all_gather_single 39-75 ms),
+while a ring of isend/irecv moves the same bytes in 15 ms (reduce-scatter) and 8 ms
+(all-gather). With the ring, stages 1-2 (reduce-scatter + all-gather) cost about one
+all-reduce, as the ZeRO paper's accounting says they should.
+
+Algorithm (N ranks, buffers cut into N equal chunks, right = rank+1, left = rank-1):
+  reduce-scatter  step s sends the running sum of chunk (rank-s-1) to the right and adds the
+                  left's running sum of chunk (rank-s-2) to our own; after N-1 steps our
+                  running sum of chunk ``rank`` holds every rank's contribution.
+  all-gather      step s forwards chunk (rank-s) to the right and receives chunk (rank-s-1).
+The first step is posted when the collective is issued, the rest when it is waited on, so
+for two ranks the whole transfer overlaps whatever the caller does in between.
+Tags are the collective's sequence number, identical on every rank of an SPMD program.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Ring:
+    def __init__(self, kind: str, output: torch.Tensor, input: torch.Tensor, group, tag: int):
+        assert kind in ("reduce_scatter", "all_gather")
+        self.kind, self.output, self.input, self.tag = kind, output, input, tag
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.right = peer((self.rank + 1) % self.size)
+        self.left = peer((self.rank - 1) % self.size)
+        self.group = group
+        self.step = 0
+        self._works: list = []
+        if kind == "reduce_scatter":
+            n = output.numel()
+            self._received = torch.empty_like(output)
+            # What we send next: first our own chunk, later the running sum, kept in one
+            # buffer of our own so ``input`` is never modified. The buffer can be rewritten
+            # in place because each step's send has completed before its add runs.
+            self._running = self._chunk(input, self.rank - 1, n)
+            self._sum = torch.empty_like(output) if self.size > 2 else None
+        else:
+            n = input.numel()
+            mine = self._chunk(output, self.rank, n)
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input)
+        self._post()
+
+    def _chunk(self, flat: torch.Tensor, index: int, n: int) -> torch.Tensor:
+        index %= self.size
+        return flat[index * n : (index + 1) * n]
+
+    def _post(self) -> None:
+        s = self.step
+        if self.kind == "reduce_scatter":
+            send, recv = self._running, self._received
+        else:
+            n = self.input.numel()
+            send = self._chunk(self.output, self.rank - s, n)
+            recv = self._chunk(self.output, self.rank - s - 1, n)
+        self._works = [
+            dist.isend(send, self.right, group=self.group, tag=self.tag),
+            dist.irecv(recv, self.left, group=self.group, tag=self.tag),
+        ]
+
+    def _finish_step(self) -> None:
+        for work in self._works:
+            work.wait()
+        if self.kind == "reduce_scatter":
+            n = self.output.numel()
+            last = self.step == self.size - 2
+            target = self.output if last else self._sum
+            torch.add(self._chunk(self.input, self.rank - self.step - 2, n), self._received, out=target)
+            self._running = target
+        self.step += 1
+
+    def wait(self) -> None:
+        while self.step < self.size - 1:
+            self._finish_step()
+            if self.step < self.size - 1:
+                self._post()
+

@@ -1,0 +1,134 @@
+"""Flat units: whole parameters laid end to end in one buffer, split into per-rank chunks.
+
+A ``FlatUnit`` owns the storage of its parameters' values. Every parameter becomes a view into
+the unit's padded flat buffer (``full``), so one collective moves a whole unit and the
+optimizer's update of a chunk is visible to the module without a copy.
+
+Note [freeing by storage resize]: in stage 3 the full buffer's *storage* is resized to zero
+bytes between uses instead of dropping the tensor. The parameter views (and any views that
+autograd saved in forward) keep pointing at the same storage, so after the unit is gathered
+again for backward those saved views read the gathered values (the technique FSDP uses).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from torch import nn
+
+from zerorun.zero import collectives
+from zerorun.zero.sharding import ParamSpec, UnitLayout
+
+
+class ParamState(enum.Enum):
+    """Which value buffers of a unit are alive.
+
+    REPLICATED  ``full`` is allocated and valid on every rank; ``shard`` is a view of it
+                (stages 0-2, and stage 3's persistent parameters).
+    SHARDED     only ``shard`` (this rank's chunk) is allocated; ``full`` has 0-byte storage.
+    GATHERING   ``full`` is allocated and an all-gather into it is in flight.
+    GATHERED    ``full`` is allocated and valid; ``shard`` is still the owned copy.
+    """
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+_ALLOWED = {
+    ParamState.SHARDED: {ParamState.GATHERING, ParamState.GATHERED},
+    ParamState.GATHERING: {ParamState.GATHERED},
+    ParamState.GATHERED: {ParamState.SHARDED},
+    ParamState.REPLICATED: set(),
+}
+
+
+class FlatUnit:
+    """One unit's parameter storage; ``index`` is its position in the engine's unit list."""
+
+    def __init__(
+        self,
+        index: int,
+        group_index: int,
+        named_params: list[tuple[str, nn.Parameter]],
+        shard_world: int,
+        shard_rank: int,
+        *,
+        partition_params: bool,
+        alignment: int = 1,
+    ):
+        self.index = index
+        self.group_index = group_index
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.layout = UnitLayout(
+            tuple(ParamSpec(n, p.numel()) for n, p in named_params), shard_world, alignment
+        )
+        self.rank = shard_rank
+        first = self.params[0]
+        self.dtype, self.device = first.dtype, first.device
+        self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for param, offset in zip(self.params, self.layout.offsets):
+                view = self.full[offset : offset + param.numel()]
+                view.copy_(param.detach().reshape(-1))
+                param.data = view.view(param.shape)
+        lo, hi = self.layout.chunk_range(shard_rank)
+        self.partitioned = partition_params
+        if partition_params:
+            self.shard = self.full[lo:hi].clone()
+            self._full_nbytes = self.full.untyped_storage().nbytes()
+            self.full.untyped_storage().resize_(0)
+            self.state = ParamState.SHARDED
+        else:
+            self.shard = self.full[lo:hi]
+            self.state = ParamState.REPLICATED
+        self._gather_handle = None
+
+    # -- stage 3 gathering ------------------------------------------------------------
+    def _move(self, new: ParamState) -> None:
+        assert new in _ALLOWED[self.state], f"unit {self.index}: {self.state} -> {new} not allowed"
+        self.state = new
+
+    def start_gather(self, group) -> None:
+        """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
+        if self.state is not ParamState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        self._gather_handle = collectives.all_gather(self.full, self.shard, group=group, async_op=True)
+        self._move(ParamState.GATHERING)
+
+    def gather(self, group) -> None:
+        """Make ``full`` valid (waiting for a prefetch if one is in flight)."""
+        if self.state is ParamState.SHARDED:
+            self.start_gather(group)
+        if self.state is ParamState.GATHERING:
+            self._gather_handle.wait()
+            self._gather_handle = None
+            self._move(ParamState.GATHERED)
+
+    def release(self) -> None:
+        """Drop ``full`` (stage 3); waits for an in-flight gather first."""
+        if self.state is ParamState.GATHERING:
+            self._gather_handle.wait()
+            self._gather_handle = None
+            self._move(ParamState.GATHERED)
+        if self.state is ParamState.GATHERED:
+            self.full.untyped_storage().resize_(0)
+            self._move(ParamState.SHARDED)
+
+    # -- after an optimizer step ---------------------------------------------------------
+    def start_refresh(self, group):
+        """Stages 1-2: spread every rank's updated chunk to all ranks (in place, async)."""
+        assert self.state is ParamState.REPLICATED
+        if self.layout.world_size == 1:
+            return collectives.DONE
+        return collectives.all_gather(self.full, self.shard, group=group, async_op=True)
+
+    def param_nbytes(self) -> int:
+        alive = self.full.untyped_storage().nbytes()
+        if self.partitioned:
+            alive += self.shard.numel() * self.shard.element_size()
+        return alive
