@@ -33,10 +33,19 @@ SUBCOMMANDS = ("run", "estimate", "init", "report")
 
 
 def route(argv: list[str]) -> list[str]:
-    """Insert the default ``run`` subcommand unless argv already names a subcommand or asks for help."""
-    if not argv or argv[0] in SUBCOMMANDS or argv[0] in ("--help", "-h"):
+    """Insert the default ``run`` subcommand unless argv already names a subcommand or asks for help.
+
+    For ``run``, a ``--`` is placed before the script so its arguments are never parsed as ours.
+    """
+    from zerorun.cli.run import route_run_argv
+
+    if not argv or argv[0] in ("--help", "-h"):
         return argv
-    return ["run", *argv]
+    if argv[0] == "run":
+        return ["run", *route_run_argv(argv[1:])]
+    if argv[0] in SUBCOMMANDS:
+        return argv
+    return ["run", *route_run_argv(argv)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     except ZerorunError as err:
         report_error(err)
         raise SystemExit(err.exit_code) from None
+    except KeyboardInterrupt:
+        # Ctrl-C before any worker started (during pre-flight, say): nothing to clean up.
+        print("zerorun: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def report_error(err: ZerorunError) -> None:

@@ -1,0 +1,97 @@
+"""Helpers shared by tests/e2e/test_launch*.py and test_multinode*.py: run the real CLI, watch its processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Workers of the failure tests: no torch import (fast), each writes its pid so the test can
+# kill it and later prove it is gone; rank FAIL_RANK misbehaves as argv[1] says.
+FAILER = r'''
+import os, sys, time, signal
+rank = int(os.environ["RANK"])
+run_dir = os.environ["ZERORUN_RUN_DIR"]
+with open(os.path.join(run_dir, f"pid{rank}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(run_dir, f"pid{rank}.tmp"), os.path.join(run_dir, f"pid{rank}"))
+print(f"rank {rank} on {os.environ['ZERORUN_HOST']} up", flush=True)
+mode, fail_rank = sys.argv[1], int(sys.argv[2])
+if rank == fail_rank and mode == "exit3":
+    print("giving up now", flush=True)
+    with open(os.path.join(run_dir, "failed_at"), "w") as f:
+        f.write(repr(time.time()))
+    raise SystemExit(3)
+if rank == fail_rank and mode == "raise":
+    with open(os.path.join(run_dir, "failed_at"), "w") as f:
+        f.write(repr(time.time()))
+    raise ValueError("bad batch in rank " + str(rank))
+time.sleep(120)
+'''
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ZERORUN_"))}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env
+
+
+def zerorun_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "zerorun", *args]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(zerorun_argv(*args), cwd=cwd, env=cli_env(env), capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start_cli(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(zerorun_argv(*args), cwd=cwd, env=cli_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_for_files(paths: list[Path], timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"launcher exited early: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {paths}")
+        time.sleep(0.05)
+
+
+def job_processes(run_dir: Path) -> list[psutil.Process]:
+    """Every live process started for this job (found by its run dir in env or argv)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.pid == os.getpid():
+                continue
+            env = proc.environ()
+            if env.get("ZERORUN_RUN_DIR") == str(run_dir):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def assert_no_job_processes(run_dir: Path, pids: list[int]) -> None:
+    leftover = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not leftover, f"workers still alive: {leftover}"
+    assert not job_processes(run_dir), "processes of the job are still running"
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Test cleanup: end the launcher we started (its own session), if a test failed midway."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, 9)
+        proc.wait()

@@ -1,0 +1,106 @@
+"""Command lines and environments for remote hosts (pure).
+
+Remote hosts run one agent each (``python -m zerorun.launch.agent``) through the system
+OpenSSH client, so ``~/.ssh/config`` applies. ssh joins its trailing arguments with spaces
+and hands them to the remote user's shell, so we build that one string ourselves with every
+element passed through ``shlex.quote``: nothing a user typed can be interpreted by a shell.
+The job's argv and environment do not travel on the command line at all: they go to the
+agent as one JSON line on its stdin (see agent.py), which also keeps the run token out of
+``ps`` listings on the remote host.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable, Mapping
+
+from zerorun.errors import LaunchError
+
+# Variables whose names start with one of these are forwarded to remote workers; the rest
+# of the launcher's environment (HOME, PATH, SSH_*, ...) belongs to this machine only.
+FORWARD_PREFIXES = (
+    "ZERORUN_",
+    "NCCL_",
+    "PYTHON",
+    "CUDA_",
+    "TORCH_",
+    "OMP_",
+    "MKL_",
+    "GLOO_",
+    "HF_",
+    "TRANSFORMERS_",
+    "WANDB_",
+)
+# Never forwarded even though they match a prefix: they describe this machine or this run's
+# plan and are set per worker instead.
+NOT_FORWARDED = frozenset(
+    {"ZERORUN_RUN_TOKEN", "ZERORUN_TELEMETRY_FD", "ZERORUN_SSH_OPTS", "PYTHONHOME", "PYTHONEXECUTABLE"}
+)
+
+DEFAULT_SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=15")
+
+
+def forwarded_env(environ: Mapping[str, str], env_file: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables remote workers get from the launcher: prefixed ones, then the env file."""
+    chosen = {
+        key: value
+        for key, value in environ.items()
+        if key.startswith(FORWARD_PREFIXES) and key not in NOT_FORWARDED
+    }
+    chosen.update(env_file or {})
+    return chosen
+
+
+def parse_env_file(text: str, source: str = ".zerorun.env") -> dict[str, str]:
+    """``KEY=VALUE`` lines (optional ``export``, shell-style quoting, ``#`` comments)."""
+    result: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):].strip()
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise LaunchError(f"{source} line {number}: expected KEY=VALUE, got {raw.strip()!r}")
+        try:
+            words = shlex.split(value, comments=True)
+        except ValueError as err:
+            raise LaunchError(f"{source} line {number}: {err} in {value!r}") from None
+        result[key] = " ".join(words)
+    return result
+
+
+def parse_ssh_opts(text: str) -> list[str]:
+    """Split ZERORUN_SSH_OPTS the way a shell would (it is typed like one)."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        raise LaunchError(f"ZERORUN_SSH_OPTS: {err} in {text!r}") from None
+
+
+def remote_shell_command(cwd: str, argv: Iterable[str]) -> str:
+    """``cd CWD && exec ARGV...`` with every element quoted for a POSIX shell."""
+    return f"cd {shlex.quote(cwd)} && exec " + " ".join(shlex.quote(part) for part in argv)
+
+
+def agent_argv(python: str) -> list[str]:
+    return [python, "-m", "zerorun.launch.agent"]
+
+
+def ssh_argv(
+    host: str,
+    remote_command: str,
+    *,
+    ssh_port: int | None = None,
+    extra_options: Iterable[str] = (),
+    ssh_binary: str = "ssh",
+) -> list[str]:
+    """The local ssh command that runs ``remote_command`` (already quoted) on ``host``."""
+    argv = [ssh_binary, "-T", *DEFAULT_SSH_OPTIONS]
+    if ssh_port is not None:
+        argv += ["-p", str(ssh_port)]
+    argv += list(extra_options)
+    # "--" so a host name can never be read as an ssh option.
+    return [*argv, "--", host, remote_command]

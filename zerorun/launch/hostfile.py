@@ -1,0 +1,220 @@
+"""Where ranks may run: hostfiles, --include/--exclude filters and Slurm's variables (pure).
+
+Every function here is a pure function of text or a mapping, so it is fuzzed by
+tests/unit/test_hostfile*.py. Malformed input raises ``HostfileError`` whose message names
+the offending line or token; nothing here ever lets a ValueError/IndexError escape.
+
+The grammar is DeepSpeed's, so existing hostfiles keep working:
+
+    # comment
+    worker-0 slots=4      # trailing comments are fine
+    worker-1 slots=4
+
+and filters are ``@``-separated host entries, each optionally narrowed to slot ids:
+``worker-0:0,2@worker-1`` means slots 0 and 2 of worker-0 plus every slot of worker-1.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from zerorun.errors import HostfileError
+
+# Ordered host -> list of slot ids (slot ids are local device indices, 0..slots-1).
+HostSlots = dict[str, list[int]]
+
+# Hostnames, IPv4 and bracket-less IPv6 literals; anything else (spaces, quotes, shell
+# metacharacters) is rejected early because the name ends up in an ssh command line.
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]%]+$")
+
+
+def _check_host(name: str, where: str) -> str:
+    if not name or not _HOST_RE.match(name) or name.startswith("-"):
+        raise HostfileError(f"{where}: {name!r} is not a valid host name")
+    return name
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
+    """Parse DeepSpeed-style hostfile text into an ordered ``{host: slots}`` mapping."""
+    hosts: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {number}"
+        fields = line.split()
+        host = _check_host(fields[0], where)
+        if len(fields) != 2 or not fields[1].startswith("slots="):
+            raise HostfileError(
+                f"{where}: expected 'HOST slots=N', got {line!r}",
+                hint="each non-comment line names one host and its slot count, e.g. 'worker-0 slots=4'",
+            )
+        count = fields[1][len("slots="):]
+        if not count.isdigit() or int(count) < 1:
+            raise HostfileError(f"{where}: slots must be a positive integer, got {count!r}")
+        if host in hosts:
+            raise HostfileError(f"{where}: host {host!r} is listed twice")
+        hosts[host] = int(count)
+    if not hosts:
+        raise HostfileError(f"{source} names no hosts", hint="add lines like 'worker-0 slots=4'")
+    return hosts
+
+
+def parse_filter(spec: str, flag: str = "--include") -> dict[str, list[int] | None]:
+    """Parse ``host[:slot,slot]@host...``; ``None`` slots means every slot of that host."""
+    result: dict[str, list[int] | None] = {}
+    if not spec.strip():
+        raise HostfileError(f"{flag} is empty")
+    for entry in spec.split("@"):
+        where = f"{flag} entry {entry!r}"
+        host, sep, slot_text = entry.partition(":")
+        _check_host(host, where)
+        if host in result:
+            raise HostfileError(f"{where}: host {host!r} appears twice")
+        if not sep:
+            result[host] = None
+            continue
+        slots: list[int] = []
+        for token in slot_text.split(","):
+            if not token.isdigit():
+                raise HostfileError(f"{where}: slot {token!r} is not a non-negative integer")
+            if int(token) in slots:
+                raise HostfileError(f"{where}: slot {token} is listed twice")
+            slots.append(int(token))
+        result[host] = slots
+    return result
+
+
+def select_hosts(
+    hosts: Mapping[str, int],
+    include: str | None = None,
+    exclude: str | None = None,
+    num_nodes: int | None = None,
+) -> HostSlots:
+    """Apply --include / --exclude / --num-nodes to a hostfile; returns the chosen slot ids."""
+    if include and exclude:
+        raise HostfileError("--include and --exclude cannot be used together")
+    chosen: HostSlots = {host: list(range(count)) for host, count in hosts.items()}
+    if include:
+        wanted = parse_filter(include, "--include")
+        picked: HostSlots = {}
+        for host, slots in wanted.items():
+            if host not in chosen:
+                raise HostfileError(f"--include names host {host!r}, which is not in the hostfile")
+            _check_slots(host, slots, hosts[host], "--include")
+            picked[host] = list(chosen[host]) if slots is None else sorted(slots)
+        # Keep hostfile order so rank numbering does not depend on how the filter was typed.
+        chosen = {host: picked[host] for host in chosen if host in picked}
+    if exclude:
+        unwanted = parse_filter(exclude, "--exclude")
+        for host, slots in unwanted.items():
+            if host not in chosen:
+                raise HostfileError(f"--exclude names host {host!r}, which is not in the hostfile")
+            _check_slots(host, slots, hosts[host], "--exclude")
+            chosen[host] = [] if slots is None else [s for s in chosen[host] if s not in slots]
+        chosen = {host: slots for host, slots in chosen.items() if slots}
+    if num_nodes is not None:
+        if num_nodes < 1:
+            raise HostfileError(f"--num-nodes must be at least 1, got {num_nodes}")
+        if num_nodes > len(chosen):
+            raise HostfileError(f"--num-nodes {num_nodes} asks for more hosts than the {len(chosen)} available")
+        chosen = dict(list(chosen.items())[:num_nodes])
+    if not chosen:
+        raise HostfileError("the host filters leave no slots to run on")
+    return chosen
+
+
+def _check_slots(host: str, slots: list[int] | None, count: int, flag: str) -> None:
+    for slot in slots or []:
+        if slot >= count:
+            raise HostfileError(f"{flag}: slot {slot} of {host!r} does not exist (it has slots 0..{count - 1})")
+
+
+# --- Slurm -------------------------------------------------------------------------------
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed node list: ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1."""
+    names: list[str] = []
+    for item in _split_top_level(nodelist):
+        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", item)
+        if match is None:
+            if "[" in item or "]" in item:
+                raise HostfileError(f"SLURM_JOB_NODELIST: cannot parse {item!r}")
+            names.append(_check_host(item, "SLURM_JOB_NODELIST"))
+            continue
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            low, dash, high = part.partition("-")
+            if not low.isdigit() or (dash and not high.isdigit()):
+                raise HostfileError(f"SLURM_JOB_NODELIST: bad range {part!r} in {item!r}")
+            width = len(low)
+            end = int(high) if dash else int(low)
+            if end < int(low):
+                raise HostfileError(f"SLURM_JOB_NODELIST: range {part!r} runs backwards")
+            names += [f"{prefix}{n:0{width}d}{suffix}" for n in range(int(low), end + 1)]
+    if not names:
+        raise HostfileError("SLURM_JOB_NODELIST is empty")
+    return names
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    items, depth, current = [], 0, ""
+    for char in text.strip():
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise HostfileError(f"SLURM_JOB_NODELIST: unbalanced ']' in {text!r}")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    if depth != 0:
+        raise HostfileError(f"SLURM_JOB_NODELIST: unbalanced '[' in {text!r}")
+    items.append(current)
+    if any(not item for item in items):
+        raise HostfileError(f"SLURM_JOB_NODELIST: empty entry in {text!r}")
+    return items
+
+
+def expand_tasks_per_node(value: str, node_count: int) -> list[int]:
+    """Expand SLURM_TASKS_PER_NODE (``2(x3),1``) to one count per node."""
+    counts: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise HostfileError(f"SLURM_TASKS_PER_NODE: cannot parse {part!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if len(counts) != node_count:
+        raise HostfileError(f"SLURM_TASKS_PER_NODE gives {len(counts)} counts for {node_count} nodes")
+    return counts
+
+
+def slurm_hosts(environ: Mapping[str, str]) -> dict[str, int] | None:
+    """Hosts and slots from a Slurm allocation, or None outside one.
+
+    Slots per node: SLURM_GPUS_ON_NODE when GPUs were allocated (one worker per GPU, like
+    torchrun under Slurm), else SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE, else 1.
+    """
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    nodes = expand_nodelist(nodelist)
+    if environ.get("SLURM_GPUS_ON_NODE", "").isdigit() and int(environ["SLURM_GPUS_ON_NODE"]) > 0:
+        counts = [int(environ["SLURM_GPUS_ON_NODE"])] * len(nodes)
+    elif environ.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        counts = [int(environ["SLURM_NTASKS_PER_NODE"])] * len(nodes)
+    elif environ.get("SLURM_TASKS_PER_NODE"):
+        counts = expand_tasks_per_node(environ["SLURM_TASKS_PER_NODE"], len(nodes))
+    else:
+        counts = [1] * len(nodes)
+    if any(count < 1 for count in counts):
+        raise HostfileError("Slurm gives a node zero tasks")
+    if len(set(nodes)) != len(nodes):
+        raise HostfileError(f"SLURM_JOB_NODELIST names a node twice: {nodelist!r}")
+    return dict(zip(nodes, counts))

@@ -1,0 +1,207 @@
+"""The launch plan: which rank runs where, with which environment and argv (pure data).
+
+``build_plan`` is a pure function of the chosen host slots and the job's settings; the
+supervisor only executes what it says, and ``--dry-run`` prints it (``describe_plan``).
+Ranks are numbered host by host in hostfile order, local ranks in slot order, exactly as
+torchrun and DeepSpeed do, so scripts written for them see the same numbering.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+
+from zerorun.errors import LaunchError
+from zerorun.launch.hostfile import HostSlots
+
+# Hosts that always mean "this machine": never reached over ssh.
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """What each worker runs: ``python SCRIPT ARGS`` or ``python -m MODULE ARGS``."""
+
+    script: str | None = None
+    module: str | None = None
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if (self.script is None) == (self.module is None):
+            raise LaunchError("give either a script or -m MODULE (exactly one)")
+
+    def argv(self, python: str) -> list[str]:
+        # -u: unbuffered, so output and tracebacks reach the launcher line by line.
+        head = ["-m", self.module] if self.module else [self.script]
+        return [python, "-u", *head, *self.args]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    local_rank: int
+    host: str
+    node_rank: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    host: str
+    node_rank: int
+    local: bool
+    workers: list[WorkerSpec]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    nodes: list[NodeSpec]
+    world_size: int
+    master_addr: str
+    master_port: int
+    run_dir: str
+    cwd: str
+    python: str
+    target: Target
+    # Extra variables every worker on every host gets (prefix-forwarded env + env file).
+    forwarded_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> list[WorkerSpec]:
+        return [worker for node in self.nodes for worker in node.workers]
+
+    @property
+    def remote_nodes(self) -> list[NodeSpec]:
+        return [node for node in self.nodes if not node.local]
+
+
+def is_local_host(host: str, local_names: frozenset[str] | set[str] = frozenset()) -> bool:
+    return host in LOCAL_NAMES or host in local_names
+
+
+def default_master_addr(hosts: list[str], local_names, this_host_name: str) -> str:
+    """The first host runs rank 0, so it hosts the rendezvous (as in DeepSpeed).
+
+    A loopback *name* for it means nothing to another machine: when other hosts take part,
+    "localhost"/"::1" is replaced by this machine's own name.
+    """
+    first = hosts[0]
+    any_remote = any(not is_local_host(host, local_names) for host in hosts)
+    if not any_remote:
+        return "127.0.0.1" if first in LOCAL_NAMES else first
+    return this_host_name if first in ("localhost", "::1") else first
+
+
+def build_plan(
+    hosts: HostSlots,
+    target: Target,
+    *,
+    python: str,
+    cwd: str,
+    run_dir: str,
+    token: str,
+    master_port: int,
+    master_addr: str | None = None,
+    local_names: frozenset[str] | set[str] = frozenset(),
+    set_visible_devices: bool = False,
+    forwarded_env: dict[str, str] | None = None,
+    inherited_env: dict[str, str] | None = None,
+    this_host_name: str = "localhost",
+) -> LaunchPlan:
+    """Number ranks and compute every worker's environment.
+
+    ``set_visible_devices``: when a filter picked a subset of a host's GPUs, pin the worker's
+    CUDA_VISIBLE_DEVICES to exactly those slots so LOCAL_RANK indexes them (DeepSpeed does the
+    same). ``inherited_env`` is only consulted for variables we set only when the user has not
+    (OMP_NUM_THREADS).
+    """
+    if not hosts:
+        raise LaunchError("no hosts to run on")
+    if not 0 < master_port < 65536:
+        raise LaunchError(f"--master-port must be in 1..65535, got {master_port}")
+    inherited_env = inherited_env or {}
+    world_size = sum(len(slots) for slots in hosts.values())
+    if master_addr is None:
+        master_addr = default_master_addr(list(hosts), local_names, this_host_name)
+    nodes: list[NodeSpec] = []
+    rank = 0
+    for node_rank, (host, slots) in enumerate(hosts.items()):
+        workers = []
+        for local_rank, slot in enumerate(slots):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(len(slots)),
+                "GROUP_RANK": str(node_rank),
+                "NODE_RANK": str(node_rank),
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "ZERORUN_CONFIG": f"{run_dir}/config.json",
+                "ZERORUN_RUN_DIR": run_dir,
+                "ZERORUN_RUN_TOKEN": token,
+                "ZERORUN_HOST": host,
+                "PYTHONUNBUFFERED": "1",
+            }
+            user_set_threads = "OMP_NUM_THREADS" in inherited_env or "OMP_NUM_THREADS" in (forwarded_env or {})
+            if len(slots) > 1 and not user_set_threads:
+                # torchrun's choice: N workers each spinning up all-core thread pools thrash.
+                env["OMP_NUM_THREADS"] = "1"
+            if set_visible_devices:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
+            workers.append(WorkerSpec(rank, local_rank, host, node_rank, target.argv(python), env))
+            rank += 1
+        nodes.append(NodeSpec(host, node_rank, is_local_host(host, local_names), workers))
+    return LaunchPlan(
+        nodes=nodes,
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        run_dir=run_dir,
+        cwd=cwd,
+        python=python,
+        target=target,
+        forwarded_env=dict(forwarded_env or {}),
+    )
+
+
+SECRET_KEYS = ("ZERORUN_RUN_TOKEN",)
+
+
+def plan_to_dict(plan: LaunchPlan, *, hide_secrets: bool = True) -> dict:
+    data = asdict(plan)
+    if hide_secrets:
+        for node in data["nodes"]:
+            for worker in node["workers"]:
+                for key in SECRET_KEYS:
+                    if key in worker["env"]:
+                        worker["env"][key] = "***"
+    return data
+
+
+def describe_plan(plan: LaunchPlan, node_commands: dict[str, list[str]]) -> str:
+    """Human-readable plan for --dry-run: hosts, ranks, env and the command each host runs."""
+    lines = [
+        f"world size {plan.world_size} on {len(plan.nodes)} host(s); "
+        f"master {plan.master_addr}:{plan.master_port}; run dir {plan.run_dir}",
+        f"working directory {plan.cwd}",
+    ]
+    if plan.forwarded_env:
+        lines.append("forwarded env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(plan.forwarded_env.items())))
+    for node in plan.nodes:
+        where = "local" if node.local else "ssh"
+        lines.append(f"host {node.host} (node {node.node_rank}, {where}, {len(node.workers)} worker(s))")
+        lines.append("  agent: " + shlex.join(node_commands.get(node.host, ["(none)"])))
+        for worker in node.workers:
+            env = {k: ("***" if k in SECRET_KEYS else shlex.quote(v)) for k, v in worker.env.items()}
+            lines.append(f"  rank {worker.rank} (local {worker.local_rank}): " + shlex.join(worker.argv))
+            lines.append("    env " + " ".join(f"{k}={v}" for k, v in env.items()))
+    return "\n".join(lines)
+
+
+def plan_json(plan: LaunchPlan) -> str:
+    return json.dumps(plan_to_dict(plan), indent=2)
