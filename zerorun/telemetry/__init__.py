@@ -4,15 +4,22 @@ Contract with the runtime (zerorun/zero):
     from zerorun.telemetry import get_recorder
     rec = get_recorder()          # a no-op recorder when the launcher did not ask for telemetry
     rec.record_step(step=..., loss=..., loss_scale=..., lr=..., samples=..., step_time_s=...)
+        # samples (and optional tokens): what THIS rank processed in the step; the dashboard
+        # sums ranks for job throughput. Numbers or 0-d tensors; None when unknown.
     rec.set_memory_breakdown(dict)  # engine.memory_breakdown(), sent with the next sample
 Collectives reach the recorder as an observer of zerorun.zero.collectives.
 
 Contract with the launcher: workers write newline-delimited JSON messages to the file
 descriptor named by ZERORUN_TELEMETRY_FD, each carrying ZERORUN_RUN_TOKEN; the launcher
-feeds every raw line to ``Collector.ingest``.
+feeds every raw line to ``Collector.ingest`` (through ``JobView.on_telemetry``).
+Worker env read here: ZERORUN_TELEMETRY_FD, ZERORUN_RUN_TOKEN, ZERORUN_TELEMETRY_INTERVAL
+(seconds between samples, default 1), RANK, WORLD_SIZE, ZERORUN_HOST.
+Modules: events.py (wire schema), recorder.py (worker), collector.py (launcher).
 """
 
 from __future__ import annotations
+
+import threading
 
 
 class NullRecorder:
@@ -26,7 +33,18 @@ class NullRecorder:
 
 
 _recorder = None
+_created = False
+_create_lock = threading.Lock()
 
 
 def get_recorder():
+    """The process's recorder: created (once, lazily) when ZERORUN_TELEMETRY_FD is set."""
+    global _recorder, _created
+    if not _created:
+        with _create_lock:
+            if not _created:
+                from zerorun.telemetry.recorder import recorder_from_env
+
+                _recorder = recorder_from_env()
+                _created = True
     return _recorder if _recorder is not None else NullRecorder()

@@ -1,0 +1,226 @@
+"""pytest tests/unit/test_recorder.py — the worker-side recorder, driven in-process over a real pipe."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from zerorun.telemetry import NullRecorder, get_recorder
+from zerorun.telemetry.collector import Collector
+from zerorun.telemetry.recorder import PipeWriter, Recorder
+from zerorun.zero import collectives
+
+TOKEN = "tok-123"
+
+
+@pytest.fixture
+def pipe():
+    read_fd, write_fd = os.pipe()
+    yield read_fd, write_fd
+    for fd in (read_fd, write_fd):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def read_all(fd: int) -> list[bytes]:
+    return read_bytes(fd).splitlines()
+
+
+def read_bytes(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    return b"".join(chunks)
+
+
+def fake_collective(op: str, nbytes: int, seconds: float = 0.001) -> int:
+    seq = collectives.next_sequence()
+    collectives.notify_started(seq, op, nbytes)
+    collectives.notify_finished(seq, op, nbytes, seconds)
+    return seq
+
+
+def test_messages_aggregate_collectives_and_are_accepted_by_the_collector(pipe, tmp_path):
+    read_fd, write_fd = pipe
+    rec = Recorder(PipeWriter(write_fd), token=TOKEN, rank=1, host="nodeA", world_size=2, interval_s=60)
+    rec.start()
+    try:
+        for _ in range(100):
+            fake_collective("all_reduce", 1000, 0.002)
+        for _ in range(10):
+            fake_collective("all_gather", 50, 0.001)
+        stuck = collectives.next_sequence()
+        collectives.notify_started(stuck, "barrier", 0)
+        rec.record_step(step=3, loss=torch.tensor(1.25), loss_scale=None, lr=1e-3, samples=16,
+                        step_time_s=0.5, unknown_field="ignored")
+        rec.record_step(step=4, loss=float("nan"), step_time_s=0.5)
+        rec.set_memory_breakdown({"params": 1024, "grads": 512})
+        time.sleep(0.05)
+        rec.send_sample()
+    finally:
+        rec.close()
+        collectives.notify_finished(stuck, "barrier", 0, 0.0)
+    lines = read_all(read_fd)
+    messages = [json.loads(x) for x in lines]
+    kinds = [m["kind"] for m in messages]
+    assert kinds[0] == "hello" and kinds[-1] == "bye" and kinds.count("step") == 2
+    assert all(m["token"] == TOKEN and m["rank"] == 1 and m["host"] == "nodeA" for m in messages)
+
+    samples = [m for m in messages if m["kind"] == "sample"]
+    first = samples[0]
+    # 110 collectives, one aggregate: not one message per collective.
+    assert first["comm"]["all_reduce"][:2] == [100, 100_000]
+    assert math.isclose(first["comm"]["all_reduce"][2], 0.2)
+    assert first["comm"]["all_gather"][:2] == [10, 500]
+    assert first["blocked"]["seq"] == stuck and first["blocked"]["op"] == "barrier"
+    assert first["blocked"]["for_s"] >= 0.04
+    assert first["entered_seq"] == stuck
+    assert first["breakdown"] == {"params": 1024.0, "grads": 512.0}
+    assert first["mem"]["rss"] > 0 and first["mem"]["rss_peak"] >= first["mem"]["rss"]
+    assert samples[-1]["comm"] == {}  # counters were reset by the first flush
+    steps = [m for m in messages if m["kind"] == "step"]
+    assert steps[0]["loss"] == 1.25 and steps[0]["samples"] == 16 and steps[1]["loss"] is None
+
+    collector = Collector(token=TOKEN, world_size=2, run_dir=tmp_path)
+    assert all(collector.ingest("nodeA", x) for x in lines)
+
+
+def test_recorder_unsubscribes_on_close(pipe):
+    read_fd, write_fd = pipe
+    rec = Recorder(PipeWriter(write_fd), token=TOKEN, rank=0, host="h", world_size=1, interval_s=60)
+    rec.start()
+    rec.close()
+    rec.close()  # idempotent
+    before = read_all(read_fd)
+    fake_collective("all_reduce", 10)
+    rec.send_sample()
+    after = [json.loads(x) for x in read_all(read_fd)]
+    assert [json.loads(x)["kind"] for x in before][-1] == "bye"
+    assert after and after[0]["comm"] == {}
+
+
+def test_sampling_thread_sends_at_the_interval(pipe):
+    read_fd, write_fd = pipe
+    rec = Recorder(PipeWriter(write_fd), token=TOKEN, rank=0, host="h", world_size=1, interval_s=0.05)
+    rec.start()
+    time.sleep(0.4)
+    rec.close()
+    kinds = [json.loads(x)["kind"] for x in read_all(read_fd)]
+    assert kinds.count("sample") >= 4
+
+
+def test_full_pipe_drops_whole_messages_without_blocking(pipe):
+    read_fd, write_fd = pipe
+    writer = PipeWriter(write_fd)
+    line = json.dumps({"pad": "x" * 3000}).encode() + b"\n"
+    started = time.perf_counter()
+    for _ in range(2000):  # ~6 MB into a pipe nobody reads (64 KiB buffer + 256 KiB backlog)
+        writer.write(line)
+    assert time.perf_counter() - started < 2.0
+    assert writer.dropped > 1000
+    # The pipe may end inside a message whose tail waits in the backlog; writing drains it.
+    raw = read_bytes(read_fd)
+    dropped = writer.dropped
+    # Once the reader made room, a new message is queued, not dropped (the backlog drains first).
+    writer.write(b'{"after": true}\n')
+    assert writer.dropped == dropped
+    for _ in range(20):
+        raw += read_bytes(read_fd)
+        writer.write(b"")
+    received = [json.loads(x) for x in raw.splitlines()]  # no torn lines: every one parses
+    assert received[-1] == {"after": True}
+    assert received[:-1] == [{"pad": "x" * 3000}] * (2000 - dropped)
+
+
+def test_closed_reader_never_raises(pipe):
+    read_fd, write_fd = pipe
+    os.close(read_fd)
+    writer = PipeWriter(write_fd)
+    for _ in range(3):
+        writer.write(b'{"a":1}\n')  # EPIPE is swallowed: training goes on
+    rec = Recorder(writer, token=TOKEN, rank=0, host="h", world_size=1, interval_s=60)
+    rec.record_step(step=1, step_time_s=0.1)
+    rec.send_sample()
+
+
+def test_get_recorder_is_null_without_the_launcher():
+    assert "ZERORUN_TELEMETRY_FD" not in os.environ
+    assert isinstance(get_recorder(), NullRecorder)
+
+
+def test_get_recorder_streams_when_the_fd_is_set(tmp_path):
+    # A fresh interpreter: get_recorder() caches its answer once per process.
+    read_fd, write_fd = os.pipe()
+    script = (
+        "from zerorun.telemetry import get_recorder\n"
+        "rec = get_recorder()\n"
+        "assert rec is get_recorder(), 'created once'\n"
+        "rec.record_step(step=1, step_time_s=0.2, samples=4)\n"
+    )
+    env = {**os.environ, "ZERORUN_TELEMETRY_FD": str(write_fd), "ZERORUN_RUN_TOKEN": TOKEN, "RANK": "1",
+           "WORLD_SIZE": "2", "ZERORUN_HOST": "hostB", "ZERORUN_TELEMETRY_INTERVAL": "0.05"}
+    try:
+        subprocess.run([sys.executable, "-c", script], env=env, pass_fds=(write_fd,), check=True, timeout=60)
+    finally:
+        os.close(write_fd)
+    lines = read_all(read_fd)
+    os.close(read_fd)
+    kinds = [json.loads(x)["kind"] for x in lines]
+    assert kinds[0] == "hello" and "step" in kinds and kinds[-1] == "bye", kinds
+    collector = Collector(token=TOKEN, world_size=2)
+    assert all(collector.ingest("hostB", x) for x in lines)
+    assert collector.snapshot().ranks[1].host == "hostB"
+
+
+def test_config_json_can_turn_telemetry_off_or_set_the_interval(tmp_path, pipe):
+    from zerorun.telemetry.recorder import recorder_from_env
+
+    _read_fd, write_fd = pipe
+    config = tmp_path / "config.json"
+    env = {"ZERORUN_TELEMETRY_FD": str(write_fd), "ZERORUN_RUN_TOKEN": TOKEN, "ZERORUN_CONFIG": str(config)}
+    config.write_text(json.dumps({"telemetry": {"enabled": False}}))
+    assert recorder_from_env(env) is None
+    config.write_text(json.dumps({"telemetry": {"enabled": True, "interval_s": 0.25}}))
+    rec = recorder_from_env(env)
+    try:
+        assert rec is not None and rec.interval_s == 0.25
+    finally:
+        rec.close()
+    rec = recorder_from_env({**env, "ZERORUN_TELEMETRY_INTERVAL": "0.5"})
+    try:
+        assert rec.interval_s == 0.5
+    finally:
+        rec.close()
+
+
+def test_steps_wait_for_the_next_sample_and_the_queue_is_bounded(pipe):
+    read_fd, write_fd = pipe
+    rec = Recorder(PipeWriter(write_fd), token=TOKEN, rank=0, host="h", world_size=1, interval_s=60)
+    rec.start()
+    assert [json.loads(x)["kind"] for x in read_all(read_fd)] == ["hello"]
+    for step in range(1, 11):
+        rec.record_step(step=step, step_time_s=0.01)
+    assert read_all(read_fd) == []  # no write from the training thread
+    rec.send_sample()
+    kinds = [(m["kind"], m.get("step")) for m in map(json.loads, read_all(read_fd))]
+    assert kinds == [("step", s) for s in range(1, 11)] + [("sample", None)]
+    for step in range(5000):
+        rec.record_step(step=step, step_time_s=0.01)
+    assert rec.steps_dropped == 5000 - 4096
+    rec.close()

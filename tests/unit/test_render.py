@@ -1,0 +1,193 @@
+"""pytest tests/unit/test_render.py — the dashboard, plain lines and summary, drawn into a recorded console."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+
+import pytest
+from rich.console import Console
+
+from zerorun.errors import ConfigError
+from zerorun.telemetry import events
+from zerorun.telemetry.collector import Blocked, CommStat, Hang, RankView, Snapshot
+from zerorun.ui.live import JobView
+from zerorun.ui.render import bar, fmt_bytes, render, render_plain, render_summary
+
+GiB = 1 << 30
+
+
+def draw(renderable, width=160) -> str:
+    console = Console(record=True, width=width, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def snapshot(**overrides) -> Snapshot:
+    ranks = (
+        RankView(rank=0, host="alpha", device="cuda:0", step=41, mem_label="gpu", mem_used=6 * GiB,
+                 mem_peak=7 * GiB, mem_capacity=8 * GiB, comm_fraction=0.42, bandwidth_bps=3.5 * GiB,
+                 heartbeat_age_s=0.4, samples_per_s=10.0,
+                 comm=(CommStat("all_reduce", 40, 10 * GiB, 2.5), CommStat("broadcast", 1, 1024, 0.01))),
+        RankView(rank=1, host="beta", device="cuda:1", step=40, mem_label="gpu", mem_used=2 * GiB,
+                 mem_peak=3 * GiB, mem_capacity=8 * GiB, comm_fraction=0.05, bandwidth_bps=1.0 * GiB,
+                 heartbeat_age_s=20.0, straggler=True, samples_per_s=9.0,
+                 comm=(CommStat("all_reduce", 40, 10 * GiB, 0.5),)),
+    )
+    base = dict(world_size=2, elapsed_s=3725, ranks=ranks, step=40, total_steps=160, samples_per_s=19.0,
+                output=((0, "epoch 1 loss 2.31"), (1, "warming up")),
+                comm_totals=(CommStat("all_reduce", 80, 20 * GiB, 3.0), CommStat("broadcast", 1, 1024, 0.01)))
+    base.update(overrides)
+    return Snapshot(**base)
+
+
+def row(text: str, first_cell: str) -> str:
+    return next(line for line in text.splitlines() if line.strip("│┃ ").startswith(first_cell + " ")
+                and "─" not in line)
+
+
+def test_dashboard_shows_one_row_per_rank_with_memory_bar_comm_and_heartbeat():
+    text = draw(render(snapshot()), width=100)  # a common terminal: nothing may be cut
+    assert "…" not in text
+    assert "2 ranks" in text and "1:02:05" in text and "step 40/160" in text and "19.0 samples/s" in text
+    assert "25%" in text  # 40 of 160 steps
+    r0, r1 = row(text, "0"), row(text, "1")
+    assert "alpha" in r0 and "41" in r0 and "6.0 GiB/8.0 GiB" in r0 and "memory (gpu)" in text
+    assert "████████░░" in r0  # 6 of 8 GiB on a ten-cell bar (7.5 cells, rounded to even)
+    assert "42%" in r0 and "3.5 GiB/s" in r0 and " 0s " in r0 and "straggler" not in r0
+    assert "beta" in r1 and "██░░░░░░░░ 2.0 GiB" in r1 and "5%" in r1 and "20s" in r1 and "straggler" in r1
+    assert "[rank0] epoch 1 loss 2.31" in text and "[rank1] warming up" in text
+    assert "HANG" not in text and "dropped" not in text
+
+
+def test_dashboard_names_ranks_missing_from_a_hung_collective_and_dropped_lines():
+    hang = Hang(seq=17, op="all_gather", waited_s=45.2, waiting=(0, 2), missing=(1,))
+    blocked = RankView(rank=0, host="a", blocked=Blocked(17, "all_gather", 45.2), heartbeat_age_s=1.0)
+    snap = snapshot(hang=hang, ranks=(blocked,), total_steps=None,
+                    dropped=(("oversized", 1), ("malformed", 0), ("unauthenticated", 2), ("schema", 0)))
+    text = draw(render(snap))
+    assert "HANG: rank 1 has not entered collective #17 (all_gather); ranks 0,2 waiting 45s" in text
+    assert "in #17 all_gather 45s" in row(text, "0")
+    assert "dropped 3 telemetry lines (1 oversized, 2 unauthenticated)" in text
+    assert "%" not in text.splitlines()[1]  # no progress bar without total steps
+    all_in = Hang(seq=3, op="barrier", waited_s=31, waiting=(0, 1), missing=())
+    assert "entered by every rank but not finished" in draw(render(snapshot(hang=all_in)))
+
+
+def test_a_rank_that_never_reported_renders_with_placeholders():
+    text = draw(render(Snapshot(world_size=1, elapsed_s=0, ranks=(RankView(rank=0, host="?"),))))
+    assert "never" in row(text, "0")
+
+
+def test_plain_line_and_summary():
+    hang = Hang(seq=2, op="all_reduce", waited_s=31, waiting=(0,), missing=(1,))
+    line = render_plain(snapshot(hang=hang))
+    assert "\x1b" not in line and "\n" not in line
+    assert line.startswith("[zerorun] 1:02:05 step 40/160 19.0 samples/s")
+    assert "r0 mem 6.0 GiB comm 42%" in line and "r1 mem 2.0 GiB comm 5% STRAGGLER" in line
+    assert "rank 1 has not entered collective #2 (all_reduce)" in line
+
+    snap = snapshot()
+    with_state = snap.ranks[0].__class__(**{**snap.ranks[0].__dict__, "breakdown": (("params", GiB), ("total", 3 * GiB))})
+    text = draw(render_summary(Snapshot(**{**snap.__dict__, "ranks": (with_state, snap.ranks[1])}), failed=True))
+    assert "model state" in text and "3.0 GiB" in row(text, "0")
+    assert "failed after 1:02:05" in text
+    header = next(x for x in text.splitlines() if "peak memory" in x)
+    assert "all_reduce s" in header and "broadcast s" in header and "samples/s" in header
+    assert "gpu 7.0 GiB" in row(text, "0") and "2.500 (40×)" in row(text, "0") and "0.010 (1×)" in row(text, "0")
+    assert "gpu 3.0 GiB" in row(text, "1") and "0.500 (40×)" in row(text, "1")
+    assert "job throughput: 19.0 samples/s" in text
+
+
+def test_helpers():
+    assert [fmt_bytes(x) for x in (None, 512, 1536, 5 * GiB)] == ["-", "512 B", "1.5 KiB", "5.0 GiB"]
+    assert bar(0.5, 4).plain == "██░░" and bar(2.0, 3).plain == "███" and bar(-1, 2).plain == "░░"
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def tele(rank: int, kind: str, token="T", **fields) -> bytes:
+    return events.encode({"v": 1, "token": token, "rank": rank, "host": f"h{rank}", "kind": kind, "t": time.time(), **fields})
+
+
+def test_jobview_plain_mode_prints_output_hangs_and_summary(tmp_path):
+    out = io.StringIO()
+    view = JobView(run_dir=tmp_path, token="T", world_size=2, dashboard=True, stream=out,
+                   hang_after_s=5, status_interval_s=0.5)
+    view.start()
+    assert not view.live_mode  # StringIO is not a terminal
+    view.on_output("h0", 0, "hello from zero")
+    view.on_telemetry("h0", tele(0, "sample", mem={"rss": GiB}, comm={}, comm_seconds_total=0.0, entered_seq=7,
+                                 blocked={"seq": 7, "op": "all_reduce", "for_s": 9.0}))
+    view.on_telemetry("h1", tele(1, "sample", mem={"rss": GiB}, comm={}, comm_seconds_total=0.0, entered_seq=6,
+                                 blocked=None))
+    view.on_telemetry("h1", tele(1, "step", token="forged", step=1, step_time_s=1.0))
+    view.on_telemetry("h1", b"x" * 70_000)
+    deadline = time.time() + 10
+    while "samples/s" not in out.getvalue() and "mem 1.0 GiB" not in out.getvalue() and time.time() < deadline:
+        time.sleep(0.1)
+    view.on_worker_exit("h1", 1, 0)
+    view.stop(failed=True)
+    view.stop(failed=True)  # idempotent
+    text = out.getvalue()
+    assert "[rank0] hello from zero" in text
+    assert "[zerorun] HANG: rank 1 has not entered collective #7 (all_reduce)" in text
+    assert "r0 mem 1.0 GiB" in text  # a periodic status line
+    assert "zerorun summary (failed" in text and "dropped 2 telemetry lines (1 oversized, 1 unauthenticated)" in text
+    assert text.count("HANG: rank 1") >= 2  # the live hang line and the summary
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rank"] for r in records] == [0, 1]
+
+
+def test_jobview_on_a_terminal_draws_a_live_dashboard(tmp_path):
+    out = FakeTTY()
+    view = JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=True, stream=out, total_steps=10)
+    view.start()
+    assert view.live_mode
+    view.on_output("h0", 0, "only in the panel")
+    view.on_telemetry("h0", tele(0, "step", step=5, step_time_s=0.5, samples=2))
+    view.stop(failed=False)
+    text = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue())  # drop colours and cursor moves
+    assert "│ [rank0] only in the panel" in text  # inside the output panel, not printed raw
+    assert "50%" in text and "zerorun summary (finished" in text
+
+
+def test_jobview_dashboard_off_on_a_terminal_prints_plain_lines(tmp_path):
+    out = FakeTTY()
+    view = JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=False, stream=out)
+    view.start()
+    assert not view.live_mode
+    view.on_output("h0", 0, "plain")
+    view.on_output("h0", -1, "agent says")
+    view.stop(failed=False)
+    assert out.getvalue().startswith("[rank0] plain\n[zerorun] agent says\n")
+
+
+@pytest.mark.parametrize("name,value", [("ZERORUN_HANG_AFTER_S", "soon"), ("ZERORUN_TOTAL_STEPS", "-3"),
+                                        ("ZERORUN_TOTAL_STEPS", "1.5")])
+def test_bad_environment_values_are_user_errors(tmp_path, monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=False)
+
+
+def test_environment_sets_hang_threshold_and_total_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERORUN_HANG_AFTER_S", "2.5")
+    monkeypatch.setenv("ZERORUN_TOTAL_STEPS", "300")
+    view = JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=False)
+    assert (view.collector.hang_after_s, view.collector.total_steps) == (2.5, 300)
+
+
+def test_config_json_in_the_run_dir_sets_defaults_below_the_environment(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"telemetry": {"total_steps": 50, "hang_after_s": 7.5,
+                                                                    "enabled": True, "interval_s": 1.0}}))
+    view = JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=False)
+    assert (view.collector.total_steps, view.collector.hang_after_s) == (50, 7.5)
+    monkeypatch.setenv("ZERORUN_TOTAL_STEPS", "80")
+    view = JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=False, hang_after_s=3)
+    assert (view.collector.total_steps, view.collector.hang_after_s) == (80, 3)

@@ -1,0 +1,394 @@
+"""The launcher side of telemetry: check every line, keep per-rank state, write metrics.jsonl.
+
+``Collector.ingest(host, raw_line)`` is the only door in. A line is accepted only if it is at
+most 64 KiB, UTF-8 JSON (never pickle: nothing here can execute what a peer sends), carries
+this run's token (compared in constant time) and follows events.py's schema. Anything else is
+counted under a reason and dropped; the run goes on. Accepted messages update the per-rank
+state and are appended to RUN_DIR/metrics.jsonl without the token.
+
+``Collector.snapshot()`` returns frozen plain data that ui/render.py draws. The judgements the
+dashboard shows (stragglers, hangs, throughput) are pure functions at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zerorun.telemetry import events
+
+DROP_REASONS = ("oversized", "malformed", "unauthenticated", "schema")
+# How many recent steps / samples the rates are computed over: long enough to smooth noise,
+# short enough that the dashboard follows a slowdown within a few seconds.
+_STEP_WINDOW = 10
+_SAMPLE_WINDOW = 5
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A rank waiting inside collective ``seq`` for ``waited_s`` seconds (as of the snapshot)."""
+
+    seq: int
+    op: str
+    waited_s: float
+
+
+@dataclass(frozen=True)
+class CommStat:
+    op: str
+    count: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    host: str
+    device: str = "?"
+    step: int | None = None
+    loss: float | None = None
+    lr: float | None = None
+    loss_scale: float | None = None
+    step_time_s: float | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    # The figure the dashboard bars: GPU allocated on CUDA, resident set size on CPU.
+    mem_label: str = "rss"
+    mem_used: int | None = None
+    mem_peak: int | None = None
+    mem_capacity: int | None = None
+    mem: tuple = ()  # (key, bytes) pairs of the latest sample, as sent
+    breakdown: tuple = ()  # (name, bytes) pairs from engine.memory_breakdown(), as sent
+    comm_fraction: float | None = None
+    bandwidth_bps: float | None = None
+    comm: tuple[CommStat, ...] = ()
+    heartbeat_age_s: float | None = None
+    entered_seq: int | None = None
+    blocked: Blocked | None = None
+    exit_code: int | None = None
+    straggler: bool = False
+
+
+@dataclass(frozen=True)
+class Hang:
+    """Collective ``seq`` (``op``) has kept ``waiting`` ranks for ``waited_s``; ``missing`` never entered it."""
+
+    seq: int
+    op: str
+    waited_s: float
+    waiting: tuple[int, ...]
+    missing: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    world_size: int
+    elapsed_s: float
+    ranks: tuple[RankView, ...]
+    step: int | None = None
+    total_steps: int | None = None
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    hang: Hang | None = None
+    output: tuple[tuple[int, str], ...] = ()
+    dropped: tuple[tuple[str, int], ...] = ()
+    accepted: int = 0
+    comm_totals: tuple[CommStat, ...] = ()
+
+
+@dataclass
+class _RankState:
+    rank: int
+    host: str = "?"
+    device: str = "?"
+    host_total: int | None = None
+    device_total: int | None = None
+    last_seen: float | None = None  # collector's monotonic clock
+    mem: dict = field(default_factory=dict)
+    breakdown: dict = field(default_factory=dict)
+    comm: dict = field(default_factory=dict)  # op -> [count, bytes, seconds], cumulative
+    comm_window: deque = field(default_factory=lambda: deque(maxlen=_SAMPLE_WINDOW))  # (t, comm_s)
+    steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW))
+    last_step: dict | None = None
+    entered_seq: int | None = None
+    blocked: dict | None = None
+    blocked_seen: float | None = None
+    exit_code: int | None = None
+
+
+class Collector:
+    """Thread-safe store of everything the workers reported. See the module docstring."""
+
+    def __init__(self, *, token: str, world_size: int, run_dir: Path | None = None,
+                 total_steps: int | None = None, hang_after_s: float = 30.0,
+                 output_lines: int = 200, clock=time.monotonic):
+        self.world_size = world_size
+        self.total_steps = total_steps
+        self.hang_after_s = hang_after_s
+        self.metrics_path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
+        self._token = token.encode()
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()
+        self._ranks = {r: _RankState(r) for r in range(world_size)}
+        self._output: deque = deque(maxlen=output_lines)
+        self._dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._accepted = 0
+        self._metrics_file = None
+
+    # --- input -------------------------------------------------------------------------
+    def ingest(self, host: str, raw_line: bytes | str) -> bool:
+        """Check one raw line; apply and record it if valid. Returns whether it was accepted."""
+        if isinstance(raw_line, str):
+            raw_line = raw_line.encode("utf-8", "surrogateescape")
+        if len(raw_line) > events.MAX_LINE_BYTES:
+            return self._drop("oversized")
+        try:
+            message = json.loads(raw_line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return self._drop("malformed")
+        if not isinstance(message, dict):
+            return self._drop("malformed")
+        token = message.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token):
+            return self._drop("unauthenticated")
+        try:
+            events.validate(message, self.world_size)
+        except (events.SchemaError, ValueError, TypeError, OverflowError):
+            return self._drop("schema")
+        del message["token"]  # the token never reaches the disk
+        with self._lock:
+            try:
+                self._apply(message)
+            except Exception:  # noqa: BLE001 - a message the schema let through must still not stop the run
+                self._dropped["schema"] += 1
+                return False
+            self._accepted += 1
+            try:
+                self._append(message)
+            except OSError:
+                pass  # disk full or run dir gone: the file misses a record, the dashboard goes on
+        return True
+
+    def add_output(self, rank: int, line: str) -> None:
+        with self._lock:
+            self._output.append((rank, line))
+
+    def worker_exited(self, rank: int, returncode: int) -> None:
+        with self._lock:
+            if rank in self._ranks:
+                self._ranks[rank].exit_code = returncode
+                self._ranks[rank].blocked = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._metrics_file is not None:
+                self._metrics_file.close()
+                self._metrics_file = None
+
+    def _drop(self, reason: str) -> bool:
+        with self._lock:
+            self._dropped[reason] += 1
+        return False
+
+    def _append(self, message: dict) -> None:
+        if self.metrics_path is None:
+            return
+        if self._metrics_file is None:
+            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics_file = open(self.metrics_path, "a", buffering=1)  # line-buffered: tail -f works
+        self._metrics_file.write(json.dumps(message, separators=(",", ":")) + "\n")
+
+    def _apply(self, m: dict) -> None:
+        state = self._ranks[m["rank"]]
+        state.host = m["host"]
+        now = self._clock()
+        state.last_seen = now
+        kind = m["kind"]
+        if kind == "hello":
+            state.device = m["device"]
+            state.host_total = m.get("host_total_bytes")
+            state.device_total = m.get("device_total_bytes")
+        elif kind == "step":
+            state.last_step = m
+            state.steps.append((m["step_time_s"], m.get("samples"), m.get("tokens")))
+        elif kind == "sample":
+            state.mem = m["mem"]
+            if m.get("breakdown"):
+                state.breakdown = m["breakdown"]
+            for op, (count, nbytes, seconds) in m["comm"].items():
+                totals = state.comm.setdefault(op, [0, 0, 0.0])
+                totals[0] += count
+                totals[1] += nbytes
+                totals[2] += seconds
+            if state.comm_window and m["comm_seconds_total"] < state.comm_window[-1][1]:
+                state.comm_window.clear()  # a new recorder in the same rank: its total restarted
+            state.comm_window.append((m["t"], m["comm_seconds_total"]))
+            state.entered_seq = m["entered_seq"]
+            state.blocked = m.get("blocked")
+            state.blocked_seen = now
+
+    # --- output ------------------------------------------------------------------------
+    def snapshot(self, output_lines: int = 20) -> Snapshot:
+        with self._lock:
+            now = self._clock()
+            views = [_rank_view(s, now) for s in self._ranks.values()]
+            hang = detect_hang(views, self.hang_after_s)
+            stragglers = find_stragglers(views) | set(hang.missing if hang else ())
+            # A rank that has exited holds nobody back any more (its exit code tells its story).
+            views = [_with_straggler(v, v.rank in stragglers and v.exit_code is None) for v in views]
+            steps = [v.step for v in views if v.step is not None]
+            return Snapshot(
+                world_size=self.world_size,
+                elapsed_s=now - self._started,
+                ranks=tuple(views),
+                step=min(steps) if steps else None,
+                total_steps=self.total_steps,
+                samples_per_s=_sum_known(v.samples_per_s for v in views),
+                tokens_per_s=_sum_known(v.tokens_per_s for v in views),
+                hang=hang,
+                output=tuple(list(self._output)[-output_lines:]) if output_lines else (),
+                dropped=tuple(self._dropped.items()),
+                accepted=self._accepted,
+                comm_totals=merge_comm(v.comm for v in views),
+            )
+
+
+def _rank_view(s: _RankState, now: float) -> RankView:
+    last = s.last_step or {}
+    step_time = samples_rate = tokens_rate = None
+    if s.steps:
+        total_time = sum(t for t, _, _ in s.steps)
+        step_time = total_time / len(s.steps)
+        samples_rate = _rate([n for _, n, _ in s.steps], total_time)
+        tokens_rate = _rate([n for _, _, n in s.steps], total_time)
+    on_gpu = "cuda_allocated" in s.mem
+    blocked = None
+    if s.blocked is not None:
+        blocked = Blocked(s.blocked["seq"], s.blocked["op"], s.blocked["for_s"] + (now - s.blocked_seen))
+    comm = tuple(CommStat(op, c, b, sec) for op, (c, b, sec) in sorted(s.comm.items()))
+    total_bytes = sum(c.nbytes for c in comm)
+    total_seconds = sum(c.seconds for c in comm)
+    return RankView(
+        rank=s.rank,
+        host=s.host,
+        device=s.device,
+        step=last.get("step"),
+        loss=last.get("loss"),
+        lr=last.get("lr"),
+        loss_scale=last.get("loss_scale"),
+        step_time_s=step_time,
+        samples_per_s=samples_rate,
+        tokens_per_s=tokens_rate,
+        mem_label="gpu" if on_gpu else "rss",
+        mem_used=s.mem.get("cuda_allocated" if on_gpu else "rss"),
+        mem_peak=s.mem.get("cuda_peak" if on_gpu else "rss_peak"),
+        mem_capacity=s.device_total if on_gpu else s.host_total,
+        mem=tuple(sorted(s.mem.items())),
+        breakdown=tuple(s.breakdown.items()),
+        comm_fraction=comm_fraction(list(s.comm_window)),
+        bandwidth_bps=total_bytes / total_seconds if total_seconds > 0 else None,
+        comm=comm,
+        heartbeat_age_s=None if s.last_seen is None else now - s.last_seen,
+        entered_seq=s.entered_seq,
+        blocked=blocked,
+        exit_code=s.exit_code,
+    )
+
+
+def _with_straggler(view: RankView, straggler: bool) -> RankView:
+    from dataclasses import replace
+
+    return replace(view, straggler=straggler) if straggler else view
+
+
+def _rate(counts: list, seconds: float) -> float | None:
+    known = [c for c in counts if c is not None]
+    if not known or len(known) != len(counts) or seconds <= 0:
+        return None
+    return sum(known) / seconds
+
+
+def _sum_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+# --- pure judgements ---------------------------------------------------------------------
+def comm_fraction(window: list[tuple[float, float]]) -> float | None:
+    """Share of wall time spent in collectives over a window of (worker time, cumulative comm s).
+
+    Both numbers come from the same worker clock, so hosts with skewed clocks compare fairly.
+    """
+    if len(window) < 2:
+        return None
+    (t0, c0), (t1, c1) = window[0], window[-1]
+    if t1 <= t0:
+        return None
+    return min(1.0, max(0.0, (c1 - c0) / (t1 - t0)))
+
+
+def merge_comm(per_rank) -> tuple[CommStat, ...]:
+    """Sum CommStats by op across ranks."""
+    totals: dict[str, list] = {}
+    for stats in per_rank:
+        for c in stats:
+            t = totals.setdefault(c.op, [0, 0, 0.0])
+            t[0] += c.count
+            t[1] += c.nbytes
+            t[2] += c.seconds
+    return tuple(CommStat(op, *t) for op, t in sorted(totals.items()))
+
+
+# A straggler shows as the rank that waits least: in synchronous data parallelism every other
+# rank idles inside the collectives until it arrives. A gap of this much comm share marks it.
+STRAGGLER_COMM_GAP = 0.15
+# Or it is visibly behind: this many optimizer steps fewer than the leader.
+STRAGGLER_STEP_LAG = 2
+
+
+def find_stragglers(ranks: list[RankView]) -> set[int]:
+    """Ranks that hold the others back (empty for a single rank or without data)."""
+    if len(ranks) < 2:
+        return set()
+    slow: set[int] = set()
+    steps = [r.step for r in ranks if r.step is not None]
+    if steps:
+        leader = max(steps)
+        slow |= {r.rank for r in ranks if r.step is not None and leader - r.step >= STRAGGLER_STEP_LAG}
+    shared = [r for r in ranks if r.comm_fraction is not None]
+    for r in shared:
+        others = [o.comm_fraction for o in shared if o is not r]
+        if others and statistics.median(others) - r.comm_fraction >= STRAGGLER_COMM_GAP:
+            slow.add(r.rank)
+    return slow
+
+
+def detect_hang(ranks: list[RankView], hang_after_s: float) -> Hang | None:
+    """The earliest collective some rank has waited in for longer than ``hang_after_s``.
+
+    Ranks whose highest entered collective is below its sequence number have not entered it
+    (an SPMD program numbers its collectives the same on every rank); a rank that never sent
+    a sample counts as not entered, because it may be stuck before its first collective.
+    """
+    stuck = [r for r in ranks if r.blocked is not None and r.blocked.waited_s > hang_after_s]
+    if not stuck:
+        return None
+    seq = min(r.blocked.seq for r in stuck)
+    waiting = [r for r in ranks if r.blocked is not None and r.blocked.seq == seq]
+    op = waiting[0].blocked.op
+    missing = tuple(r.rank for r in ranks if r.entered_seq is None or r.entered_seq < seq)
+    return Hang(
+        seq=seq,
+        op=op,
+        waited_s=max(r.blocked.waited_s for r in waiting),
+        waiting=tuple(r.rank for r in waiting),
+        missing=missing,
+    )

@@ -1,0 +1,95 @@
+"""Reading RUN_DIR/metrics.jsonl back: pure series and totals for ``zerorun report``.
+
+The file is what the collector accepted, one record per line, each naming its rank (see
+events.py for the kinds). A line that does not parse (a run killed mid-write) is skipped and
+counted rather than failing the whole report.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class RankSeries:
+    """One rank's history: times are seconds since the first record of the run."""
+
+    host: str = "?"
+    mem_label: str = "rss"
+    mem_t: list[float] = field(default_factory=list)
+    mem_bytes: list[float] = field(default_factory=list)
+    mem_peak: float = 0.0
+    comm: dict[str, list] = field(default_factory=dict)  # op -> [count, bytes, seconds]
+    steps: list[int] = field(default_factory=list)
+    loss: list[float | None] = field(default_factory=list)
+    step_time_s: list[float] = field(default_factory=list)
+    samples: float = 0.0
+
+
+@dataclass
+class Metrics:
+    ranks: dict[int, RankSeries]
+    skipped_lines: int = 0
+    duration_s: float = 0.0
+
+
+def load_records(path: Path) -> tuple[list[dict], int]:
+    """The parseable records of a metrics file and how many lines were skipped."""
+    records, skipped = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                skipped += 1
+                continue
+            if isinstance(record, dict) and isinstance(record.get("rank"), int) and isinstance(record.get("t"), (int, float)):
+                records.append(record)
+            else:
+                skipped += 1
+    return records, skipped
+
+
+def summarize(records: list[dict], skipped: int = 0) -> Metrics:
+    """Fold records into per-rank series (pure)."""
+    if not records:
+        return Metrics({}, skipped)
+    t0 = min(r["t"] for r in records)
+    ranks: dict[int, RankSeries] = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        series = ranks.setdefault(r["rank"], RankSeries())
+        series.host = r.get("host", series.host)
+        kind = r.get("kind")
+        if kind == "sample":
+            mem = r.get("mem") or {}
+            on_gpu = "cuda_allocated" in mem
+            value = mem.get("cuda_allocated" if on_gpu else "rss")
+            if value is not None:
+                series.mem_label = "GPU allocated" if on_gpu else "RSS"
+                series.mem_t.append(r["t"] - t0)
+                series.mem_bytes.append(value)
+                series.mem_peak = max(series.mem_peak, mem.get("cuda_peak" if on_gpu else "rss_peak") or value)
+            for op, triple in (r.get("comm") or {}).items():
+                totals = series.comm.setdefault(op, [0, 0, 0.0])
+                for i in range(3):
+                    totals[i] += triple[i]
+        elif kind == "step":
+            series.steps.append(r.get("step"))
+            series.loss.append(r.get("loss"))
+            series.step_time_s.append(r.get("step_time_s") or 0.0)
+            series.samples += r.get("samples") or 0
+    return Metrics(dict(sorted(ranks.items())), skipped, max(r["t"] for r in records) - t0)
+
+
+def comm_ops(metrics: Metrics) -> list[str]:
+    return sorted({op for s in metrics.ranks.values() for op in s.comm})
+
+
+def throughput(series: RankSeries) -> float | None:
+    """Samples per second of training time (sum of step times), None without samples."""
+    busy = sum(series.step_time_s)
+    return series.samples / busy if series.samples and busy > 0 else None

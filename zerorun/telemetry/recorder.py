@@ -1,0 +1,277 @@
+"""The worker side of telemetry: sample memory, aggregate collectives, stream JSON lines.
+
+Created once per process by ``zerorun.telemetry.get_recorder()`` when the launcher set
+ZERORUN_TELEMETRY_FD. Three rules shape it:
+
+* Training is never held up. Collective events only update counters under a lock (a few
+  microseconds); they are flushed as one aggregate per sample, not one message each. Step
+  records are queued and written by the sampling thread just before each sample. The pipe
+  is non-blocking: what does not fit is kept in a bounded backlog, and whole messages are
+  dropped when the backlog is full (the launcher is not reading: better blind than stalled).
+* Nothing here raises into training: every write and every sample is wrapped.
+* A rank blocked in a collective must still be seen, so a daemon thread sends a sample at a
+  fixed interval naming the collective it is waiting in (see "blocked" in events.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import resource
+import sys
+import threading
+import time
+from collections import deque
+
+from zerorun.telemetry import events
+
+# A message only partly written stays in the backlog (its tail must follow, or the line is torn);
+# beyond this many bytes new messages are dropped whole.
+_BACKLOG_LIMIT = 256 * 1024
+# Step records kept between two samples; beyond this (a sampler starved for minutes) the oldest go.
+_MAX_PENDING_STEPS = 4096
+
+
+class PipeWriter:
+    """Non-blocking, drop-when-full writer of whole lines to a file descriptor. Thread-safe."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.dropped = 0
+        self._backlog = b""
+        self._lock = threading.Lock()
+        self._broken = False
+        try:
+            os.set_blocking(fd, False)
+        except OSError:
+            self._broken = True
+
+    def write(self, line: bytes) -> None:
+        with self._lock:
+            if self._broken:
+                return
+            self._drain()  # first make what room the reader has made since the last write
+            if len(self._backlog) + len(line) > _BACKLOG_LIMIT:
+                self.dropped += 1
+                return
+            self._backlog += line
+            self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while self._backlog:
+                written = os.write(self.fd, self._backlog)
+                self._backlog = self._backlog[written:]
+        except BlockingIOError:
+            pass
+        except OSError:
+            # The reader went away (launcher gone, EPIPE): stop writing, keep training.
+            self._broken = True
+            self._backlog = b""
+
+
+class Recorder:
+    """Collects one worker's telemetry and writes it through a ``PipeWriter``.
+
+    Observer of zerorun.zero.collectives (collective_started / collective_finished) and the
+    runtime's ``record_step`` / ``set_memory_breakdown`` target.
+    """
+
+    def __init__(self, writer: PipeWriter, *, token: str, rank: int, host: str, world_size: int,
+                 interval_s: float = 1.0, clock=time.time):
+        self.writer = writer
+        self.interval_s = interval_s
+        self._clock = clock
+        self._envelope = {"v": events.VERSION, "token": token, "rank": rank, "host": host}
+        self._world_size = world_size
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._comm: dict[str, list] = {}  # op -> [count, bytes, seconds] since the last sample
+        self._comm_seconds_total = 0.0
+        self._entered_seq = -1
+        self._in_flight: dict[int, tuple[str, float]] = {}  # seq -> (op, monotonic start)
+        self._breakdown: dict | None = None
+        # Steps wait here for the next sample (at most interval_s): one burst of writes per
+        # interval, not a syscall per step in the training thread nor a launcher wake-up per step.
+        self._pending_steps: deque = deque(maxlen=_MAX_PENDING_STEPS)
+        self.steps_dropped = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        """Send hello, subscribe to collectives, start the sampling thread, flush at exit."""
+        from zerorun.zero import collectives
+
+        self._send("hello", pid=self._pid, world_size=self._world_size, **_device_info())
+        collectives.add_observer(self)
+        self._thread = threading.Thread(target=self._sample_loop, name="zerorun-telemetry", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stop sampling and send a last sample and a ``bye`` (idempotent)."""
+        from zerorun.zero import collectives
+
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        collectives.remove_observer(self)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval_s + 1)
+        self.send_sample()
+        self._send("bye")
+
+    # --- runtime contract --------------------------------------------------------------
+    def record_step(self, *, step: int, step_time_s: float, loss=None, loss_scale=None, lr=None,
+                    samples=None, tokens=None, **_ignored) -> None:
+        if os.getpid() != self._pid:  # a forked child (e.g. a DataLoader worker) stays silent
+            return
+        try:
+            message = {**self._envelope, "kind": "step", "t": self._clock(), "step": int(step),
+                       "step_time_s": float(step_time_s), "loss": _number(loss), "loss_scale": _number(loss_scale),
+                       "lr": _number(lr), "samples": _number(samples), "tokens": _number(tokens)}
+            with self._lock:
+                if len(self._pending_steps) == self._pending_steps.maxlen:
+                    self.steps_dropped += 1  # the oldest goes: the sampler has not run for a long time
+                self._pending_steps.append(message)
+        except Exception:  # noqa: BLE001 - telemetry must never break training
+            pass
+
+    def set_memory_breakdown(self, breakdown: dict) -> None:
+        with self._lock:
+            self._breakdown = {str(k): _number(v) for k, v in dict(breakdown).items()}
+
+    # --- collectives observer ----------------------------------------------------------
+    def collective_started(self, seq: int, op: str, nbytes: int) -> None:
+        with self._lock:
+            self._in_flight[seq] = (op, time.monotonic())
+            if seq > self._entered_seq:
+                self._entered_seq = seq
+
+    def collective_finished(self, seq: int, op: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._in_flight.pop(seq, None)
+            totals = self._comm.get(op)
+            if totals is None:
+                totals = self._comm[op] = [0, 0, 0.0]
+            totals[0] += 1
+            totals[1] += int(nbytes)
+            totals[2] += float(seconds)
+            self._comm_seconds_total += float(seconds)
+
+    # --- sampling ----------------------------------------------------------------------
+    def send_sample(self) -> None:
+        if os.getpid() != self._pid:
+            return
+        try:
+            mem = sample_memory()
+            with self._lock:
+                steps = list(self._pending_steps)
+                self._pending_steps.clear()
+                comm, self._comm = self._comm, {}
+                blocked = self._oldest_in_flight()
+                fields = dict(mem=mem, comm=comm, comm_seconds_total=self._comm_seconds_total,
+                              entered_seq=self._entered_seq, blocked=blocked)
+                if self._breakdown is not None:
+                    fields["breakdown"] = self._breakdown
+            for message in steps:
+                self.writer.write(events.encode(message))
+            self._send("sample", **fields)
+        except Exception:  # noqa: BLE001 - a failed sample is skipped, never fatal
+            pass
+
+    def _oldest_in_flight(self) -> dict | None:
+        if not self._in_flight:
+            return None
+        seq = min(self._in_flight)
+        op, since = self._in_flight[seq]
+        return {"seq": seq, "op": op, "for_s": round(time.monotonic() - since, 3)}
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.send_sample()
+
+    def _send(self, kind: str, **fields) -> None:
+        message = {**self._envelope, "kind": kind, "t": self._clock(), **fields}
+        self.writer.write(events.encode(message))
+
+
+def sample_memory() -> dict:
+    """This process's memory now, in bytes; keys follow events.py, absent when unknown."""
+    import psutil
+
+    mem = {"rss": psutil.Process().memory_info().rss}
+    # ru_maxrss is the kernel's true peak (KiB on Linux, bytes on macOS), not our sampled max.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # The kernel updates its high-water mark lazily, so it can trail the current RSS a little.
+    mem["rss_peak"] = max(mem["rss"], peak if sys.platform == "darwin" else peak * 1024)
+    torch = sys.modules.get("torch")  # never import torch just to look at it
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        mem["cuda_allocated"] = torch.cuda.memory_allocated()
+        mem["cuda_reserved"] = torch.cuda.memory_reserved()
+        mem["cuda_peak"] = torch.cuda.max_memory_allocated()
+        try:
+            pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")
+            if pinned is not None:
+                mem["pinned"] = int(pinned)
+        except Exception:  # noqa: BLE001 - older torch: pinned memory is not knowable
+            pass
+    return mem
+
+
+def _device_info() -> dict:
+    import psutil
+
+    info = {"device": "cpu", "host_total_bytes": psutil.virtual_memory().total}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
+        info["device"] = f"cuda:{index}"
+        info["device_total_bytes"] = torch.cuda.get_device_properties(index).total_memory
+    return info
+
+
+def _number(value):
+    """Floats for JSON: tensors and numpy scalars become plain numbers, anything else None."""
+    if value is None:
+        return None
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError):
+        return None
+
+
+def recorder_from_env(env=os.environ) -> Recorder | None:
+    """A started Recorder when the launcher passed a telemetry fd (and the run's config.json
+    does not say ``telemetry: {enabled: false}``), else None. The sampling interval is
+    ZERORUN_TELEMETRY_INTERVAL, else the config's ``telemetry.interval_s``."""
+    fd = env.get("ZERORUN_TELEMETRY_FD")
+    if not fd:
+        return None
+    from zerorun.telemetry.settings import telemetry_config
+
+    config = telemetry_config(env.get("ZERORUN_CONFIG"))
+    if not config.enabled:
+        return None
+    try:
+        interval = float(env.get("ZERORUN_TELEMETRY_INTERVAL") or config.interval_s)
+        writer = PipeWriter(int(fd))
+        recorder = Recorder(
+            writer,
+            token=env.get("ZERORUN_RUN_TOKEN", ""),
+            rank=int(env.get("RANK", "0")),
+            host=env.get("ZERORUN_HOST") or _hostname(),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            interval_s=interval if interval > 0 else 1.0,
+        )
+    except (ValueError, OSError):
+        return None
+    recorder.start()
+    return recorder
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

@@ -1,0 +1,236 @@
+"""Pure drawing: ``render(snapshot)`` -> a Rich renderable; no I/O, no clocks, no state.
+
+Everything the dashboard shows is computed by zerorun.telemetry.collector and handed over as
+a frozen ``Snapshot``; this module only lays it out, so it is tested by printing into
+``Console(record=True)``. ``render_plain`` and ``render_summary`` draw the same snapshot as
+one log line (not a terminal) and as the end-of-run table.
+"""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from zerorun.telemetry.collector import RankView, Snapshot
+
+# A rank silent for this long is drawn yellow, then red: samples arrive every interval_s (1 s).
+STALE_AFTER_S = 5.0
+LOST_AFTER_S = 15.0
+OUTPUT_PANEL_LINES = 8
+MEMORY_BAR_WIDTH = 10
+
+
+def render(snapshot: Snapshot):
+    parts = [_header(snapshot)]
+    if snapshot.total_steps:
+        parts.append(_progress(snapshot))
+    parts.append(_rank_table(snapshot))
+    if snapshot.hang is not None:
+        parts.append(Text(hang_message(snapshot), style="bold red"))
+    dropped = dropped_message(snapshot)
+    if dropped:
+        parts.append(Text(dropped, style="yellow"))
+    if snapshot.output:
+        lines = Text("\n").join(
+            Text.assemble((output_prefix(rank) + " ", "dim"), line) for rank, line in snapshot.output[-OUTPUT_PANEL_LINES:]
+        )
+        parts.append(Panel(lines, title="output", title_align="left", border_style="dim"))
+    return Group(*parts)
+
+
+def output_prefix(rank: int) -> str:
+    """``[rank3]``; a negative rank is a line from the launcher's agent, not from a worker."""
+    return f"[rank{rank}]" if rank >= 0 else "[zerorun]"
+
+
+def _header(s: Snapshot) -> Text:
+    text = Text.assemble(("zerorun", "bold cyan"), f"  {s.world_size} rank{'s' if s.world_size != 1 else ''}  {fmt_duration(s.elapsed_s)}")
+    if s.step is not None:
+        text.append(f"  step {s.step}" + (f"/{s.total_steps}" if s.total_steps else ""))
+    if s.samples_per_s is not None:
+        text.append(f"  {fmt_rate(s.samples_per_s)} samples/s", style="bold")
+    if s.tokens_per_s is not None:
+        text.append(f"  {fmt_rate(s.tokens_per_s)} tokens/s")
+    return text
+
+
+def _progress(s: Snapshot) -> Text:
+    done = min(s.step or 0, s.total_steps)
+    return Text.assemble(bar(done / s.total_steps, 40, "cyan"), f" {100 * done / s.total_steps:.0f}%")
+
+
+def _rank_table(s: Snapshot) -> Table:
+    # A light box and short cells: the table must fit a 100-column terminal with 8 columns.
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, padding=(0, 1), collapse_padding=True)
+    labels = sorted({r.mem_label for r in s.ranks if r.mem_used is not None})
+    mixed = len(labels) > 1  # e.g. some ranks on GPU, some on CPU: label every cell instead
+    memory = f"memory ({labels[0]})" if len(labels) == 1 else "memory"
+    for name, justify in (("rank", "right"), ("host", "left"), ("step", "right"), (memory, "left"),
+                          ("peak", "right"), ("comm", "right"), ("bandwidth", "right"),
+                          ("seen", "right"), ("", "left")):
+        table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))
+    for r in s.ranks:
+        table.add_row(
+            str(r.rank),
+            Text(r.host),  # Text, not str: a host name is never read as markup
+            "-" if r.step is None else str(r.step),
+            _memory_cell(r, with_label=mixed),
+            fmt_bytes(r.mem_peak),
+            "-" if r.comm_fraction is None else f"{100 * r.comm_fraction:.0f}%",
+            "-" if r.bandwidth_bps is None else f"{fmt_bytes(r.bandwidth_bps)}/s",
+            _heartbeat_cell(r),
+            _status_cell(r),
+        )
+    return table
+
+
+def _memory_cell(r: RankView, with_label: bool) -> Text:
+    """A bar against capacity and the numbers; the gpu/rss label only when ranks differ."""
+    if r.mem_used is None:
+        return Text("-")
+    label = f"{r.mem_label} {fmt_bytes(r.mem_used)}" if with_label else fmt_bytes(r.mem_used)
+    if not r.mem_capacity:
+        return Text(label)
+    fraction = min(1.0, r.mem_used / r.mem_capacity)
+    style = "red" if fraction > 0.9 else "yellow" if fraction > 0.75 else "green"
+    return Text.assemble(bar(fraction, MEMORY_BAR_WIDTH, style), f" {label}/{fmt_bytes(r.mem_capacity)}")
+
+
+def bar(fraction: float, width: int, style: str = "green") -> Text:
+    """A fixed-width bar of block characters, readable without colour (logs, recorded consoles)."""
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return Text.assemble(("█" * filled, style), ("░" * (width - filled), "dim"))
+
+
+def _heartbeat_cell(r: RankView) -> Text:
+    if r.heartbeat_age_s is None:
+        return Text("never", style="red")
+    style = "red" if r.heartbeat_age_s > LOST_AFTER_S else "yellow" if r.heartbeat_age_s > STALE_AFTER_S else "green"
+    return Text(f"{r.heartbeat_age_s:.0f}s", style=style)
+
+
+def _status_cell(r: RankView) -> Text:
+    text = Text()
+    if r.exit_code is not None:
+        text.append(f"exited {r.exit_code}", style="green" if r.exit_code == 0 else "bold red")
+    elif r.blocked is not None and r.blocked.waited_s >= 1:
+        text.append(f"in #{r.blocked.seq} {r.blocked.op} {r.blocked.waited_s:.0f}s", style="yellow")
+    if r.straggler:
+        text.append(" ◀ straggler" if text else "◀ straggler", style="bold magenta")
+    return text
+
+
+def hang_message(s: Snapshot) -> str:
+    h = s.hang
+    if h is None:
+        return ""
+    waiting = f"rank{'s' if len(h.waiting) > 1 else ''} {_ranks(h.waiting)} waiting {h.waited_s:.0f}s"
+    if h.missing:
+        who = f"rank{'s' if len(h.missing) > 1 else ''} {_ranks(h.missing)}"
+        return f"HANG: {who} {'have' if len(h.missing) > 1 else 'has'} not entered collective #{h.seq} ({h.op}); {waiting}"
+    return f"HANG: collective #{h.seq} ({h.op}) entered by every rank but not finished; {waiting}"
+
+
+def dropped_message(s: Snapshot) -> str:
+    counts = [(reason, n) for reason, n in s.dropped if n]
+    if not counts:
+        return ""
+    total = sum(n for _, n in counts)
+    return f"dropped {total} telemetry line{'s' if total > 1 else ''} (" + ", ".join(f"{n} {r}" for r, n in counts) + ")"
+
+
+def render_plain(s: Snapshot) -> str:
+    """One log line for logs and pipes: the same facts as the dashboard, no escape codes."""
+    head = f"[zerorun] {fmt_duration(s.elapsed_s)}"
+    if s.step is not None:
+        head += f" step {s.step}" + (f"/{s.total_steps}" if s.total_steps else "")
+    if s.samples_per_s is not None:
+        head += f" {fmt_rate(s.samples_per_s)} samples/s"
+    parts = [head]
+    for r in s.ranks:
+        item = f"r{r.rank} mem {fmt_bytes(r.mem_used)}"
+        if r.comm_fraction is not None:
+            item += f" comm {100 * r.comm_fraction:.0f}%"
+        if r.straggler:
+            item += " STRAGGLER"
+        parts.append(item)
+    line = " | ".join(parts)
+    if s.hang is not None:
+        line += " | " + hang_message(s)
+    return line
+
+
+def render_summary(s: Snapshot, failed: bool = False):
+    """End-of-run table: per-rank peak memory, time per collective type, throughput."""
+    ops = [c.op for c in s.comm_totals]
+    table = Table(title=f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})",
+                  header_style="bold", title_justify="left")
+    with_state = any(r.breakdown for r in s.ranks)
+    state_column = ("model state",) if with_state else ()
+    for name in ("rank", "host", "steps", "peak memory", *state_column, *(f"{op} s" for op in ops), "samples/s"):
+        table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
+    for r in s.ranks:
+        seconds = {c.op: c for c in r.comm}
+        table.add_row(
+            str(r.rank),
+            Text(r.host),  # Text, not str: a host name is never read as markup
+            "-" if r.step is None else str(r.step),
+            f"{r.mem_label} {fmt_bytes(r.mem_peak)}" if r.mem_peak is not None else "-",
+            *((fmt_bytes(model_state_bytes(r)),) if with_state else ()),
+            *(_comm_cell(seconds.get(op)) for op in ops),
+            "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
+        )
+    parts = [table]
+    if s.samples_per_s is not None:
+        parts.append(Text(f"job throughput: {fmt_rate(s.samples_per_s)} samples/s"
+                          + (f", {fmt_rate(s.tokens_per_s)} tokens/s" if s.tokens_per_s else "")))
+    if s.hang is not None:
+        parts.append(Text(hang_message(s), style="bold red"))
+    dropped = dropped_message(s)
+    if dropped:
+        parts.append(Text(dropped, style="yellow"))
+    return Group(*parts)
+
+
+def model_state_bytes(r: RankView):
+    """The engine's own total when it sends one, else the sum of its parts; None without a breakdown."""
+    parts = dict(r.breakdown)
+    if not parts:
+        return None
+    if parts.get("total") is not None:
+        return parts["total"]
+    return sum(v for v in parts.values() if v is not None)
+
+
+def _comm_cell(c) -> str:
+    return "-" if c is None else f"{c.seconds:.3f} ({c.count}×)"
+
+
+def _ranks(ranks) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+def fmt_rate(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.1f}"
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
