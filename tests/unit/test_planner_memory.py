@@ -1,0 +1,219 @@
+"""pytest tests/unit/test_planner_memory.py: the pure memory model and the option planner."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerorun.errors import PlannerError
+from zerorun.planner.activations import ActivationJob, activation_bytes, layer_activation_bytes
+from zerorun.planner.architecture import ModelSpec
+from zerorun.planner.memory import (
+    GRADIENT_BUCKETS_IN_FLIGHT,
+    Job,
+    Training,
+    communication_buffer_bytes,
+    estimate,
+    shard,
+    step_workspace_bytes,
+)
+from zerorun.planner.plan import Limits, make_plan
+from zerorun.planner.presets import PRESETS, preset_spec
+
+SEVEN_B = ModelSpec("7B", 7_000_000_000)
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(0, 112.0), (1, 38.5), (2, 26.25), (3, 14.0)])
+def test_seed_table_7b_on_8_gpus(stage, expected_gb):
+    est = estimate(SEVEN_B, Job(gpus_per_node=8), Training(stage=stage, precision="bf16"))
+    assert est.model_state == pytest.approx(expected_gb * 1e9, rel=0, abs=1)
+
+
+def test_seed_table_splits_into_params_grads_optimizer():
+    # 16-bit: params 2Ψ, grads 2Ψ, fp32 master + Adam moments 12Ψ; stage 2 shards grads+optimizer.
+    est = estimate(SEVEN_B, Job(8), Training(stage=2))
+    assert (est.params, est.grads, est.optimizer) == (14e9, 14e9 / 8, 84e9 / 8)
+
+
+def test_fp32_training_has_no_master_copy():
+    psi, n = 1_000_000, 4
+    model = ModelSpec("m", psi)
+    stage0 = estimate(model, Job(n), Training(stage=0, precision="fp32"))
+    assert (stage0.params, stage0.grads, stage0.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    stage1 = estimate(model, Job(n), Training(stage=1, precision="fp32"))
+    assert stage1.model_state == 4 * psi + 4 * psi + 8 * psi / n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    psi=st.integers(1, 10**12),
+    n=st.integers(1, 4096),
+    precision=st.sampled_from(["fp32", "bf16", "fp16"]),
+)
+def test_stages_never_grow_and_stage3_is_stage0_over_n(psi, n, precision):
+    model = ModelSpec("m", psi)
+    states = [estimate(model, Job(n), Training(stage=s, precision=precision)).model_state for s in range(4)]
+    assert states == sorted(states, reverse=True)
+    # Stage 3 shards everything: N shards together hold stage 0's state, plus at most the padding.
+    bytes_per_param = states[0] / psi
+    assert states[3] * n == pytest.approx(states[0], abs=bytes_per_param * n)
+
+
+def test_shards_are_padded_up():
+    assert shard(10, 3) == 4
+    assert shard(9, 3) == 3
+
+
+def test_cpu_optimizer_offload_moves_the_optimizer_shard_to_the_host():
+    job = Job(gpus_per_node=4, nodes=2)
+    on_gpu = estimate(SEVEN_B, job, Training(stage=2))
+    offloaded = estimate(SEVEN_B, job, Training(stage=2, offload="cpu-optimizer"))
+    assert offloaded.optimizer == 0
+    assert offloaded.params == on_gpu.params and offloaded.grads == on_gpu.grads
+    staging = 4 * Training().reduce_bucket_size  # one fp32 gradient bucket per rank
+    assert offloaded.host_per_rank == on_gpu.optimizer + staging
+    assert offloaded.host_per_node == 4 * (on_gpu.optimizer + staging)
+
+
+def test_param_offload_and_nvme_move_the_parameter_shard_too():
+    job = Job(8)
+    base = estimate(SEVEN_B, job, Training(stage=3))
+    cpu = estimate(SEVEN_B, job, Training(stage=3, offload="cpu-optimizer+params"))
+    nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme"))
+    assert cpu.params == 0 and nvme.params == 0
+    assert cpu.host_per_rank > base.optimizer + base.params
+    assert nvme.nvme_per_rank == base.optimizer + base.params
+    assert nvme.host_per_rank < cpu.host_per_rank  # only staging buffers stay in host memory
+
+
+@pytest.mark.parametrize("stage, offload", [(0, "cpu-optimizer"), (0, "nvme"), (2, "cpu-optimizer+params")])
+def test_unsupported_offload_is_a_planner_error(stage, offload):
+    with pytest.raises(PlannerError):
+        estimate(SEVEN_B, Job(8), Training(stage=stage, offload=offload))
+
+
+@pytest.mark.parametrize("gpus, nodes", [(0, 1), (-1, 1), (8, 0)])
+def test_bad_job_sizes_are_planner_errors(gpus, nodes):
+    with pytest.raises(PlannerError):
+        Job(gpus_per_node=gpus, nodes=nodes)
+
+
+def test_comm_buffers_follow_bucket_sizes_and_vanish_on_one_rank():
+    model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
+    small = Training(stage=2, reduce_bucket_size=1000)
+    alive, in_flight = GRADIENT_BUCKETS_IN_FLIGHT + 1, GRADIENT_BUCKETS_IN_FLIGHT
+    # A 300M-element layer cannot be split: it becomes a bucket of its own.
+    assert communication_buffer_bytes(model, Job(2), small) == alive * 2 * 300_000_000 + in_flight * 2 * 150_000_000
+    many_small = ModelSpec("m", 10**9, 10)
+    assert communication_buffer_bytes(many_small, Job(2), small) == alive * 2 * 1000 + in_flight * 2 * 500
+    assert communication_buffer_bytes(model, Job(1), small) == 0
+    # A model that fits in one bucket only ever has that one bucket alive.
+    one_bucket = ModelSpec("m", 10_000, 100)
+    assert communication_buffer_bytes(one_bucket, Job(4), Training(stage=2)) == 2 * 10_000 + 2 * 2_500
+    # Stages 0/1 reduce and gather in place.
+    assert communication_buffer_bytes(model, Job(2), Training(stage=1)) == 0
+    # Stage 3 gathers whole layers: the running one, the prefetched one, and layer-sized buckets.
+    stage3 = Training(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=10)
+    layer = 300_000_000
+    assert communication_buffer_bytes(model, Job(2), stage3) == 2 * 2 * layer + alive * 2 * layer + in_flight * layer
+
+
+def test_the_engine_constants_match_the_planner():
+    from zerorun.zero import grad_reduce
+
+    assert grad_reduce.MAX_IN_FLIGHT == GRADIENT_BUCKETS_IN_FLIGHT
+
+
+def test_workspace_depends_on_precision_and_device():
+    psi, n = 10_000_000, 2
+    model = ModelSpec("m", psi, largest_layer_params=1000, param_sizes=(1000,) * (psi // 1000))
+    cpu32 = step_workspace_bytes(model, Job(n), Training(stage=1, precision="fp32", device="cpu",
+                                                           reduce_bucket_size=100_000))
+    assert cpu32 == 4 * 1000 + 2 * 4 * (100_000 // n)
+    cuda32 = step_workspace_bytes(model, Job(n), Training(stage=1, precision="fp32", device="cuda"))
+    assert cuda32 == 4 * 1000 + 4 * psi // n
+    # bf16 stage 1 upcasts its gradient slice; stage 2 keeps fp32 gradient shards.
+    bf16_1 = step_workspace_bytes(model, Job(n), Training(stage=1, precision="bf16", device="cuda"))
+    bf16_2 = step_workspace_bytes(model, Job(n), Training(stage=2, precision="bf16", device="cuda"))
+    assert bf16_1 == 2 * 1000 + 4 * psi // n + 4 * psi // n
+    assert bf16_2 == 2 * 1000 + 2 * psi // n + 4 * psi // n
+
+
+def test_stage3_keeps_small_tensors_whole():
+    model = ModelSpec("m", 1_000_000 + 50, param_sizes=(1_000_000, 50))
+    est = estimate(model, Job(10), Training(stage=3, precision="fp32", param_persistence_threshold=100))
+    assert est.params == 4 * (100_000 + 50)
+    assert est.grads == 4 * shard(1_000_050, 10)  # their gradients are still sharded
+
+
+def test_activations_reduce_to_the_paper_formula_for_gpt2():
+    # The paper assumes a fused GeLU; the gpt2 preset models HF's unfused one (3 more s·b·i).
+    shape = replace(PRESETS["gpt2"], unfused_gelu=False)
+    b, s, h, a = 2, 1024, shape.hidden, shape.heads
+    job = ActivationJob(micro_batch=b, seq_len=s)
+    # Korthikanti et al. 2022, eq. (1): s*b*h*(34 + 5*a*s/h) bytes per layer in 16-bit.
+    assert layer_activation_bytes(shape, job, q=2) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(shape, job, q=4) == 2 * layer_activation_bytes(shape, job, q=2)
+    unfused = layer_activation_bytes(PRESETS["gpt2"], job, q=2)
+    assert unfused - layer_activation_bytes(shape, job, q=2) == 2 * 3 * s * b * shape.intermediate
+
+
+def test_checkpointing_keeps_layer_inputs_plus_one_layer():
+    shape = PRESETS["llama-7b"]
+    full = activation_bytes(shape, ActivationJob(1, 4096), q=2)
+    ckpt = activation_bytes(shape, ActivationJob(1, 4096, checkpointing=True), q=2)
+    per_layer = layer_activation_bytes(shape, ActivationJob(1, 4096), q=2)
+    logits = 1 * 4096 * shape.vocab * (2 + 4)
+    assert full == pytest.approx(shape.layers * per_layer + logits)
+    assert ckpt == pytest.approx(shape.layers * 2 * 4096 * shape.hidden + per_layer + logits)
+    assert ckpt < full / 5
+
+
+def test_activations_are_unknown_without_an_architecture():
+    est = estimate(SEVEN_B, Job(8), Training(), ActivationJob(1, 2048))
+    assert est.activations is None
+    est = estimate(preset_spec("llama-7b"), Job(8), Training(), ActivationJob(1, 2048))
+    assert est.activations > 0
+
+
+def test_plan_recommends_the_cheapest_option_that_fits():
+    def pick(gpu_gb, host_gb=None):
+        plan = make_plan(SEVEN_B, Job(8), Training(), limits=Limits(gpu_gb * 1e9, host_gb and host_gb * 1e9))
+        best = plan.recommended
+        return None if best is None else (best.estimate.stage, best.estimate.offload)
+
+    # 7B, 8 GPUs, bf16 on CUDA. GPU totals derived by hand from docs/estimate.md; buffers are
+    # max(backward: buckets/gathers + fp32 grad shard extra, step: that extra + Adam temporaries):
+    # stage 0: 112 + upcast 28 + foreach Adam 28 = 168;  stage 1: 38.5 + 3.5 + 3.5 = 45.5
+    # (buckets of 6.25M elements: 3 x 0.0125 GB alive + 2 x 0.0015625 GB receive slices = 0.040625)
+    # stage 2: 26.25 + max(buckets 0.040625 + fp32 grad shard extra 1.75, 1.75 + Adam 3.5) = 31.5
+    # stage 3: 14 + max(gathered 2 x 0.0125 + buckets 0.040625 + 1.75, 1.75 + 3.5) = 19.25
+    # stage 2 + cpu optimizer: 14 + 1.75 + 0.040625 = 15.790625 (nothing else stays on the GPU)
+    # stage 3 + cpu optimizer: 1.75 + 1.75 + 0.065625 = 3.565625
+    assert pick(170) == (0, "none")
+    assert pick(167) == (1, "none")
+    assert pick(46) == (1, "none")
+    assert pick(45) == (2, "none")
+    assert pick(31.85) == (2, "none")
+    assert pick(20) == (3, "none")
+    assert pick(19.3) == (3, "none")
+    assert pick(19.2) == (2, "cpu-optimizer")
+    assert pick(15.8) == (2, "cpu-optimizer")
+    assert pick(15.78) == (3, "cpu-optimizer")
+    assert pick(4.1) == (3, "cpu-optimizer")
+    # the host cannot hold 8 optimizer shards (8 x 10.7 GB), NVMe can
+    assert pick(4.1, host_gb=50) == (3, "nvme")
+    assert pick(0.1) is None
+
+
+def test_plan_lists_every_supported_option_once():
+    plan = make_plan(SEVEN_B, Job(8), Training())
+    labels = [(o.estimate.stage, o.estimate.offload) for o in plan.options]
+    assert len(labels) == len(set(labels)) == 11
+    assert plan.recommended is None  # no limits: no verdict
+    assert plan.requested.estimate.stage == 0
+    assert all(math.isfinite(o.estimate.gpu_total) for o in plan.options)

@@ -1,0 +1,99 @@
+"""Count a real ``nn.Module``'s parameters without allocating them: build it on the meta device.
+
+``--model module:function`` (or ``path/to/file.py:function``) names a function that returns
+the model; it is called under ``torch.device("meta")`` so a 70B model costs no memory.
+Tied parameters (the same tensor reached twice, e.g. GPT-2's lm_head) count once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+from zerorun.errors import PlannerError
+from zerorun.planner.architecture import ModelSpec
+
+
+def count_module(model, name: str) -> ModelSpec:
+    """ModelSpec of a built module (meta or real): unique parameter tensors and the largest layer."""
+    from zerorun.zero.partition import module_tree
+
+    sizes = unique_parameter_sizes(model)
+    if not sizes:
+        raise PlannerError(f"model {name!r} has no parameters")
+    return ModelSpec(
+        name=name,
+        num_params=sum(sizes),
+        largest_layer_params=largest_layer_elements(model),
+        param_sizes=tuple(sizes),
+        module_tree=module_tree(model),
+    )
+
+
+def largest_layer_elements(model) -> int:
+    """Elements held directly by the biggest module (weight + bias of one Linear, say).
+
+    ZeRO-3 gathers one module's own parameters at a time, so this is the smallest gather
+    buffer that can work.
+    """
+    return max(
+        (sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()),
+        default=0,
+    )
+
+
+def unique_parameter_sizes(model) -> list[int]:
+    # named_parameters() already skips repeats of the same Parameter object (tied weights).
+    return [p.numel() for _, p in model.named_parameters()]
+
+
+def load_factory(target: str) -> Callable:
+    """``"pkg.module:fn"`` or ``"path/file.py:fn"`` -> the function (imported, not called)."""
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise PlannerError(
+            f"--model {target!r} is not module:function",
+            hint="e.g. --model mypkg.models:build or --model train.py:build_model",
+        )
+    module = _import(module_name, target)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise PlannerError(f"{module_name!r} has no function {attr!r} (from --model {target!r})")
+    return factory
+
+
+def _import(module_name: str, target: str):
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise PlannerError(f"--model {target!r}: no file {module_name!r}")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(path.stem, module)
+        spec.loader.exec_module(module)
+        return module
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # like `python -m`, let the user's cwd be importable
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        raise PlannerError(f"--model {target!r}: cannot import {module_name!r} ({err})") from None
+
+
+def build_on_meta(factory: Callable):
+    """Call ``factory()`` with the meta device as default: shapes only, no storage."""
+    import torch
+
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise PlannerError(f"the --model function returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def spec_from_factory(target: str) -> ModelSpec:
+    model = build_on_meta(load_factory(target))
+    return count_module(model, target)

@@ -1,0 +1,335 @@
+"""The memory model: bytes per GPU, per host and on NVMe for one training configuration (pure).
+
+Symbols (docs/estimate.md writes each formula out): Ψ parameters, N ranks in the job,
+p bytes per parameter and per gradient (2 in bf16/fp16 training, 4 in fp32), K bytes of
+optimizer state per parameter (Adam: fp32 momentum + variance = 8, plus a 4-byte fp32 master
+copy when the parameters are 16-bit, so K = 12 there and 8 in fp32 training).
+
+    stage 0: params pΨ     grads pΨ     optimizer KΨ
+    stage 1: params pΨ     grads pΨ     optimizer KΨ/N
+    stage 2: params pΨ     grads pΨ/N   optimizer KΨ/N
+    stage 3: params pΨ/N   grads pΨ/N   optimizer KΨ/N
+
+Shards are ceil(Ψ/N) elements (the flat buffers pad to a multiple of N). Communication
+buffers and activations are separate columns so the model-state column is the textbook one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from zerorun.errors import PlannerError
+from zerorun.planner.activations import ActivationJob, activation_bytes
+from zerorun.planner.architecture import ModelSpec
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Offload = Literal["none", "cpu-optimizer", "cpu-optimizer+params", "nvme"]
+OFFLOADS: tuple[Offload, ...] = ("none", "cpu-optimizer", "cpu-optimizer+params", "nvme")
+STAGES = (0, 1, 2, 3)
+ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per parameter
+MASTER_COPY_BYTES = 4  # fp32 master weights, only when the trained parameters are 16-bit
+# Note [engine buffers]: these mirror zerorun/zero. grad_reduce.MAX_IN_FLIGHT reduce-scatters
+# may be outstanding while one more bucket fills; param_gather keeps the running module's
+# parameters and one prefetched module's gathered.
+GRADIENT_BUCKETS_IN_FLIGHT = 2
+GATHERED_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where the job runs: ``gpus_per_node`` ranks on each of ``nodes`` hosts.
+
+    A hostfile with uneven slots sets ``total_ranks`` (the sum) and ``gpus_per_node`` to the
+    largest host, so per-host figures are for the fullest host.
+    """
+
+    gpus_per_node: int
+    nodes: int = 1
+    total_ranks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise PlannerError(f"--gpus must be at least 1 (got {self.gpus_per_node})")
+        if self.nodes < 1:
+            raise PlannerError(f"--nodes must be at least 1 (got {self.nodes})")
+
+    @property
+    def world_size(self) -> int:
+        return self.total_ranks or self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the job trains. Bucket sizes are element counts, as in ``config.zero``."""
+
+    stage: int = 0
+    precision: Precision = "bf16"
+    offload: Offload = "none"
+    reduce_bucket_size: int = 6_250_000  # config.ZeroConfig's default
+    allgather_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    device: Literal["cuda", "cpu"] = "cuda"  # where the step runs: decides Adam's temporaries
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise PlannerError(f"ZeRO stage must be 0, 1, 2 or 3 (got {self.stage})")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise PlannerError(f"precision must be fp32, bf16 or fp16 (got {self.precision!r})")
+        if self.offload not in OFFLOADS:
+            raise PlannerError(f"offload must be one of {', '.join(OFFLOADS)} (got {self.offload!r})")
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def optimizer_bytes(self) -> int:
+        master = 0 if self.precision == "fp32" else MASTER_COPY_BYTES
+        return ADAM_STATE_BYTES + master
+
+
+def offload_supported(stage: int, offload: Offload) -> bool:
+    """Offload moves *sharded* state: optimizer offload needs stage >= 1, parameter offload stage 3."""
+    if offload == "none":
+        return True
+    if offload == "cpu-optimizer+params":
+        return stage == 3
+    return stage >= 1
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes for one rank (GPU and its share of host/NVMe) and the per-host/NVMe totals."""
+
+    stage: int
+    offload: Offload
+    params: float
+    grads: float
+    optimizer: float
+    comm_buffers: float
+    workspace: float
+    backward_workspace: float
+    activations: float | None
+    host_per_rank: float
+    nvme_per_rank: float
+    ranks_per_host: int
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def buffers(self) -> float:
+        """Transient memory at its peak, not model state. Backward's buckets and gathers are
+        all freed before the optimizer step allocates its workspace, so the two phases' peaks
+        do not add: the larger one counts (docs/estimate.md)."""
+        return max(self.comm_buffers + self.backward_workspace, self.workspace)
+
+    @property
+    def gpu_total(self) -> float:
+        return self.model_state + self.buffers + (self.activations or 0.0)
+
+    @property
+    def host_per_node(self) -> float:
+        return self.host_per_rank * self.ranks_per_host
+
+    @property
+    def nvme_per_node(self) -> float:
+        return self.nvme_per_rank * self.ranks_per_host
+
+
+def shard(elements: int, world_size: int) -> int:
+    """Elements of one rank's shard: the flat buffer is padded to a multiple of N."""
+    return math.ceil(elements / world_size)
+
+
+def estimate(model: ModelSpec, job: Job, training: Training,
+             activation_job: ActivationJob | None = None) -> MemoryEstimate:
+    if not offload_supported(training.stage, training.offload):
+        raise PlannerError(
+            f"offload {training.offload!r} is not available at ZeRO stage {training.stage}",
+            hint="optimizer offload needs stage 1-3; parameter offload needs stage 3",
+        )
+    n, psi, stage = job.world_size, model.num_params, training.stage
+    p, k = training.param_bytes, training.optimizer_bytes
+    # Stage 3 keeps small tensors whole on every rank (their gradients and optimizer state
+    # are still sharded: they live in ordinary stage-2 style buckets).
+    persistent = _persistent_elements(model, training) if stage == 3 else 0
+    sharded = psi - persistent
+
+    params = p * (psi if stage < 3 else shard(sharded, n) + persistent)
+    grads = p * (psi if stage < 2 else shard(psi, n))
+    optimizer = k * (psi if stage == 0 else shard(psi, n))
+    host = nvme = 0.0
+    staging = _offload_staging_bytes(model, job, training)
+    if training.offload in ("cpu-optimizer", "cpu-optimizer+params"):
+        host, optimizer = optimizer + staging, 0.0
+    elif training.offload == "nvme":
+        nvme, host, optimizer = optimizer, staging, 0.0
+    if training.offload == "cpu-optimizer+params" or (training.offload == "nvme" and stage == 3):
+        moved = p * shard(sharded, n)
+        params -= moved
+        if training.offload == "nvme":
+            nvme += moved
+        else:
+            host += moved
+    return MemoryEstimate(
+        stage=stage,
+        offload=training.offload,
+        params=float(params),
+        grads=float(grads),
+        optimizer=float(optimizer),
+        comm_buffers=float(communication_buffer_bytes(model, job, training)),
+        workspace=float(step_workspace_bytes(model, job, training)),
+        backward_workspace=float(backward_workspace_bytes(model, job, training)),
+        activations=_activations(model, training, activation_job),
+        host_per_rank=float(host),
+        nvme_per_rank=float(nvme),
+        ranks_per_host=job.gpus_per_node,
+    )
+
+
+def _persistent_elements(model: ModelSpec, training: Training) -> int:
+    """Stage 3 keeps tensors of at most ``param_persistence_threshold`` elements whole everywhere."""
+    return sum(size for size in model.param_sizes if size <= training.param_persistence_threshold)
+
+
+def largest_parameter(model: ModelSpec) -> int:
+    return max(model.param_sizes, default=model.largest_layer_params)
+
+
+def bucket_elements(model: ModelSpec, training: Training) -> int:
+    """Elements of the biggest gradient bucket (a stage 0-2 unit): parameters are packed whole,
+    so a parameter larger than ``reduce_bucket_size`` makes a bucket of its own."""
+    return min(max(training.reduce_bucket_size, largest_parameter(model)), model.num_params)
+
+
+def communication_buffer_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """Transient buffers the collectives need, at their peak (see Note [engine buffers]).
+
+    stage 0/1: 0. Gradients are all-reduced in place in the persistent gradient buffer, and
+               the updated parameters are all-gathered in place into the parameter buffer.
+    stage 2:   gradient buckets of p·B bytes: up to (in-flight + 1) alive, one filling while
+               the others are reduce-scattered, each in-flight one with its p·B/N output;
+               never more buckets than the model has (Ψ/B of them).
+    stage 3:   the same with layer-sized buckets (B = L, the largest layer), plus two gathered
+               layers of p·L (the running one and the prefetched next).
+    A single rank communicates nothing.
+    """
+    if job.world_size == 1 or training.stage <= 1:
+        return 0
+    p, n = training.param_bytes, job.world_size
+    if training.stage == 2:
+        return _gradient_bucket_bytes(gradient_bucket_sizes(model, training), p, n)
+    gathered, bucket, units = stage3_unit_sizes(model, training)
+    return p * gathered + _gradient_bucket_bytes([bucket] * units, p, n)
+
+
+def gradient_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
+    """Elements of each stage 0-2 gradient bucket. With the parameter sizes known, the
+    engine's own packing (zero/sharding.pack_buckets, backward order); else ⌈Ψ/B⌉ buckets of B."""
+    from zerorun.zero.sharding import ParamSpec, pack_buckets
+
+    if model.param_sizes:
+        specs = [ParamSpec(str(i), size) for i, size in enumerate(reversed(model.param_sizes))]
+        return [sum(spec.numel for spec in bucket) for bucket in pack_buckets(specs, training.reduce_bucket_size)]
+    bucket = bucket_elements(model, training)
+    return [bucket] * math.ceil(model.num_params / bucket)
+
+
+def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, int]:
+    """(elements gathered at once at worst, largest gradient bucket, number of units) at stage 3.
+
+    With the module tree (a real model was counted) these come from the engine's own unit
+    rules (zero/unit_plan.py): gathered = the largest (nesting depth + 2) units, bucket = the
+    largest unit (a lone parameter's gradient is reduced in place, but is just as alive).
+    Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, two of
+    them gathered (the running module and the prefetched next).
+    """
+    from zerorun.zero import unit_plan
+
+    min_unit = min(training.allgather_bucket_size, unit_plan.STAGE3_UNIT_CAP)
+    threshold = training.param_persistence_threshold
+    if isinstance(model.module_tree, unit_plan.ModuleNode):
+        planned = unit_plan.coalesce_units(model.module_tree, lambda q: q.trainable and q.numel > threshold, min_unit)
+        if planned:
+            bucket = max(u.numel for u in planned)
+            if _persistent_elements(model, training):
+                bucket = max(bucket, min(training.reduce_bucket_size, _persistent_elements(model, training)))
+            return unit_plan.max_gathered_numel(planned), bucket, len(planned)
+    layer = max(model.largest_layer_params or bucket_elements(model, training), min_unit)
+    layer = min(layer, model.num_params)
+    sharded_tensors = [s for s in model.param_sizes if s > threshold]
+    units = max(1, math.ceil(sum(sharded_tensors) / layer)) if model.param_sizes else GATHERED_LAYERS + GRADIENT_BUCKETS_IN_FLIGHT + 1
+    return min(GATHERED_LAYERS, units) * layer, layer, units
+
+
+def _gradient_bucket_bytes(buckets: list[int], p: int, n: int) -> int:
+    """The largest F + 1 buckets alive (F in flight, one filling), each in-flight one with its
+    receive slice of ⌈B/N⌉."""
+    largest = sorted(buckets, reverse=True)
+    alive = largest[: GRADIENT_BUCKETS_IN_FLIGHT + 1]
+    in_flight = largest[:GRADIENT_BUCKETS_IN_FLIGHT]
+    return p * sum(alive) + p * sum(shard(b, n) for b in in_flight)
+
+
+def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """What backward holds beside the buckets: autograd's fresh gradient of the largest
+    parameter (p·P) and, 16-bit at stage 2/3, the fp32 gradient accumulators ((4 - p)·S)."""
+    p, stage = training.param_bytes, training.stage
+    total = p * largest_parameter(model)
+    if p != 4 and stage >= 2 and training.offload == "none":
+        total += (4 - p) * shard(model.num_params, job.world_size)
+    return total
+
+
+def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """Working memory of backward and the optimizer step beyond the model states.
+
+    - autograd's fresh gradient of one parameter before it is added into its buffer: p·P
+      (P = the largest parameter);
+    - 16-bit training, stage 0/1: the step upcasts this rank's gradient slice to fp32, 4·S;
+      stage 2/3: gradients are accumulated in fp32 shards, (4 - p)·S more than the p·S
+      the gradient column counts (S = this rank's share: Ψ at stage 0, ceil(Ψ/N) above);
+    - Adam's temporaries: on CUDA torch uses the multi-tensor ("foreach") update, which
+      allocates one fp32 temporary per state element: 4·S; on CPU the per-tensor update
+      holds two fp32 temporaries of the largest tensor it steps: 8·C (C = largest chunk).
+    With the optimizer offloaded, only the first item stays on the GPU.
+    """
+    p, stage, n = training.param_bytes, training.stage, job.world_size
+    share = model.num_params if stage == 0 else shard(model.num_params, n)
+    total = p * largest_parameter(model)
+    if training.offload != "none":
+        return total  # the fp32 gradient and Adam's temporaries live with the offloaded step
+    if p != 4:
+        total += 4 * share if stage <= 1 else (4 - p) * share
+    if training.device == "cuda":
+        total += 4 * share
+    else:
+        unit = model.largest_layer_params if stage == 3 and model.largest_layer_params else bucket_elements(model, training)
+        chunk = unit if stage == 0 else shard(unit, n)
+        total += 2 * 4 * chunk
+    return total
+
+
+def _offload_staging_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """Host buffers an offloaded step streams through: one fp32 gradient bucket (cpu), or two
+    buckets of optimizer state being swapped in and out (nvme)."""
+    if training.offload == "none":
+        return 0
+    bucket = min(training.reduce_bucket_size, shard(model.num_params, job.world_size))
+    if training.offload == "nvme":
+        return 2 * bucket * (training.optimizer_bytes + 4)
+    return 4 * bucket
+
+
+def _activations(model: ModelSpec, training: Training, job: ActivationJob | None) -> float | None:
+    if job is None:
+        return None
+    if model.shape is None:
+        return None  # unknown architecture: the table says "n/a" rather than guessing
+    q = training.param_bytes
+    return float(activation_bytes(model.shape, job, q))
