@@ -1,0 +1,140 @@
+"""python scripts/bench_cpu.py [--preset bench] [--steps 8] [--warmup 2] [--repeats 1] [--json results.json]
+
+The CPU benchmark of GUIDE §5: the 33.7M-parameter GPT of examples/gpt.py, fp32, AdamW,
+micro-batch 4 x 128 tokens per rank, 2 gloo ranks, trained by torch DDP, FSDP2
+(reshard_after_forward True and False) and zerorun stages 0-3, all in this one run so the
+ratios compare like with like on whatever else the machine is doing.
+
+Each system gets a fresh world of spawned processes (file:// rendezvous, no port), the same
+initial weights, the same global batches, the same warmup and step count. Reported per system:
+step time = median over the timed steps of the slowest rank's step (and the CPU seconds a rank
+spends per step, less sensitive to other load on the machine); peak RSS = the largest
+rank's high-water resident memory over its whole life (getrusage, fresh process, so no peak
+leaks in from another system); model state = params + grads + optimizer state held per rank
+after the last step (zerorun: engine.memory_breakdown(), which includes its persistent gradient
+buffers; DDP/FSDP2 have freed their .grad tensors by then, and DDP's buckets are not counted).
+
+Targets (issue 2): zerorun stages 1-2 <= 1.0x DDP step time, stage 3 <= 1.05x, stage 3 peak
+RSS <= 0.8x DDP's. Wall time on a shared 2-core machine swings by tens of percent with other
+load: use --repeats (interleaved rounds) and read the CPU-time column beside it.
+
+    python scripts/bench_cpu.py --preset tiny --steps 3 --warmup 1      # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+from bench_systems import (  # noqa: E402
+    SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, merge_repeats, render_table, run_world, time_steps,
+)
+
+TARGETS = {"zero1": {"step": 1.0}, "zero2": {"step": 1.0}, "zero3": {"step": 1.05, "memory": 0.8}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from gpt import PRESETS
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="bench", choices=sorted(PRESETS))
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over all systems, interleaved (median round per system): evens out load drift")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cores / nproc)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
+    parser.add_argument("--zerorun-config", default="{}", help="JSON merged into every zerorun config")
+    parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    if min(args.steps, args.nproc, args.micro_batch, args.repeats) < 1 or args.warmup < 0:
+        parser.error("--steps, --nproc, --micro-batch and --repeats must be >= 1, --warmup >= 0")
+    try:
+        args.zerorun_config = json.loads(args.zerorun_config)
+    except json.JSONDecodeError as err:
+        parser.error(f"--zerorun-config is not JSON: {err}")
+    return args
+
+
+def rank_main(rank: int, world: int, system: str, options: dict, init_file: str) -> RankResult:
+    """One rank of one system's world (runs in a spawned process)."""
+    import torch
+    import torch.distributed as dist
+    from gpt import GPT, Block, preset, rank_slice, synthetic_batch
+
+    torch.set_num_threads(options["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cfg = preset(options["preset"])
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    trainer = build_trainer(system, model, lr=1e-4, block_class=Block, zerorun_config=options["zerorun_config"])
+
+    def batches(step: int):
+        tokens, targets = synthetic_batch(cfg, options["micro_batch"] * world, step=step)
+        return rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
+
+    times, cpu_times, losses, training_peak = time_steps(trainer, batches, options["warmup"], options["steps"],
+                                              synchronize=lambda: None)
+    return RankResult(
+        step_times_s=times,
+        step_cpu_s=cpu_times,
+        losses=losses,
+        peak_rss_bytes=lifetime_peak_rss_bytes(),
+        training_peak_rss_bytes=training_peak,
+        model_state_bytes=trainer.model_state_bytes(),
+    )
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+
+    from gpt import GPT, count_parameters, preset
+
+    args = parse_args(argv)
+    console = Console(width=120) if not Console().is_terminal else Console()
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    options = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup,
+               "micro_batch": args.micro_batch, "threads": threads, "zerorun_config": args.zerorun_config}
+    cfg = preset(args.preset)
+    console.print(f"GPT {args.preset}: {count_parameters(GPT(cfg)):,} params, fp32, AdamW, "
+                  f"{args.micro_batch} x {cfg.seq_len} tokens per rank, {args.nproc} gloo ranks x "
+                  f"{threads} threads, {args.warmup} warmup + {args.steps} timed steps")
+    rounds: dict[str, list] = {system: [] for system in args.systems}
+    with tempfile.TemporaryDirectory(prefix="zerorun-bench-") as workdir:
+        for round_index in range(args.repeats):
+            for system in args.systems:
+                console.print(f"  round {round_index + 1}/{args.repeats} {system} ...", end=" ")
+                result = run_world(rank_main, args.nproc, system, options, Path(workdir) / str(round_index))
+                rounds[system].append(result)
+                console.print(f"failed: {result.error}" if result.error else
+                              f"{result.step_s:.3f} s/step ({result.step_cpu_s:.3f} s CPU), "
+                              f"peak RSS {result.peak_rss_mib:.0f} MiB")
+    results = [merge_repeats(rounds[system]) for system in args.systems]
+    console.print(render_table("CPU benchmark (ratios against DDP in this run)", results, "ddp", TARGETS))
+    for r in results:
+        if r.error:
+            console.print(f"[red]{r.system} failed:[/red] {r.error}")
+    if args.json_path:
+        payload = {"options": {**options, "nproc": args.nproc, "preset_config": dataclasses.asdict(cfg)},
+                   "results": [dataclasses.asdict(r) for r in results]}
+        Path(args.json_path).write_text(json.dumps(payload, indent=2))
+    return 1 if any(r.error for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
