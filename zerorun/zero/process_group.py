@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +57,7 @@ def resolve_process_group(model_device: torch.device) -> ProcessGroupInfo:
         model_device = torch.device("cuda", local_rank)
     dist.init_process_group("nccl" if use_nccl else "gloo", init_method="env://", rank=rank, world_size=world_size)
     atexit.register(leave_process_group)
+    _watch_for_uncaught_exceptions()
     return ProcessGroupInfo(None, rank, world_size, model_device)
 
 
@@ -66,11 +69,38 @@ def leave_process_group() -> None:
     "terminate called without an active exception": gloo's threads still hold work objects).
     It is intermittent and shows up under load, and the launcher then rightly reports a failed
     rank. Tearing down together, while the interpreter is still whole, avoids it.
+
+    Only on a clean exit: a rank dying of an uncaught exception must exit at once, so the
+    launcher sees it and ends the job, rather than wait at a barrier its peers never reach.
+    Other exits (``sys.exit(1)`` on one rank) wait at most ``EXIT_BARRIER_TIMEOUT_S``.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if _uncaught_exception or not (dist.is_available() and dist.is_initialized()):
         return
-    try:
-        dist.barrier()
-    except Exception:  # a peer already failed: the launcher reports that one, not this
-        pass
-    dist.destroy_process_group()
+    met = threading.Event()
+
+    def meet() -> None:
+        try:
+            dist.barrier()
+            met.set()
+        except Exception:  # a peer already failed: the launcher reports that one, not this
+            pass
+
+    threading.Thread(target=meet, name="zerorun-exit-barrier", daemon=True).start()
+    if met.wait(EXIT_BARRIER_TIMEOUT_S):
+        dist.destroy_process_group()
+
+
+EXIT_BARRIER_TIMEOUT_S = 30.0
+_uncaught_exception = False
+
+
+def _watch_for_uncaught_exceptions() -> None:
+    """Chain onto sys.excepthook so leave_process_group knows the script died of an exception."""
+    previous = sys.excepthook
+
+    def note(kind, value, traceback) -> None:
+        global _uncaught_exception
+        _uncaught_exception = True
+        previous(kind, value, traceback)
+
+    sys.excepthook = note
