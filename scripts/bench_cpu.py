@@ -36,7 +36,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from bench_systems import (  # noqa: E402
-    SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, merge_repeats, render_table, run_world, time_steps,
+    SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, merge_repeats, parse_shared_options, render_table,
+    run_world, time_steps,
 )
 
 TARGETS = {"zero1": {"step": 1.0}, "zero2": {"step": 1.0}, "zero3": {"step": 1.05, "memory": 0.8}}
@@ -58,16 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--zerorun-config", default="{}", help="JSON merged into every zerorun config")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    parse_shared_options(parser, args)
     if min(args.steps, args.nproc, args.micro_batch, args.repeats) < 1 or args.warmup < 0:
         parser.error("--steps, --nproc, --micro-batch and --repeats must be >= 1, --warmup >= 0")
-    try:
-        args.zerorun_config = json.loads(args.zerorun_config)
-    except json.JSONDecodeError as err:
-        parser.error(f"--zerorun-config is not JSON: {err}")
     return args
 
 

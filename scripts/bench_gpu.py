@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from bench_systems import SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, render_table, run_world, time_steps  # noqa: E402
+from bench_systems import SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, parse_shared_options, render_table, run_world, time_steps  # noqa: E402
 
 DEFAULT_SYSTEMS = ("fsdp2", "zero0", "zero1", "zero2", "zero3")
 TARGETS = {f"zero{stage}": {"step": 1.0} for stage in range(4)}
@@ -51,16 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.dry_run:
         args.preset, args.steps, args.warmup, args.micro_batch, args.nproc = "tiny", 2, 1, 2, 2
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    parse_shared_options(parser, args)
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1 or args.micro_batch < 1:
         parser.error("--steps, --nproc and --micro-batch must be >= 1, --warmup >= 0")
-    try:
-        args.zerorun_config = json.loads(args.zerorun_config)
-    except json.JSONDecodeError as err:
-        parser.error(f"--zerorun-config is not JSON: {err}")
     return args
 
 

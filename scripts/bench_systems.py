@@ -350,3 +350,17 @@ def _verdict(target: dict, step_ratio: float | None, mem_ratio: float | None) ->
         ok = mem_ratio <= target["memory"]
         parts.append(f"[{'green' if ok else 'red'}]m<={target['memory']:.2f}[/]")
     return " ".join(parts)
+
+
+def parse_shared_options(parser, args) -> None:
+    """--systems and --zerorun-config, as bench_cpu.py and bench_gpu.py both take them."""
+    import json
+
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    try:
+        args.zerorun_config = json.loads(args.zerorun_config)
+    except json.JSONDecodeError as err:
+        parser.error(f"--zerorun-config is not JSON: {err}")

@@ -160,3 +160,10 @@ def test_docs_name_every_deepspeed_key():
 
     missing = sorted({key for key in keys(TOP_LEVEL) if key != "enabled" and key not in docs})
     assert missing == []
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+def test_a_type_that_is_not_a_name_is_a_config_error(section):
+    # A mapping as the type once reached a dict lookup and raised TypeError (a traceback).
+    with pytest.raises(ConfigError, match=rf"{section}\.type = \{{\}}: must name"):
+        load_config({"train_batch_size": 8, section: {"type": {}, "params": {}}})

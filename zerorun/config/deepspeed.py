@@ -304,22 +304,30 @@ def _precision(data: dict, out: Translation) -> None:
     _set_path(out.data, "precision.dtype", "fp16" if fp16 else "bf16" if bf16 else "fp32")
 
 
-def _optimizer(section: Any, out: Translation) -> None:
+def _type_and_params(section: Any, key: str, kind: str, out: Translation) -> tuple[str, dict] | None:
+    """A ``{"type": NAME, "params": {...}}`` section checked for shape; None when unusable."""
     if not isinstance(section, dict):
-        out.problems.add("optimizer", "must be a mapping with 'type' and 'params'", section)
-        return
-    for key in section:
-        if key not in ("type", "params"):
-            out.problems.add(f"optimizer.{key}", unknown_key_message(key, ["type", "params"]))
+        out.problems.add(key, "must be a mapping with 'type' and 'params'", section)
+        return None
+    for name in section:
+        if name not in ("type", "params"):
+            out.problems.add(f"{key}.{name}", unknown_key_message(name, ["type", "params"]))
     params = section.get("params", {})
     if not isinstance(params, dict):
-        out.problems.add("optimizer.params", "must be a mapping of keyword arguments", params)
+        out.problems.add(f"{key}.params", "must be a mapping of keyword arguments", params)
         params = {}
     name = section.get("type")
     if not isinstance(name, str):
-        out.problems.add("optimizer.type", "must name an optimizer, e.g. AdamW", name)
+        out.problems.add(f"{key}.type", f"must name {kind}", name)
+        return None
+    return name, dict(params)
+
+
+def _optimizer(section: Any, out: Translation) -> None:
+    checked = _type_and_params(section, "optimizer", "an optimizer, e.g. AdamW", out)
+    if checked is None:
         return
-    params = dict(params)
+    name, params = checked
     adam_w_mode = params.get("adam_w_mode", True)
     # DeepSpeed's implementation switches, meaningless for a torch.optim class.
     for switch in ("torch_adam", "adam_w_mode"):
@@ -341,24 +349,14 @@ def _optimizer(section: Any, out: Translation) -> None:
 
 
 def _scheduler(section: Any, out: Translation) -> None:
-    if not isinstance(section, dict):
-        out.problems.add("scheduler", "must be a mapping with 'type' and 'params'", section)
+    checked = _type_and_params(section, "scheduler", "a torch.optim.lr_scheduler class", out)
+    if checked is None:
         return
-    for key in section:
-        if key not in ("type", "params"):
-            out.problems.add(f"scheduler.{key}", unknown_key_message(key, ["type", "params"]))
-    name = section.get("type")
-    params = section.get("params", {})
-    if not isinstance(params, dict):
-        out.problems.add("scheduler.params", "must be a mapping of keyword arguments", params)
-        params = {}
+    name, params = checked
     if name in DEEPSPEED_SCHEDULERS:
         out.problems.add("scheduler.type", "DeepSpeed's own scheduler is not available; use a zerorun "
                          f"YAML config with a torch.optim.lr_scheduler class such as "
                          f"{DEEPSPEED_SCHEDULERS[name]}, or drop the scheduler section", name)
-        return
-    if not isinstance(name, str):
-        out.problems.add("scheduler.type", "must name a torch.optim.lr_scheduler class", name)
         return
     out.data["scheduler"] = {"type": name, "params": _without_auto(params, "scheduler.params", out)}
 

@@ -25,6 +25,8 @@ import threading
 class NullRecorder:
     """What get_recorder() returns when telemetry is off: every call does nothing."""
 
+    enabled = False
+
     def record_step(self, **fields) -> None:
         pass
 

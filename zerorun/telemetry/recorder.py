@@ -77,6 +77,8 @@ class Recorder:
     runtime's ``record_step`` / ``set_memory_breakdown`` target.
     """
 
+    enabled = True  # NullRecorder says False: the engine skips its per-step telemetry work
+
     def __init__(self, writer: PipeWriter, *, token: str, rank: int, host: str, world_size: int,
                  interval_s: float = 1.0, clock=time.time):
         self.writer = writer

@@ -226,15 +226,18 @@ class Engine:
         elif self.lr_scheduler is not None:
             self.lr_scheduler.step()
         now = time.perf_counter()
-        self._recorder.record_step(
-            step=self.global_step,
-            loss=float(self._window_loss) / self.gradient_accumulation_steps,
-            loss_scale=self.loss_scale,
-            lr=self.optimizer.param_groups[0]["lr"],
-            samples=self._window_samples,  # this rank's; the collector sums ranks
-            step_time_s=now - self._step_started,
-        )
-        self._recorder.set_memory_breakdown(self.memory_breakdown())
+        # Only when something records: float() of the loss waits for the device, and the
+        # breakdown walks every unit and optimizer state.
+        if self._recorder.enabled:
+            self._recorder.record_step(
+                step=self.global_step,
+                loss=float(self._window_loss) / self.gradient_accumulation_steps,
+                loss_scale=self.loss_scale,
+                lr=self.optimizer.param_groups[0]["lr"],
+                samples=self._window_samples,  # this rank's; the collector sums ranks
+                step_time_s=now - self._step_started,
+            )
+            self._recorder.set_memory_breakdown(self.memory_breakdown())
         self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
 
     def train(self, mode: bool = True) -> "Engine":

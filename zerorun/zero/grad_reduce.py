@@ -89,7 +89,7 @@ class BucketPool:
         self._free.clear()
 
     def nbytes(self) -> int:
-        return self.allocated * self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.allocated * self.numel * self.dtype.itemsize
 
 
 class GradReducer:
