@@ -137,3 +137,98 @@ def test_host_malloc_tuning_is_opt_in(monkeypatch):
     monkeypatch.setattr(host_memory, "_applied", False)
     monkeypatch.delenv("ZERORUN_HOST_MALLOC_TUNING", raising=False)
     assert host_memory.return_large_frees_to_os() is False
+
+
+def test_pooled_unit_reuses_its_buffer_and_saved_views_see_the_new_gather():
+    """Note [gather pool]: a release hands the memory to the pool, the next gather takes the
+    same memory back into the unit's own storage object, so views taken earlier stay valid."""
+    from zerorun.zero.units import GatherPool
+
+    if not GatherPool.SUPPORTED:
+        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_; units resize instead")
+    weight = nn.Parameter(torch.arange(6.0))
+    unit = FlatUnit(0, 0, [("w", weight)], shard_world=1, shard_rank=0, partition_params=True)
+    unit.pool = GatherPool(torch.device("cpu"))
+    unit.gather(group=None)
+    saved = weight.detach()[2:4]  # what autograd would have saved in forward
+    address = unit.full.data_ptr()
+    unit.release()
+    assert unit.full.untyped_storage().nbytes() == 0 and unit.pool.nbytes() == unit._full_nbytes
+    with torch.no_grad():
+        unit.shard.add_(10.0)  # an optimizer step on the shard
+    unit.gather(group=None)
+    assert unit.full.data_ptr() == address and unit.pool.nbytes() == 0
+    assert torch.equal(saved, torch.tensor([12.0, 13.0]))
+    unit.release()
+    unit.pool.clear()
+    assert unit.pool.nbytes() == 0
+
+
+def test_kept_units_plan_follows_reuse_distance_and_holds_the_last_call():
+    from zerorun.zero.param_gather import plan_kept_units
+
+    # calls: embedding(unit 0), block(1), block(2), head(0 again, tied)
+    order = [[0], [1], [2], [0]]
+    numel = {0: 100, 1: 10, 2: 10}
+    keep_after, for_backward = plan_kept_units(order, numel, max_reuse_distance=20)
+    assert keep_after == {0: {0}, 3: {0}} and for_backward == {0}
+    keep_after, for_backward = plan_kept_units(order, numel, max_reuse_distance=19)
+    assert keep_after == {3: {0}} and for_backward == {0}
+    assert plan_kept_units([[], []], {}, 10) == ({}, set())
+
+
+def test_stage3_gathers_a_tied_unit_once_per_step():
+    """Note [kept gathered], at world size 1: the tied embedding/head unit is held from the
+    embedding's forward to the head's, and from the head's forward into its backward."""
+    from zerorun.zero.units import FlatUnit as Unit
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 8)
+    head = nn.Linear(8, 50, bias=False)
+    head.weight = emb.weight
+    body = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.body, self.head = emb, body, head
+
+        def forward(self, tokens):
+            return self.head(self.body(self.emb(tokens))).logsumexp(-1).mean()
+
+    model = Tied()
+    config = {"zero": {"stage": 3, "param_persistence_threshold": 0}}
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    tied = next(u for u in engine.partition.units if any(p is emb.weight for p in u.params))
+    gathers = [0, 0, 0]
+    original = Unit.start_gather
+
+    def counting(self, group):
+        if self is tied and self.state is ParamState.SHARDED:
+            gathers[step] += 1
+        original(self, group)
+
+    Unit.start_gather = counting
+    try:
+        for step in range(3):
+            engine.backward(engine(torch.randint(0, 50, (4, 5))))
+            engine.step()
+    finally:
+        Unit.start_gather = original
+    # The first forward records the order: embedding, head and head's backward each gather.
+    assert gathers == [3, 1, 1]
+    assert all(u.state is ParamState.SHARDED for u in engine.partition.units if u.partitioned)
+
+
+@pytest.mark.parametrize("value, expected", [(None, 1), ("0", 0), ("4", 4), (" 8 ", 8)])
+def test_host_trim_interval_from_the_environment(value, expected):
+    from zerorun.zero.host_memory import trim_interval
+
+    assert trim_interval({} if value is None else {"ZERORUN_HOST_TRIM": value}) == expected
+
+
+def test_bad_host_trim_interval_is_a_config_error():
+    from zerorun.zero.host_memory import trim_interval
+
+    with pytest.raises(RuntimeConfigError, match="ZERORUN_HOST_TRIM is 'often'"):
+        trim_interval({"ZERORUN_HOST_TRIM": "often"})

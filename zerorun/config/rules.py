@@ -35,6 +35,7 @@ RANGES: dict[str, Check] = {
     "zero.allgather_bucket_size": _at_least(1),
     "zero.prefetch_bucket_size": _at_least(1),
     "zero.param_persistence_threshold": _at_least(0),
+    "zero.max_reuse_distance": _at_least(0),
     "precision.loss_scale": ((lambda v: v >= 0), "must be 0 (dynamic) or a positive static scale"),
     "precision.initial_scale_power": _within(0, 63),
     "precision.loss_scale_window": _at_least(1),

@@ -36,6 +36,9 @@ class ZeroConfig:
     prefetch_bucket_size: int = 50_000_000
     # Stage 3: parameters with at most this many elements stay whole on every rank.
     param_persistence_threshold: int = 100_000
+    # Stage 3: a unit used again within this many elements of other gathers stays gathered
+    # between the two uses (DeepSpeed's stage3_max_reuse_distance, and its default).
+    max_reuse_distance: int = 1_000_000_000
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
 

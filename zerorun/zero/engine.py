@@ -21,7 +21,7 @@ from zerorun.errors import RuntimeConfigError
 from zerorun.telemetry import get_recorder
 from zerorun.zero import collectives
 from zerorun.zero.checkpointing import apply_from_config
-from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap
+from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
 from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
 from zerorun.zero.param_gather import ParamGatherer
 from zerorun.zero.partition import build_partition
@@ -137,7 +137,8 @@ class Engine:
         units = self.partition.units
         self.gatherer = None
         if self.stage == 3 and self.partition.module_units:
-            self.gatherer = ParamGatherer(model, self.partition.module_units, self.group)
+            self.gatherer = ParamGatherer(model, self.partition.module_units, self.group,
+                                          max_reuse_distance=cfg.zero.max_reuse_distance)
         policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
         self.reducer = GradReducer(
             units, self.partition.reduce_order, policy, self.group,
@@ -159,8 +160,8 @@ class Engine:
         self._window_samples = 0
         self._step_started = time.perf_counter()
         self._recorder = get_recorder()
-        self._trim_host_heap = (self.stage == 3 and self.pg.device.type == "cpu"
-                                and os.environ.get("ZERORUN_HOST_TRIM", "1") == "1")
+        # Note [trim after step] in host_memory.py; 0 = never.
+        self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
 
     def _scheduler_from_config(self):
         spec = self.config.scheduler
@@ -215,11 +216,13 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        if self.gatherer is not None:
+            self.gatherer.finish_backward()  # nothing gathered may outlive the update unrefreshed
         applied, self.last_grad_norm = self.sharded.step(
             loss_scaler=self.loss_scaler, clip=self.config.gradient_clipping
         )
         self.global_step += 1
-        if self._trim_host_heap:
+        if self._trim_every and (self.global_step == 1 or self.global_step % self._trim_every == 0):
             trim_host_heap()  # Note [trim after step] in host_memory.py
         if not applied:
             self.skipped_steps += 1
@@ -253,6 +256,8 @@ class Engine:
         parameters = sum(u.param_nbytes() for u in self.partition.units)
         parameters += sum(p.numel() * p.element_size() for p in self.partition.frozen)
         gradients, transient = self.reducer.nbytes()
+        if self.gatherer is not None:
+            transient += self.gatherer.pool_nbytes()
         optimizer_state = self.sharded.state_nbytes()
         breakdown = {
             "parameters": parameters,
@@ -272,7 +277,7 @@ class Engine:
             state = {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()} if keep else {}
         finally:
             if self.gatherer is not None:
-                self.gatherer.finish_backward()
+                self.gatherer.release_all()
         return state
 
 

@@ -1,7 +1,8 @@
 """Host (CPU) memory that glibc keeps after ``free``: two remedies for stage 3 on CPU.
 
-1. ``trim_host_heap`` (on by default for stage 3 on CPU; ZERORUN_HOST_TRIM=0 turns it off):
-   one ``malloc_trim`` per optimizer step, Note [trim after step] below.
+1. ``trim_host_heap`` (on by default for stage 3 on CPU): one ``malloc_trim`` every
+   ``ZERORUN_HOST_TRIM`` optimizer steps (default ``DEFAULT_TRIM_INTERVAL``, 0 turns it off),
+   Note [trim after step] below.
 2. ``return_large_frees_to_os`` (opt-in, ZERORUN_HOST_MALLOC_TUNING=1), described here:
 
 Stage 3 saves memory by gathering a unit's parameters just before use and freeing them right
@@ -48,6 +49,17 @@ def return_large_frees_to_os() -> bool:
 
 
 _libc_trim = None
+DEFAULT_TRIM_INTERVAL = 1
+
+
+def trim_interval(environ) -> int:
+    """Optimizer steps between heap trims, from ``ZERORUN_HOST_TRIM`` (0: never)."""
+    raw = environ.get("ZERORUN_HOST_TRIM", str(DEFAULT_TRIM_INTERVAL)).strip()
+    if not raw.isdigit():
+        from zerorun.errors import RuntimeConfigError
+
+        raise RuntimeConfigError(f"ZERORUN_HOST_TRIM is {raw!r}; it must be a whole number of steps (0 turns trimming off)")
+    return int(raw)
 
 
 def trim_host_heap() -> bool:
@@ -56,8 +68,12 @@ def trim_host_heap() -> bool:
     Note [trim after step]: between steps a stage-3 rank on CPU holds its shards and little
     else, but glibc keeps every page that backward's activations, gathered units and buckets
     ever touched: measured on the 33.7M GPT, 846 MiB resident after a step of which 268 MiB
-    were free heap. Trimming once per optimizer step, when live memory is lowest, returns
-    them; the next step faults fresh pages back in (cost measured in scripts/bench_cpu.py).
+    were free heap. Trimming after an optimizer step, when live memory is lowest, returns
+    them; but the next step faults most of them back in (2-3 us per 4 KiB page on the 2-core
+    VM: ~60k faults, 5-6% of the 33.7M GPT's step). Without any trim, fragmentation creeps up
+    step after step. The default trims every step, which kept stage 3's peak RSS at 0.77-0.80x
+    DDP's; every 4 steps cost ~1% instead of ~5% of step time but peaked at 0.80-0.82x
+    (scripts/bench_cpu.py). ZERORUN_HOST_TRIM=N picks the trade.
     """
     global _libc_trim
     if _libc_trim is None:

@@ -16,6 +16,18 @@ needs only the indices, so it gathers nothing.
 
 Note [execution order]: the prefetch order is recorded from the first forward and re-recorded
 whenever the order changes, so a wrong guess costs one wasted gather, never correctness.
+
+Note [kept gathered]: from the recorded order, two kinds of unit skip the release after a
+module's forward, because gathering them again would come soon and cost more than holding them:
+- a unit used again later in the same forward, with at most ``max_reuse_distance`` elements of
+  other units gathered in between (DeepSpeed's stage3_max_reuse_distance): a tied embedding
+  and output head is gathered once per forward, not twice;
+- the units of the module that ran last (the output head): its backward is the first to run,
+  right after the loss, so they are held through it (FSDP2 keeps its root unit the same way).
+On a CPU host every gather of a unit above glibc's 32 MiB mmap ceiling is fresh memory that
+page-faults in (the 33.7M GPT's tied 33.5 MB embedding was gathered 3 times per step); holding
+it costs no peak, since backward's start (the head's) holds it anyway. A forward that leaves
+the recorded order keeps nothing, and a forward without autograd keeps nothing at its end.
 """
 
 from __future__ import annotations
@@ -24,18 +36,31 @@ import torch
 from torch import nn
 
 from zerorun.zero.checkpointing import is_recomputing
-from zerorun.zero.units import FlatUnit, ParamState
+from zerorun.zero.units import FlatUnit, GatherPool, ParamState
 
 
 class ParamGatherer:
-    def __init__(self, root: nn.Module, module_units: dict[nn.Module, list[FlatUnit]], group):
+    def __init__(self, root: nn.Module, module_units: dict[nn.Module, list[FlatUnit]], group,
+                 *, max_reuse_distance: int = 0):
         self.root = root
+        self.max_reuse_distance = max_reuse_distance
         self.module_units = module_units
         self.group = group
         self.units = sorted({u.index: u for us in module_units.values() for u in us}.values(), key=lambda u: u.index)
         self.in_use = {u.index: 0 for u in self.units}
+        self.pool = None
+        if self.units and self.units[0].device.type == "cpu" and GatherPool.SUPPORTED:
+            self.pool = GatherPool(self.units[0].device)  # Note [gather pool] in units.py
+            for unit in self.units:
+                unit.pool = self.pool
         self.forward_order: list[nn.Module] = []
         self._recording: list[nn.Module] = []
+        # Note [kept gathered]: position in forward_order -> units to hold after that call,
+        # and the units held from the end of forward into backward.
+        self._keep_after: dict[int, set[int]] = {}
+        self._keep_for_backward: set[int] = set()
+        self._calls: list[int] = []  # positions of the module calls now running (a stack)
+        self._on_order = True  # this forward has followed forward_order so far
         self._handles = []
         for module in module_units:
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
@@ -51,10 +76,16 @@ class ParamGatherer:
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
         self._recording = []
+        self._calls = []
+        self._on_order = True
 
     def _pre_forward(self, module, args) -> None:
         recomputing = is_recomputing()
         if not recomputing:
+            position = len(self._recording)
+            self._on_order = (self._on_order and position < len(self.forward_order)
+                              and self.forward_order[position] is module)
+            self._calls.append(position)
             self._recording.append(module)
         for unit in self.module_units[module]:
             self.in_use[unit.index] += 1
@@ -67,9 +98,10 @@ class ParamGatherer:
         # recomputation saves alias the gathered storage and the module's backward runs next;
         # its units are released when their gradients arrive or backward ends.
         recomputing = is_recomputing()
+        keep = self._kept_after(module) if not recomputing else ()
         for unit in self.module_units[module]:
             self.in_use[unit.index] -= 1
-            if self.in_use[unit.index] == 0 and not recomputing:
+            if self.in_use[unit.index] == 0 and not recomputing and unit.index not in keep:
                 unit.release()
         if torch.is_grad_enabled() and not recomputing:
             self._hook_outputs(module, output)
@@ -79,7 +111,19 @@ class ParamGatherer:
     def _root_post_forward(self, module, args, output) -> None:
         if self._recording != self.forward_order:
             self.forward_order = self._recording
-        self._release_idle()
+            self._keep_after, self._keep_for_backward = plan_kept_units(
+                [[u.index for u in self.module_units[m]] for m in self.forward_order],
+                {u.index: u.layout.numel for u in self.units}, self.max_reuse_distance,
+            )
+        self._release_idle(keep=self._keep_for_backward if torch.is_grad_enabled() else ())
+
+    def _kept_after(self, module: nn.Module) -> set[int] | tuple:
+        """Units to hold after this call of ``module`` (Note [kept gathered]); nothing when
+        this forward has left the recorded order."""
+        position = self._calls.pop() if self._calls else -1
+        if not self._on_order or position < 0:
+            return ()
+        return self._keep_after.get(position, ())
 
     def _prefetch_after(self, module: nn.Module, step: int) -> None:
         """Issue the async gather of the module expected ``step`` places after ``module``."""
@@ -132,14 +176,51 @@ class ParamGatherer:
     def finish_backward(self) -> None:
         self._release_idle()
 
-    def _release_idle(self) -> None:
+    def _release_idle(self, keep=()) -> None:
         for unit in self.units:
-            if self.in_use[unit.index] == 0 and unit.state is not ParamState.SHARDED:
+            if self.in_use[unit.index] == 0 and unit.state is not ParamState.SHARDED and unit.index not in keep:
                 unit.release()
 
     def gather_all(self) -> None:
         for unit in self.units:
             unit.gather(self.group)
+
+    def release_all(self) -> None:
+        """After ``gather_all``: release everything and let the pool go (it held the model)."""
+        self._release_idle()
+        if self.pool is not None:
+            self.pool.clear()
+
+    def pool_nbytes(self) -> int:
+        return self.pool.nbytes() if self.pool is not None else 0
+
+
+def plan_kept_units(
+    order_units: list[list[int]], numel: dict[int, int], max_reuse_distance: int
+) -> tuple[dict[int, set[int]], set[int]]:
+    """Pure: Note [kept gathered] over one recorded forward.
+
+    ``order_units[p]`` lists the units the p-th module call gathers. Returns (position ->
+    units to hold after that call, units to hold from the end of forward into backward).
+    A unit is held after call p when a later call q uses it again and the other units gathered
+    by calls p+1..q-1 add up to at most ``max_reuse_distance`` elements.
+    """
+    keep_after: dict[int, set[int]] = {}
+    for p, units in enumerate(order_units):
+        for unit in units:
+            between: set[int] = set()
+            for q in range(p + 1, len(order_units)):
+                if unit in order_units[q]:
+                    if sum(numel[u] for u in between - {unit}) <= max_reuse_distance:
+                        keep_after.setdefault(p, set()).add(unit)
+                    break
+                between.update(order_units[q])
+    calls_with_units = [p for p, units in enumerate(order_units) if units]
+    if not calls_with_units:
+        return keep_after, set()
+    last = calls_with_units[-1]
+    keep_after.setdefault(last, set()).update(order_units[last])
+    return keep_after, set(order_units[last])
 
 
 def _flatten(value):

@@ -8,6 +8,17 @@ Note [freeing by storage resize]: in stage 3 the full buffer's *storage* is resi
 bytes between uses instead of dropping the tensor. The parameter views (and any views that
 autograd saved in forward) keep pointing at the same storage, so after the unit is gathered
 again for backward those saved views read the gathered values (the technique FSDP uses).
+
+Note [gather pool]: on a CPU host a freed storage goes back to glibc, and the next gather of
+the unit takes fresh memory: above glibc's 32 MiB mmap ceiling every gather page-faults in
+(2-3 us per 4 KiB page on the 2-core VM, a fault cost that showed as most of stage 3's extra
+step time), and below it the gathers interleave with activations in the heap and fragment it.
+So on CPU the memory moves instead of being freed: ``GatherPool`` keeps released buffers by
+size, and a gather swaps a pooled buffer's memory into the unit's own storage object
+(``UntypedStorage._swap_data_ptr_``), which keeps the identity the saved views rely on. The
+pool holds at most what was gathered at once (the running module, the prefetched one and any
+unit kept for reuse), reported as communication buffers. On CUDA the caching allocator already
+reuses memory, so units resize their storage as before; so does a torch without the swap.
 """
 
 from __future__ import annotations
@@ -43,6 +54,31 @@ _ALLOWED = {
     ParamState.GATHERED: {ParamState.SHARDED},
     ParamState.REPLICATED: set(),
 }
+
+
+class GatherPool:
+    """Released gather buffers, by byte size (Note [gather pool])."""
+
+    SUPPORTED = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        free = self._free.get(nbytes)
+        if free:
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+
+    def give_back(self, storage: torch.UntypedStorage) -> None:
+        self._free.setdefault(storage.nbytes(), []).append(storage)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for free in self._free.values() for s in free)
 
 
 class FlatUnit:
@@ -86,6 +122,25 @@ class FlatUnit:
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
         self._gather_handle = None
+        self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
+        self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
+
+    def _allocate_full(self) -> None:
+        storage = self.full.untyped_storage()
+        if self.pool is None:
+            storage.resize_(self._full_nbytes)
+        else:
+            self._lent = self.pool.take(self._full_nbytes)
+            storage._swap_data_ptr_(self._lent)
+
+    def _free_full(self) -> None:
+        storage = self.full.untyped_storage()
+        if self._lent is None:
+            storage.resize_(0)
+        else:
+            storage._swap_data_ptr_(self._lent)
+            self.pool.give_back(self._lent)
+            self._lent = None
 
     # -- stage 3 gathering ------------------------------------------------------------
     def _move(self, new: ParamState) -> None:
@@ -96,7 +151,7 @@ class FlatUnit:
         """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
         if self.state is not ParamState.SHARDED:
             return
-        self.full.untyped_storage().resize_(self._full_nbytes)
+        self._allocate_full()
         self._gather_handle = collectives.all_gather(self.full, self.shard, group=group, async_op=True)
         self._move(ParamState.GATHERING)
 
@@ -116,7 +171,7 @@ class FlatUnit:
             self._gather_handle = None
             self._move(ParamState.GATHERED)
         if self.state is ParamState.GATHERED:
-            self.full.untyped_storage().resize_(0)
+            self._free_full()
             self._move(ParamState.SHARDED)
 
     # -- after an optimizer step ---------------------------------------------------------
