@@ -11,8 +11,9 @@ step time = median over the timed steps of the slowest rank's step (and the CPU 
 spends per step, less sensitive to other load on the machine); peak RSS = the largest
 rank's high-water resident memory over its whole life (getrusage, fresh process, so no peak
 leaks in from another system); model state = params + grads + optimizer state held per rank
-after the last step (zerorun: engine.memory_breakdown(), which includes its persistent gradient
-buffers; DDP/FSDP2 have freed their .grad tensors by then, and DDP's buckets are not counted).
+after the last step (zerorun: engine.memory_breakdown(), which includes the gradient buffers
+stages 0-2 keep; stage 3, DDP and FSDP2 have freed their gradients by then, and DDP's buckets
+are not counted).
 
 Targets (issue 2): zerorun stages 1-2 <= 1.0x DDP step time, stage 3 <= 1.05x, stage 3 peak
 RSS <= 0.8x DDP's. Wall time on a shared 2-core machine swings by tens of percent with other

@@ -19,6 +19,7 @@ from zerorun.planner.memory import (
     communication_buffer_bytes,
     estimate,
     shard,
+    stage3_unit_sizes,
     step_workspace_bytes,
 )
 from zerorun.planner.plan import Limits, make_plan
@@ -116,16 +117,21 @@ def test_comm_buffers_follow_bucket_sizes_and_vanish_on_one_rank():
     assert communication_buffer_bytes(one_bucket, Job(4), Training(stage=2)) == 2 * 10_000 + 2 * 2_500
     # Stages 0/1 reduce and gather in place.
     assert communication_buffer_bytes(model, Job(2), Training(stage=1)) == 0
-    # Stage 3 gathers whole layers: the running one, the prefetched one, and layer-sized buckets.
+    # Stage 3 gathers whole layers: the running one, the two prefetched in backward, and
+    # layer-sized buckets.
     stage3 = Training(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=10)
     layer = 300_000_000
-    assert communication_buffer_bytes(model, Job(2), stage3) == 2 * 2 * layer + alive * 2 * layer + in_flight * layer
+    assert communication_buffer_bytes(model, Job(2), stage3) == 3 * 2 * layer + alive * 2 * layer + in_flight * layer
 
 
 def test_the_engine_constants_match_the_planner():
     from zerorun.zero import grad_reduce
 
     assert grad_reduce.MAX_IN_FLIGHT == GRADIENT_BUCKETS_IN_FLIGHT
+    from zerorun.planner.memory import GATHERED_LAYERS
+    from zerorun.zero.unit_plan import BACKWARD_PREFETCH
+
+    assert GATHERED_LAYERS == 1 + BACKWARD_PREFETCH  # the running layer and the prefetched ones
 
 
 def test_workspace_depends_on_precision_and_device():
@@ -141,6 +147,22 @@ def test_workspace_depends_on_precision_and_device():
     bf16_2 = step_workspace_bytes(model, Job(n), Training(stage=2, precision="bf16", device="cuda"))
     assert bf16_1 == 2 * 1000 + 4 * psi // n + 4 * psi // n
     assert bf16_2 == 2 * 1000 + 2 * psi // n + 4 * psi // n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage3_backward_peak_leaves_out_the_gathered_units_gradient_shards(precision):
+    """Note [lazy gradient shards]: the units gathered at backward's peak are not reduced yet,
+    so their fp32 shards (4 bytes per element in every precision) come off that peak; stage 2
+    keeps its accumulators and one rank has no buffers to credit against."""
+    model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
+    stage3 = Training(stage=3, precision=precision)
+    est = estimate(model, Job(4), stage3)
+    gathered = stage3_unit_sizes(model, stage3)[0]
+    assert est.unreduced_gradients == 4 * shard(gathered, 4)
+    backward = est.comm_buffers + est.backward_workspace - est.unreduced_gradients
+    assert est.buffers == max(backward, est.workspace)
+    assert estimate(model, Job(4), replace(stage3, stage=2)).unreduced_gradients == 0
+    assert estimate(model, Job(1), stage3).unreduced_gradients == 0
 
 
 def test_stage3_keeps_small_tensors_whole():

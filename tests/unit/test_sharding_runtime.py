@@ -92,6 +92,26 @@ def test_config_optimizer_section_and_memory_breakdown_keys():
     assert breakdown["parameters"] >= 4 * n and breakdown["total"] == sum(v for k, v in breakdown.items() if k != "total")
 
 
+@pytest.mark.parametrize("stage, held_after_step", [(2, True), (3, False)])
+def test_stage3_gradient_shards_live_only_from_backward_to_the_step(stage, held_after_step):
+    """Note [lazy gradient shards]: stage 3 creates its fp32 shard accumulators in backward and
+    drops them after the update; stage 2 keeps them. A step with no backward before it finds no
+    shard and must treat the gradient as zero (plain SGD: nothing moves)."""
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                {"zero": {"stage": stage, "param_persistence_threshold": 0}})
+    psi = sum(p.numel() for p in model.parameters())
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    assert engine.memory_breakdown()["gradients"] >= 4 * psi
+    engine.step()
+    assert (engine.memory_breakdown()["gradients"] > 0) is held_after_step
+    before = engine.full_state_dict()
+    engine.step()  # no backward in this window
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_partitioned_unit_state_transitions_are_checked():
     params = [nn.Parameter(torch.arange(6.0)), nn.Parameter(torch.ones(5))]
     unit = FlatUnit(0, 0, [("a", params[0]), ("b", params[1])], shard_world=1, shard_rank=0, partition_params=True)
@@ -220,7 +240,77 @@ def test_stage3_gathers_a_tied_unit_once_per_step():
     assert all(u.state is ParamState.SHARDED for u in engine.partition.units if u.partitioned)
 
 
-@pytest.mark.parametrize("value, expected", [(None, 1), ("0", 0), ("4", 4), (" 8 ", 8)])
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class _Block(nn.Module):
+    """A pre-norm block: its own unit (norm + attention stand-in) encloses its MLP's."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(16), nn.Linear(16, 16), _MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+def _nested_blocks_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Block() for _ in range(3)], nn.Linear(16, 4))
+
+
+def test_stage3_backward_finds_every_unit_prefetched_within_the_planned_bound():
+    """Note [execution order]: a block's output hook fires before its MLP's, but the block's
+    own parameters are read after the MLP's backward. Backward follows the reversed finishing
+    order two modules ahead, so once the order is recorded no hook gathers synchronously, and
+    what is gathered at once stays within the planner's bound (unit_plan.max_gathered_numel)."""
+    from zerorun.planner.counting import count_module
+    from zerorun.planner.memory import Training, stage3_unit_sizes
+    from zerorun.zero.units import FlatUnit as Unit
+
+    zero = {"stage": 3, "param_persistence_threshold": 0, "allgather_bucket_size": 1500}
+    model = _nested_blocks_model()
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": zero})
+    owners = {engine.partition.units.index(u) for us in engine.partition.module_units.values() for u in us}
+    assert len(owners) == 7  # three blocks, three MLPs, the head
+    with torch.device("meta"):
+        spec = count_module(_nested_blocks_model(), "blocks")
+    bound = stage3_unit_sizes(spec, Training(stage=3, precision="fp32", param_persistence_threshold=0,
+                                             allgather_bucket_size=1500))[0]
+    in_backward, synchronous, most_gathered = [False], [], [0]
+    original = Unit.gather
+
+    def watching(self, group):
+        if in_backward[0]:
+            if self.state is ParamState.SHARDED:
+                synchronous.append(self.index)
+            alive = sum(u.layout.numel for u in engine.partition.units
+                        if u.partitioned and u.state is not ParamState.SHARDED)
+            most_gathered[0] = max(most_gathered[0], alive + (self.layout.numel if self.state is ParamState.SHARDED else 0))
+        original(self, group)
+
+    Unit.gather = watching
+    try:
+        for step in range(3):
+            loss = engine(torch.randn(4, 16)).square().mean()
+            in_backward[0] = step > 0  # the first forward records the order
+            engine.backward(loss)
+            in_backward[0] = False
+            engine.step()
+    finally:
+        Unit.gather = original
+    assert synchronous == []
+    assert 0 < most_gathered[0] <= bound
+
+
+@pytest.mark.parametrize("value, expected", [(None, 4), ("0", 0), ("1", 1), (" 8 ", 8)])
 def test_host_trim_interval_from_the_environment(value, expected):
     from zerorun.zero.host_memory import trim_interval
 

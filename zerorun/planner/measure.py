@@ -41,7 +41,7 @@ class StageMeasurement:
     device: str
     config: dict                # the zerorun config of this run (stage set from ``stage``)
     measured_peak: int          # peak bytes during the steps, above the pre-model baseline
-    breakdown: dict             # engine.memory_breakdown() after the last step
+    breakdown: dict             # engine.memory_breakdown() around the last update (_largest_of)
     estimate_total: float       # planner: model state + buffers (+ activations when known)
     estimate_model_state: float
 
@@ -196,14 +196,23 @@ def _measure_stage(factory, batch_fn, stage, rank, device, precision, steps, mic
     for _ in range(steps):
         loss = _loss_of(engine(*inputs))
         engine.backward(loss)
+        before_update = engine.memory_breakdown()
         engine.step()
         del loss
     peak = probe.peak()
-    breakdown = engine.memory_breakdown()
+    breakdown = _largest_of(before_update, engine.memory_breakdown())
     del engine, model, optimizer, inputs
     gc.collect()
     return {"stage": stage, "rank": rank, "device": str(device), "config": config,
             "measured_peak": int(peak - baseline), "breakdown": breakdown}
+
+
+def _largest_of(before_update: dict, after_update: dict) -> dict:
+    """Each category at its larger value around the last update: stage 3 has gradient shards
+    only before it (Note [lazy gradient shards]), optimizer state is complete only after it
+    (Adam creates its state in the first step)."""
+    parts = {key: max(before_update[key], after_update[key]) for key in after_update if key != "total"}
+    return parts | {"total": sum(parts.values())}
 
 
 class _MemoryProbe:

@@ -32,9 +32,9 @@ ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq per parameter
 MASTER_COPY_BYTES = 4  # fp32 master weights, only when the trained parameters are 16-bit
 # Note [engine buffers]: these mirror zerorun/zero. grad_reduce.MAX_IN_FLIGHT reduce-scatters
 # may be outstanding while one more bucket fills; param_gather keeps the running module's
-# parameters and one prefetched module's gathered.
+# parameters and, in backward, unit_plan.BACKWARD_PREFETCH prefetched modules' gathered.
 GRADIENT_BUCKETS_IN_FLIGHT = 2
-GATHERED_LAYERS = 2
+GATHERED_LAYERS = 3
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,7 @@ class MemoryEstimate:
     host_per_rank: float
     nvme_per_rank: float
     ranks_per_host: int
+    unreduced_gradients: float = 0.0
 
     @property
     def model_state(self) -> float:
@@ -125,8 +126,10 @@ class MemoryEstimate:
     def buffers(self) -> float:
         """Transient memory at its peak, not model state. Backward's buckets and gathers are
         all freed before the optimizer step allocates its workspace, so the two phases' peaks
-        do not add: the larger one counts (docs/estimate.md)."""
-        return max(self.comm_buffers + self.backward_workspace, self.workspace)
+        do not add: the larger one counts (docs/estimate.md). At backward's peak the gradient
+        shards of the units still gathered do not exist yet (stage 3), so they come off it."""
+        backward = self.comm_buffers + self.backward_workspace - self.unreduced_gradients
+        return max(backward, self.workspace)
 
     @property
     def gpu_total(self) -> float:
@@ -185,6 +188,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         comm_buffers=float(communication_buffer_bytes(model, job, training)),
         workspace=float(step_workspace_bytes(model, job, training)),
         backward_workspace=float(backward_workspace_bytes(model, job, training)),
+        unreduced_gradients=float(unreduced_gradient_bytes(model, job, training)),
         activations=_activations(model, training, activation_job),
         host_per_rank=float(host),
         nvme_per_rank=float(nvme),
@@ -215,8 +219,8 @@ def communication_buffer_bytes(model: ModelSpec, job: Job, training: Training) -
     stage 2:   gradient buckets of p·B bytes: up to (in-flight + 1) alive, one filling while
                the others are reduce-scattered, each in-flight one with its p·B/N output;
                never more buckets than the model has (Ψ/B of them).
-    stage 3:   the same with layer-sized buckets (B = L, the largest layer), plus two gathered
-               layers of p·L (the running one and the prefetched next).
+    stage 3:   the same with layer-sized buckets (B = L, the largest layer), plus three gathered
+               layers of p·L (the running one and, in backward, the two prefetched next).
     A single rank communicates nothing.
     """
     if job.world_size == 1 or training.stage <= 1:
@@ -246,8 +250,8 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     With the module tree (a real model was counted) these come from the engine's own unit
     rules (zero/unit_plan.py): gathered = the largest (nesting depth + 2) units, bucket = the
     largest unit (a lone parameter's gradient is reduced in place, but is just as alive).
-    Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, two of
-    them gathered (the running module and the prefetched next).
+    Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
+    of them gathered (the running module and, in backward, the two prefetched next).
     """
     from zerorun.zero import unit_plan
 
@@ -284,6 +288,21 @@ def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> 
     if p != 4 and stage >= 2 and training.offload == "none":
         total += (4 - p) * shard(model.num_params, job.world_size)
     return total
+
+
+def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """Gradient-shard bytes the grads column counts but that do not exist at backward's peak.
+
+    Stage 3 creates a unit's fp32 shard accumulator at its first reduce-scatter and drops it
+    after the step (Note [lazy gradient shards], zero/grad_reduce.py). A unit still gathered
+    for backward has not been reduced yet, so while the G gathered elements are alive their
+    shards, 4·⌈G/N⌉ bytes (fp32 accumulators in every precision), are not. Other stages keep
+    their accumulators, and a single rank communicates nothing (no buffers to credit against).
+    """
+    if training.stage != 3 or job.world_size == 1 or training.offload != "none":
+        return 0
+    gathered, _bucket, _units = stage3_unit_sizes(model, training)
+    return 4 * shard(gathered, job.world_size)
 
 
 def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:

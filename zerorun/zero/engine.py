@@ -143,6 +143,7 @@ class Engine:
         self.reducer = GradReducer(
             units, self.partition.reduce_order, policy, self.group,
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
+            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
         )
         self.sharded = ShardedOptimizer(
             optimizer, units, self.reducer, self.group,

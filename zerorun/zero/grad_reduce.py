@@ -11,6 +11,16 @@ REDUCE_SCATTER (stages 2-3)  no full gradient is kept: a unit's gradients are co
     fp32 shard accumulator. This runs on every micro-step: accumulating locally would need the
     full gradient that stage 2 exists to avoid (DeepSpeed makes the same trade).
 
+Note [lazy gradient shards]: with ``lazy_shards`` (the engine sets it at stage 3) a unit's
+shard accumulator does not exist between optimizer steps. The first reduce-scatter of an
+accumulation window creates it (in fp32 its output buffer simply becomes the accumulator) and
+``zero()`` drops it after the step, as FSDP2 frees its sharded gradients. So during forward and
+most of backward the gradient column holds only the units already reduced, and the units being
+gathered for backward never have a shard beside their gathered parameters; the planner counts
+this (planner/memory.py, ``unreduced_gradient_bytes``). Stage 2 keeps its accumulators: there
+no gathered parameters share backward's peak, so dropping them would save nothing at the peak
+and cost a fresh allocation every step.
+
 Note [launch order]: collectives must be issued in the same order on every rank. A unit is
 launched only when it is complete AND every unit before it in ``order`` has launched; whatever
 is left (units with parameters unused this step) is flushed in order at the end of backward.
@@ -101,6 +111,7 @@ class GradReducer:
         group,
         *,
         on_unit_complete: Callable[[FlatUnit], None] | None = None,
+        lazy_shards: bool = False,
     ):
         self.units = units
         self.order = order
@@ -118,6 +129,7 @@ class GradReducer:
         self._written: dict[int, list[bool]] = {}
         # REDUCE_SCATTER: accumulator chunks still all-zero in this window (see _launch).
         self._chunk_clean = [True] * len(units)
+        self.lazy_shards = lazy_shards and policy is ReducePolicy.REDUCE_SCATTER
         self._hooks = []
         if policy is ReducePolicy.ALL_REDUCE:
             self.grad_full = [torch.zeros_like(u.full) for u in units]
@@ -127,9 +139,8 @@ class GradReducer:
                     param.grad = buffer[offset : offset + param.numel()].view(param.shape)
         else:
             self.grad_full = []
-            self.grad_chunks = [
-                torch.zeros(u.layout.chunk_numel, dtype=torch.float32, device=u.device) for u in units
-            ]
+            self.grad_chunks: list[torch.Tensor | None] = [None] * len(units)
+            self._create_chunks()
             for unit in units:
                 key = (unit.dtype, unit.device)
                 largest = self._pools[key].numel if key in self._pools else 0
@@ -204,7 +215,7 @@ class GradReducer:
         else:
             self._zero_unwritten(unit, bucket, self._written.pop(unit.index))
         chunk = self.grad_chunks[unit.index]
-        if self._chunk_clean[unit.index] and chunk.dtype == unit.dtype:
+        if chunk is not None and self._chunk_clean[unit.index] and chunk.dtype == unit.dtype:
             out = chunk  # first contribution of the window: reduce straight into the accumulator
         else:
             out = torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
@@ -220,7 +231,9 @@ class GradReducer:
         if buffers is not None:
             out, _bucket, pooled = buffers  # an unpooled bucket dies with this tuple
             chunk = self.grad_chunks[unit.index]
-            if out.data_ptr() != chunk.data_ptr():
+            if chunk is None:  # Note [lazy gradient shards]: the window's first contribution
+                self.grad_chunks[unit.index] = out if out.dtype == torch.float32 else out.float()
+            elif out.data_ptr() != chunk.data_ptr():
                 chunk.add_(out)
             if pooled is not None:
                 self._pools[(unit.dtype, unit.device)].give_back(pooled)
@@ -270,13 +283,25 @@ class GradReducer:
         for buffer in self.grad_full:
             buffer.zero_()
         if self.policy is ReducePolicy.REDUCE_SCATTER:
-            for chunk in self.grad_chunks:
-                chunk.zero_()
+            self._create_chunks()
             self._chunk_clean = [True] * len(self.units)
 
+    def _create_chunks(self) -> None:
+        """REDUCE_SCATTER: fresh all-zero fp32 accumulators, or none (Note [lazy gradient shards])."""
+        if self.lazy_shards:
+            self.grad_chunks = [None] * len(self.units)
+            return
+        for index, unit in enumerate(self.units):
+            chunk = self.grad_chunks[index]
+            if chunk is None:
+                self.grad_chunks[index] = torch.zeros(unit.layout.chunk_numel, dtype=torch.float32, device=unit.device)
+            else:
+                chunk.zero_()
+
     def nbytes(self) -> tuple[int, int]:
-        """(persistent gradient bytes, transient bucket bytes) held right now."""
-        persistent = sum(t.numel() * t.element_size() for t in (self.grad_full or self.grad_chunks))
+        """(gradient accumulator bytes, transient bucket bytes) held right now."""
+        held = self.grad_full or [t for t in self.grad_chunks if t is not None]
+        persistent = sum(t.numel() * t.element_size() for t in held)
         pooled = set(self._bucket_buffers)
         transient = sum(b.numel() * b.element_size() for i, b in self._buckets.items() if i not in pooled)
         transient += sum(pool.nbytes() for pool in self._pools.values())

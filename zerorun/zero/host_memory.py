@@ -49,7 +49,7 @@ def return_large_frees_to_os() -> bool:
 
 
 _libc_trim = None
-DEFAULT_TRIM_INTERVAL = 1
+DEFAULT_TRIM_INTERVAL = 4
 
 
 def trim_interval(environ) -> int:
@@ -71,9 +71,11 @@ def trim_host_heap() -> bool:
     were free heap. Trimming after an optimizer step, when live memory is lowest, returns
     them; but the next step faults most of them back in (2-3 us per 4 KiB page on the 2-core
     VM: ~60k faults, 5-6% of the 33.7M GPT's step). Without any trim, fragmentation creeps up
-    step after step. The default trims every step, which kept stage 3's peak RSS at 0.77-0.80x
-    DDP's; every 4 steps cost ~1% instead of ~5% of step time but peaked at 0.80-0.82x
-    (scripts/bench_cpu.py). ZERORUN_HOST_TRIM=N picks the trade.
+    step after step. Measured with scripts/bench_cpu.py, stage 3 against DDP, once stage 3's
+    gradient shards lived only from backward to the step (Note [lazy gradient shards] in
+    grad_reduce.py): a trim every step, 1.04x wall and 0.77x peak RSS; every 4 steps (the
+    default), 0.99x wall and 0.77x RSS; never (a profiling run), 911-922 MiB, about 0.80x. ZERORUN_HOST_TRIM=N picks the
+    trade (1 when resident memory is all that matters).
     """
     global _libc_trim
     if _libc_trim is None:

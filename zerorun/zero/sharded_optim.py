@@ -81,8 +81,12 @@ class ShardedOptimizer:
     def _master_grads(self) -> list[torch.Tensor]:
         grads = []
         for unit, master, chunk in zip(self.units, self.masters, self.reducer.grad_chunks):
-            # ALL_REDUCE chunks are in the model dtype; fp32 ones are used in place.
-            grad = chunk if chunk.dtype == torch.float32 else chunk.float()
+            # ALL_REDUCE chunks are in the model dtype; fp32 ones are used in place. A lazy
+            # shard is missing only if no backward ran in this window: its gradient is zero.
+            if chunk is None:
+                grad = torch.zeros_like(master)
+            else:
+                grad = chunk if chunk.dtype == torch.float32 else chunk.float()
             master.grad = grad
             grads.append(grad)
         return grads

@@ -29,6 +29,9 @@ UNIT_OVERFLOW = 2
 # elements: about one transformer block of width 512, so a gather is large enough to amortise
 # its sync point yet small next to the model.
 STAGE3_UNIT_CAP = 2_000_000
+# Modules whose units stage 3 prefetches ahead in backward (forward: one); param_gather.py
+# uses it, and the gathered bound below counts it.
+BACKWARD_PREFETCH = 2
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,10 @@ def _enclosing_owners(name: str, owners: set[str]) -> int:
 
 def max_gathered_numel(units: list[PlannedUnit]) -> int:
     """Elements gathered at once at worst: a chain of nested units (a block and its MLP) run
-    together, and the next module's units are prefetched beside them (param_gather.py).
-    Bound: the largest (deepest chain + 1) units."""
+    together, and in backward the next BACKWARD_PREFETCH modules' units are prefetched beside
+    them (param_gather.py, Note [execution order]). Bound: the largest (deepest chain + 1 +
+    BACKWARD_PREFETCH) units."""
     if not units:
         return 0
-    alive = max(u.depth for u in units) + 2
+    alive = max(u.depth for u in units) + 1 + BACKWARD_PREFETCH
     return sum(sorted((u.numel for u in units), reverse=True)[:alive])
