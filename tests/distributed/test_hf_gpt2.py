@@ -128,10 +128,12 @@ def run_variant(config: dict, rank: int) -> dict:
 def worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
+    from zerorun.zero.process_group import leaving_together
+
     torch.set_num_threads(1)  # two ranks share two cores
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
         results = {}
         for name, config in VARIANTS.items():
             try:
@@ -139,9 +141,6 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
             except Exception as err:  # reported by the variant's own test, not as a crashed world
                 results[name] = {"error": f"{type(err).__name__}: {err}"}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()  # Note [clean exit] in zerorun/zero/process_group.py
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

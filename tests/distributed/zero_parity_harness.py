@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zerorun.zero.process_group import leaving_together
+
 VOCAB, WIDTH, NARROW, SEQ = 17, 15, 7, 5
 GLOBAL_BATCH = 12  # sequences per optimizer step: divides by world x accumulation for 1-3 ranks
 STEPS = 10
@@ -210,14 +212,9 @@ def run_world(rank: int, world: int, init_file: str, out_path: str) -> None:
     """Entry point of one spawned rank: every case in one process group."""
     torch.set_num_threads(1)  # 2-3 ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
+    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
         results = {"collectives": check_collectives(rank, world)}
         for case in cases():
             results[case.name] = train_engine(case, rank, world)
         if rank == 0:
             torch.save(results, out_path)
-        # Every rank's last collective must be finished everywhere before any rank tears its
-        # group down: otherwise gloo could abort a peer mid-transfer at exit.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

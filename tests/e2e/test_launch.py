@@ -47,8 +47,8 @@ assert all(torch.equal(gathered[0], t) for t in gathered), "ranks diverged"
 assert os.path.exists(os.environ["ZERORUN_CONFIG"])
 assert int(os.environ["ZERORUN_TELEMETRY_FD"]) > 2
 print("ARGS " + repr(sys.argv[1:]) + f" rank={rank} local={os.environ['LOCAL_RANK']} world={world}", flush=True)
-dist.barrier()
-dist.destroy_process_group()
+import zerorun
+zerorun.leave_together()  # barrier, then destroy without gloo's exit abort (Note [clean exit])
 '''
 
 

@@ -25,8 +25,8 @@ dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 print("RESULT " + repr((dist.get_rank(), os.environ["ZERORUN_HOST"], os.environ["LOCAL_RANK"], t.item(), sys.argv[1:])), flush=True)
-dist.barrier()
-dist.destroy_process_group()
+import zerorun
+zerorun.leave_together()  # barrier, then destroy without gloo's exit abort (Note [clean exit])
 '''
 
 NASTY_ARGS = ["two words", "it's \"quoted\"", "; touch PWNED_SEMI", "$(touch PWNED_SUBST)", "`touch PWNED_TICK`", "*"]

@@ -25,6 +25,7 @@ TRAIN = textwrap.dedent(f"""
     import torch.distributed as dist
     from zerorun.telemetry import get_recorder
     from zerorun.zero import collectives
+    from zerorun.zero.process_group import leave_together
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -39,7 +40,7 @@ TRAIN = textwrap.dedent(f"""
     if rank == 1:
         time.sleep({HOLD_S})
     collectives.barrier(group=None)
-    dist.destroy_process_group()
+    leave_together()  # Note [clean exit] in zerorun/zero/process_group.py
 """)
 
 

@@ -132,10 +132,12 @@ def _worker(rank, world, tmp, target, runs, precision, steps, micro_batch, seq_l
     import torch
     import torch.distributed as dist
 
+    from zerorun.zero.process_group import leaving_together
+
     torch.set_num_threads(1)  # ranks share the machine's cores; memory does not depend on it
     device = _worker_device(rank)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    try:
+    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
         from zerorun.planner.counting import load_factory
 
         factory = load_factory(target)
@@ -148,9 +150,6 @@ def _worker(rank, world, tmp, target, runs, precision, steps, micro_batch, seq_l
                                           micro_batch, seq_len, config))
             dist.barrier()
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.barrier()  # Note [clean exit] in zerorun/zero/process_group.py
-    finally:
-        dist.destroy_process_group()
 
 
 def _worker_device(rank: int):

@@ -8,9 +8,11 @@ MASTER_ADDR, MASTER_PORT); else world size 1 with no torch.distributed at all.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,14 +63,61 @@ def resolve_process_group(model_device: torch.device) -> ProcessGroupInfo:
     return ProcessGroupInfo(None, rank, world_size, model_device)
 
 
-def leave_process_group() -> None:
-    """Meet every rank at a barrier, then destroy the group zerorun created (registered at exit).
+def leave_together(group=None, *, settle_timeout_s: float = 5.0) -> None:
+    """Meet every rank at a barrier, let gloo's threads drop their last work, destroy the group.
 
-    Note [clean exit]: a process that exits with its gloo group alive, or destroys it while a
-    peer is still finishing its last collective, can abort at interpreter shutdown (SIGABRT,
-    "terminate called without an active exception": gloo's threads still hold work objects).
-    It is intermittent and shows up under load, and the launcher then rightly reports a failed
-    rank. Tearing down together, while the interpreter is still whole, avoids it.
+    Note [clean exit]: a rank can abort at interpreter shutdown after a clean run (SIGABRT,
+    "terminate called without an active exception"). Caught in gdb: gloo runs collectives on
+    its own threads ("pt_gloo_runloop"), and a thread drops its reference to a finished work
+    object only *after* the waiting Python thread has been woken. Dropping it releases the
+    work's tensors, which needs the GIL; if the main thread is already finalizing the
+    interpreter by then, the gloo thread is force-exited inside a noexcept destructor and the
+    C++ runtime calls terminate. A barrier and destroy_process_group() do not prevent it (the
+    destroyed group's threads live on). Under load it hit a third of the runs of a 2-rank test
+    script on the 2-core VM.
+
+    So after the barrier, GLOO_THREADS probe all-reduces run one after another, and after
+    each this thread sleeps (releasing the GIL) until the probe tensor's Python reference
+    count is back to its value before the collective: that happens exactly when the gloo
+    thread that ran the probe has dropped the work, and a gloo thread drops its current work
+    before it takes the next. Every earlier work had finished (the barrier), and the sleeps
+    hand the GIL to any gloo thread still dropping one. With it, 0 of 45 runs of that script
+    under the same load aborted.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier(group=group)
+    if dist.get_backend(group) == "gloo":
+        probe = torch.zeros(1)
+        unreferenced = sys.getrefcount(probe)
+        deadline = time.monotonic() + settle_timeout_s
+        for _ in range(GLOO_THREADS):
+            dist.all_reduce(probe, group=group)
+            while sys.getrefcount(probe) > unreferenced and time.monotonic() < deadline:
+                time.sleep(0.001)
+    dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def leaving_together(group=None):
+    """``with leaving_together(): ...`` around a worker's body: ``leave_together`` when the body
+    finishes; when it raises, a plain destroy, with no barrier that failed peers never reach."""
+    try:
+        yield
+    except BaseException:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    leave_together(group)
+
+
+# ProcessGroupGloo's default number of worker threads (its Options.threads); leave_together
+# probes once per thread.
+GLOO_THREADS = 2
+
+
+def leave_process_group() -> None:
+    """At exit: ``leave_together`` on the group zerorun created (Note [clean exit]).
 
     Only on a clean exit: a rank dying of an uncaught exception must exit at once, so the
     launcher sees it and ends the job, rather than wait at a barrier its peers never reach.
@@ -80,14 +129,13 @@ def leave_process_group() -> None:
 
     def meet() -> None:
         try:
-            dist.barrier()
+            leave_together()
             met.set()
         except Exception:  # a peer already failed: the launcher reports that one, not this
             pass
 
     threading.Thread(target=meet, name="zerorun-exit-barrier", daemon=True).start()
-    if met.wait(EXIT_BARRIER_TIMEOUT_S):
-        dist.destroy_process_group()
+    met.wait(EXIT_BARRIER_TIMEOUT_S)
 
 
 EXIT_BARRIER_TIMEOUT_S = 30.0

@@ -1,0 +1,57 @@
+"""pytest tests/distributed/test_leave_together.py — Note [clean exit] on 2 gloo ranks.
+
+``leave_together`` waits for gloo's worker threads to drop their last work object, and knows
+it by the probe tensor's Python reference count returning to its value before the collective.
+That signal is a property of this torch build, so it is checked here directly: right after a
+synchronous all-reduce returns, the count must still be raised (the gloo thread holds the
+work), and it must come back down within a second. If a torch release changes this, the wait
+in leave_together would silently become a timeout, and this test says so.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_world import spawn_and_collect  # noqa: E402  (tests/distributed on sys.path)
+
+WORLD = 2
+
+
+def worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    import zerorun
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    probe = torch.zeros(1)
+    unreferenced = sys.getrefcount(probe)
+    raised = []
+    for _ in range(5):
+        dist.all_reduce(probe)
+        raised.append(sys.getrefcount(probe) > unreferenced)  # the gloo thread may be done already
+        deadline = time.monotonic() + 1.0
+        while sys.getrefcount(probe) > unreferenced and time.monotonic() < deadline:
+            time.sleep(0.001)
+    dropped = sys.getrefcount(probe) == unreferenced
+    started = time.monotonic()
+    zerorun.leave_together()
+    result = {"raised_once": any(raised), "dropped": dropped, "value": probe.item(),
+              "leave_s": time.monotonic() - started, "still_initialized": dist.is_initialized()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_gloo_threads_drop_their_work_and_leave_together_ends_the_group(tmp_path):
+    results = spawn_and_collect(worker, tmp_path, WORLD)
+    for rank, result in results.items():
+        assert result["dropped"], f"rank {rank}: the probe's reference count never came back down"
+        assert result["value"] == 0.0
+        assert not result["still_initialized"]
+        assert result["leave_s"] < 2.0, f"rank {rank}: leave_together waited {result['leave_s']:.2f} s"
+    # The signal exists at all: at least once the count was still raised when the call returned.
+    assert any(result["raised_once"] for result in results.values())
