@@ -248,7 +248,7 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     """(elements gathered at once at worst, largest gradient bucket, number of units) at stage 3.
 
     With the module tree (a real model was counted) these come from the engine's own unit
-    rules (zero/unit_plan.py): gathered = the largest (nesting depth + 2) units, bucket = the
+    rules (zero/unit_plan.py): gathered = the largest (nesting depth + 3) units, bucket = the
     largest unit (a lone parameter's gradient is reduced in place, but is just as alive).
     Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
     of them gathered (the running module and, in backward, the two prefetched next).

@@ -107,7 +107,7 @@ class ParamGatherer:
             self.in_use[unit.index] += 1
             unit.gather(self.group)
         if not recomputing:
-            self._prefetch_after(module, step=1)
+            self._prefetch_forward(module)
 
     def _post_forward(self, module, args, output) -> None:
         # Note [no release in recomputation] (zero/checkpointing.py): the tensors a checkpoint
@@ -149,15 +149,15 @@ class ParamGatherer:
             return ()
         return self._keep_after.get(position, ())
 
-    def _prefetch_after(self, module: nn.Module, step: int) -> None:
-        """Issue the async gather of the module expected ``step`` places after ``module``."""
+    def _prefetch_forward(self, module: nn.Module) -> None:
+        """Issue the async gather of the module expected to run after ``module`` in forward."""
         order = self.forward_order
         try:
             position = order.index(module)
         except ValueError:
             return
-        target = position + step
-        if 0 <= target < len(order):
+        target = position + 1
+        if target < len(order):
             for unit in self.module_units[order[target]]:
                 unit.start_gather(self.group)
 

@@ -73,8 +73,8 @@ def leave_together(group=None, *, settle_timeout_s: float = 5.0) -> None:
     work's tensors, which needs the GIL; if the main thread is already finalizing the
     interpreter by then, the gloo thread is force-exited inside a noexcept destructor and the
     C++ runtime calls terminate. A barrier and destroy_process_group() do not prevent it (the
-    destroyed group's threads live on). Under load it hit a third of the runs of a 2-rank test
-    script on the 2-core VM.
+    destroyed group's threads live on). Under load it hit a fifth to a third of the runs of a
+    2-rank test script on the 2-core VM (2 of 12, 3 of 16, 5 of 15).
 
     So after the barrier, GLOO_THREADS probe all-reduces run one after another, and after
     each this thread sleeps (releasing the GIL) until the probe tensor's Python reference
