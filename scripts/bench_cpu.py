@@ -37,8 +37,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
 from bench_systems import (  # noqa: E402
-    SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, merge_repeats, parse_shared_options, render_table,
-    run_world, time_steps,
+    SYSTEMS, RankResult, build_trainer, merge_repeats, parse_shared_options, render_table, run_world, time_steps,
 )
 
 TARGETS = {"zero1": {"step": 1.0}, "zero2": {"step": 1.0}, "zero3": {"step": 1.05, "memory": 0.8}}
@@ -83,16 +82,7 @@ def rank_main(rank: int, world: int, system: str, options: dict, init_file: str)
         tokens, targets = synthetic_batch(cfg, options["micro_batch"] * world, step=step)
         return rank_slice(tokens, rank, world), rank_slice(targets, rank, world)
 
-    times, cpu_times, losses, training_peak = time_steps(trainer, batches, options["warmup"], options["steps"],
-                                              synchronize=lambda: None)
-    return RankResult(
-        step_times_s=times,
-        step_cpu_s=cpu_times,
-        losses=losses,
-        peak_rss_bytes=lifetime_peak_rss_bytes(),
-        training_peak_rss_bytes=training_peak,
-        model_state_bytes=trainer.model_state_bytes(),
-    )
+    return time_steps(trainer, batches, options["warmup"], options["steps"], synchronize=lambda: None)
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 
-from bench_systems import SYSTEMS, RankResult, build_trainer, lifetime_peak_rss_bytes, parse_shared_options, render_table, run_world, time_steps  # noqa: E402
+from bench_systems import SYSTEMS, RankResult, build_trainer, parse_shared_options, render_table, run_world, time_steps  # noqa: E402
 
 DEFAULT_SYSTEMS = ("fsdp2", "zero0", "zero1", "zero2", "zero3")
 TARGETS = {f"zero{stage}": {"step": 1.0} for stage in range(4)}
@@ -94,17 +94,10 @@ def rank_main(rank: int, world: int, system: str, options: dict, init_file: str)
     synchronize = torch.cuda.synchronize if use_cuda else (lambda: None)
     if use_cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, cpu_times, losses, training_peak = time_steps(trainer, batches, options["warmup"], options["steps"], synchronize)
-    return RankResult(
-        step_times_s=times,
-        step_cpu_s=cpu_times,
-        losses=losses,
-        peak_rss_bytes=lifetime_peak_rss_bytes(),
-        training_peak_rss_bytes=training_peak,
-        model_state_bytes=trainer.model_state_bytes(),
-        gpu_peak_bytes=torch.cuda.max_memory_allocated() if use_cuda else 0,
-        extra={"params": params, "tokens_per_step": options["micro_batch"] * cfg.seq_len * world},
-    )
+    result = time_steps(trainer, batches, options["warmup"], options["steps"], synchronize)
+    result.gpu_peak_bytes = torch.cuda.max_memory_allocated() if use_cuda else 0
+    result.extra = {"params": params, "tokens_per_step": options["micro_batch"] * cfg.seq_len * world}
+    return result
 
 
 def main(argv=None) -> int:

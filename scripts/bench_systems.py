@@ -205,12 +205,13 @@ class RankResult:
 
 
 def time_steps(trainer, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-               warmup: int, steps: int, synchronize: Callable[[], None]):
-    """Run warmup + steps optimizer steps.
+               warmup: int, steps: int, synchronize: Callable[[], None]) -> RankResult:
+    """Run warmup + steps optimizer steps; this rank's result (GPU fields left for the caller).
 
-    Returns (wall seconds per timed step, CPU seconds of this process per timed step, every
-    step's loss, peak RSS while training). CPU time is the less noisy figure on a shared
-    machine: time spent waiting for a core does not count, time spent computing does.
+    Per timed step: wall seconds and CPU seconds of this process. CPU time is the less noisy
+    figure on a shared machine: time spent waiting for a core does not count, time spent
+    computing does. Also every step's loss, the peak RSS while training and over the process's
+    life, and the trainer's model-state bytes after the last step.
     """
     times, cpu_times, losses = [], [], []
     with RssSampler() as sampler:
@@ -224,7 +225,9 @@ def time_steps(trainer, batches: Callable[[int], tuple[torch.Tensor, torch.Tenso
                 times.append(time.perf_counter() - started)
                 cpu_times.append(time.process_time() - cpu_started)
             losses.append(loss.item())
-    return times, cpu_times, losses, sampler.peak
+    return RankResult(step_times_s=times, step_cpu_s=cpu_times, losses=losses,
+                      peak_rss_bytes=lifetime_peak_rss_bytes(), training_peak_rss_bytes=sampler.peak,
+                      model_state_bytes=trainer.model_state_bytes())
 
 
 @dataclass

@@ -192,10 +192,11 @@ def _measure_stage(factory, batch_fn, stage, rank, device, precision, steps, mic
     inputs = _example_inputs(model, batch_fn, micro_batch, seq_len, device, seed=rank)
     gc.collect()
     probe.reset_peak()  # from here on: the training steps only
-    for _ in range(steps):
+    for step in range(steps):
         loss = _loss_of(engine(*inputs))
         engine.backward(loss)
-        before_update = engine.memory_breakdown()
+        if step == steps - 1:
+            before_update = engine.memory_breakdown()
         engine.step()
         del loss
     peak = probe.peak()
