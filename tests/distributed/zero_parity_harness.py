@@ -9,7 +9,9 @@ optimizer param groups (no weight decay on biases/norms).
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -113,6 +115,39 @@ def cases() -> list[Case]:
     # the step and halve the scale until it fits, then train normally.
     found.append(Case("s2-fp16-overflow", 2, dtype="fp16",
                       extra={"precision": {"initial_scale_power": OVERFLOW_SCALE_POWER, "hysteresis": 1}}))
+    return found + offload_cases()
+
+
+CPU = {"device": "cpu"}
+# Small buffers: the 15x16 / 17x15 units' master + two Adam moments need up to ~800 elements,
+# so 3 buffers of 1000 make the reader wait for the writer (Note [file buffers]).
+NVME = {"device": "nvme", "nvme_path": str(Path(tempfile.gettempdir()) / "zerorun-parity-nvme"),
+        "buffer_count": 3, "buffer_size": 1000}
+
+
+def offload_cases() -> list[Case]:
+    """Optimizer offload (cpu, nvme) at stages 1-3 and parameter offload at stage 3; each has a
+    twin without offload among cases() (same name less the suffix) that it must match exactly.
+    With clipping the update waits for the norm; without it the worker thread updates each unit
+    during backward (Note [update while backward runs] in zerorun/zero/update.py)."""
+    found = []
+    for stage in (1, 2, 3):
+        found += [
+            Case(f"s{stage}-adamw-fp32+cpu", stage, extra={"zero": {"offload_optimizer": CPU}}),
+            Case(f"s{stage}-sgd-accum-clip-fp32+cpu", stage, "sgd", accumulation=2, clipping=0.3,
+                 extra={"zero": {"offload_optimizer": CPU}}),
+            Case(f"s{stage}-adamw-fp32+nvme", stage, extra={"zero": {"offload_optimizer": NVME}}),
+            Case(f"s{stage}-sgd-accum-clip-fp32+nvme", stage, "sgd", accumulation=2, clipping=0.3,
+                 extra={"zero": {"offload_optimizer": NVME}}),
+        ]
+    found += [
+        Case("s3-adamw-fp32+cpu+params", 3, extra={"zero": {"offload_optimizer": CPU, "offload_param": CPU}}),
+        Case("s3-sgd-accum-clip-fp32+cpu+params", 3, "sgd", accumulation=2, clipping=0.3,
+             extra={"zero": {"offload_optimizer": CPU, "offload_param": CPU}}),
+        Case("s3-adamw-fp16-accum-clip+cpu", 3, dtype="fp16", accumulation=2, clipping=0.5,
+             extra={"precision": {"initial_scale_power": 8}, "zero": {"offload_optimizer": CPU}}),
+        Case("s2-adamw-bf16+nvme", 2, dtype="bf16", extra={"zero": {"offload_optimizer": NVME}}),
+    ]
     return found
 
 

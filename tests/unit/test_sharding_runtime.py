@@ -42,13 +42,15 @@ def _model():
     "config, message",
     [
         ({"zero": {"stage": 4}}, "zero.stage"),
-        ({"zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "not supported yet"),
+        ({"zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_size": 10}}},
+         "buffer_size=10 is smaller than one unit"),
         ({"zero": {"stage": 0}, "optimizer": {"type": "NoSuchOpt"}}, "NoSuchOpt"),
     ],
 )
 def test_bad_configs_raise_runtime_config_errors(config, message):
+    model = _model()
     with pytest.raises(ZerorunError, match=message):
-        zerorun.initialize(_model(), None if "optimizer" in config else torch.optim.SGD(_model().parameters(), lr=0.1), config)
+        zerorun.initialize(model, None if "optimizer" in config else torch.optim.SGD(model.parameters(), lr=0.1), config)
 
 
 def test_missing_optimizer_and_foreign_parameters_are_reported():
@@ -87,9 +89,31 @@ def test_config_optimizer_section_and_memory_breakdown_keys():
     engine = zerorun.initialize(_model(), None, {"zero": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     assert type(engine.optimizer) is torch.optim.AdamW
     breakdown = engine.memory_breakdown()
-    assert set(breakdown) == {"parameters", "gradients", "optimizer_state", "communication_buffers", "total"}
+    device_keys = {"parameters", "gradients", "optimizer_state", "communication_buffers"}
+    assert set(breakdown) == device_keys | {"total", "offloaded_host", "offloaded_nvme"}
     n = sum(p.numel() for p in engine.module.parameters())
-    assert breakdown["parameters"] >= 4 * n and breakdown["total"] == sum(v for k, v in breakdown.items() if k != "total")
+    assert breakdown["parameters"] >= 4 * n and breakdown["total"] == sum(breakdown[k] for k in device_keys)
+    assert breakdown["offloaded_host"] == breakdown["offloaded_nvme"] == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_scheduler_built_before_initialize_steers_the_update(stage):
+    """The user's optimizer object is the one that steps: a LambdaLR built on it before
+    initialize that drops the lr to 0 after two steps must stop the parameters moving."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 if step < 2 else 0.0)
+    engine = zerorun.initialize(model, optimizer, {"zero": {"stage": stage, "param_persistence_threshold": 0}})
+    assert engine.optimizer is optimizer
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    snapshots = [engine.full_state_dict()["0.weight"].clone()]
+    for _ in range(4):
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        scheduler.step()
+        snapshots.append(engine.full_state_dict()["0.weight"].clone())
+    assert not torch.equal(snapshots[0], snapshots[1]) and not torch.equal(snapshots[1], snapshots[2])
+    assert torch.equal(snapshots[2], snapshots[3]) and torch.equal(snapshots[3], snapshots[4])
 
 
 @pytest.mark.parametrize("stage, held_after_step", [(2, True), (3, False)])
@@ -322,3 +346,41 @@ def test_bad_host_trim_interval_is_a_config_error():
 
     with pytest.raises(RuntimeConfigError, match="ZERORUN_HOST_TRIM is 'often'"):
         trim_interval({"ZERORUN_HOST_TRIM": "often"})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_units_are_updated_during_the_boundary_backward(stage, tmp_path):
+    """Note [update while backward runs]: without clipping, a unit's update is queued the moment
+    its gradient is final, so the model has moved before step() is called; with clipping the
+    update must wait for the global norm, so nothing moves until step()."""
+    for clip, moves_early in ((0.0, True), (1.0, False)):
+        model = _model()
+        engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {
+            "zero": {"stage": stage, "param_persistence_threshold": 0, "offload_optimizer": {"device": "cpu"}},
+            "gradient_clipping": clip})
+        before = engine.full_state_dict()["0.weight"].clone()
+        engine.backward(((engine(torch.randn(4, 7)) - torch.randn(4, 3)) ** 2).mean())
+        engine.updater._wait_for_worker()
+        early = engine.full_state_dict()["0.weight"]
+        assert (not torch.equal(before, early)) is moves_early, f"clip={clip}"
+        engine.step()
+        assert not torch.equal(before, engine.full_state_dict()["0.weight"])
+
+
+def test_nvme_offload_keeps_state_in_files_and_host_memory_in_its_buffers(tmp_path):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {
+        "zero": {"stage": 2, "reduce_bucket_size": 4160, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2, "buffer_size": 3 * 4160}}})
+    for _ in range(2):
+        engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
+        engine.step()
+    engine.updater.placement.flush()
+    breakdown = engine.memory_breakdown()
+    n = sum(p.numel() for p in model.parameters())
+    assert breakdown["optimizer_state"] == 0
+    assert breakdown["offloaded_nvme"] >= 12 * n  # master + two Adam moments, fp32
+    assert breakdown["offloaded_host"] == 2 * 3 * 4160 * 4  # the two buffers, nothing more
+    files = list(tmp_path.glob("zerorun-rank0-*/unit*.bin"))
+    assert sum(f.stat().st_size for f in files) == breakdown["offloaded_nvme"]
+    assert all(r.master.numel() == 0 for r in engine.records)  # nothing resident between steps

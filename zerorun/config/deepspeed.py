@@ -75,7 +75,8 @@ OFFLOAD_COMMON = {
     "device": Map("device", _offload_device),
     "nvme_path": Map("nvme_path"),
     "pin_memory": Map("pin_memory"),
-    "buffer_count": Note("zerorun sizes its own offload buffers; " + NO_EFFECT),
+    "buffer_count": Map("buffer_count"),
+    "buffer_size": Map("buffer_size"),
 }
 OFFLOAD_OPTIMIZER = {
     **OFFLOAD_COMMON,
@@ -86,7 +87,6 @@ OFFLOAD_OPTIMIZER = {
 }
 OFFLOAD_PARAM = {
     **OFFLOAD_COMMON,
-    "buffer_size": Note("zerorun sizes its own offload buffers; " + NO_EFFECT),
     "max_in_cpu": Note(NO_EFFECT),
 }
 

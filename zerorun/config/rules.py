@@ -36,6 +36,10 @@ RANGES: dict[str, Check] = {
     "zero.prefetch_bucket_size": _at_least(1),
     "zero.param_persistence_threshold": _at_least(0),
     "zero.max_reuse_distance": _at_least(0),
+    "zero.offload_optimizer.buffer_count": _at_least(1),
+    "zero.offload_optimizer.buffer_size": _at_least(1),
+    "zero.offload_param.buffer_count": _at_least(1),
+    "zero.offload_param.buffer_size": _at_least(1),
     "precision.loss_scale": ((lambda v: v >= 0), "must be 0 (dynamic) or a positive static scale"),
     "precision.initial_scale_power": _within(0, 63),
     "precision.loss_scale_window": _at_least(1),
@@ -82,6 +86,10 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
             "zero.offload_optimizer.device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage "
             "is 0); raise zero.stage or set offload_optimizer.device: none",
             zero.offload_optimizer.device)
+    if zero.offload_param.device == "nvme":
+        problems.add("zero.offload_param.device", "parameters can be offloaded to host memory (cpu) "
+                     "but not yet to NVMe; set offload_param.device: cpu (optimizer state can go to nvme)",
+                     zero.offload_param.device)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

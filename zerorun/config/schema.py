@@ -20,6 +20,10 @@ class OffloadConfig:
     device: OffloadDevice = "none"
     nvme_path: str | None = None
     pin_memory: bool = True
+    # NVMe only: host buffers that master and optimizer state stream through, and the size
+    # of each in fp32 elements (one unit's master + state must fit in one buffer).
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
 
 
 @dataclass

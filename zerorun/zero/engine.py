@@ -4,7 +4,8 @@
 
 It composes the parts and owns the step counters; the mechanisms live elsewhere:
 partition.py (which parameters form which unit), units.py (flat storage and gathering),
-grad_reduce.py (gradient collectives), sharded_optim.py (masters and the update),
+grad_reduce.py (gradient collectives), unit_record.py (one record per unit), update.py (the
+unit-by-unit update with the user's optimizer), offload.py (where masters and state live),
 param_gather.py (stage 3 hooks), precision.py (dtypes and loss scaling).
 """
 
@@ -27,7 +28,9 @@ from zerorun.zero.param_gather import ParamGatherer
 from zerorun.zero.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.process_group import resolve_process_group
-from zerorun.zero.sharded_optim import ShardedOptimizer
+from zerorun.zero.offload import placement_from_config
+from zerorun.zero.unit_record import UnitRecord, chunk_segments
+from zerorun.zero.update import UnitUpdater
 from zerorun.zero.unit_plan import STAGE3_UNIT_CAP
 
 # Chunks are multiples of this many elements (16-32 bytes), so every rank's chunk of every unit
@@ -58,12 +61,6 @@ def initialize(model: nn.Module, optimizer=None, config=None) -> "Engine":
 def _check_supported(cfg: ZerorunConfig) -> None:
     if cfg.zero.stage not in (0, 1, 2, 3):
         raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(cfg.zero, key).device != "none":
-            raise RuntimeConfigError(
-                f"zero.{key}.device={getattr(cfg.zero, key).device!r}: offload is not supported yet",
-                hint=f"remove zero.{key} (or set its device to 'none')",
-            )
 
 
 def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.Optimizer:
@@ -133,28 +130,35 @@ class Engine:
             bucket_numel=cfg.zero.reduce_bucket_size,
             persistence_threshold=cfg.zero.param_persistence_threshold,
             min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
+            offload_params=cfg.zero.offload_param.device != "none",
         )
         units = self.partition.units
+        placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
+        # One record per unit (unit_record.py): shard, master, gradient, segments, placement.
+        self.records = [UnitRecord(u, chunk_segments(u), placement.make_master(u), placement) for u in units]
         self.gatherer = None
         if self.stage == 3 and self.partition.module_units:
             self.gatherer = ParamGatherer(model, self.partition.module_units, self.group,
                                           max_reuse_distance=cfg.zero.max_reuse_distance)
         policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
         self.reducer = GradReducer(
-            units, self.partition.reduce_order, policy, self.group,
+            self.records, self.partition.reduce_order, policy, self.group,
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
             lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
         )
-        self.sharded = ShardedOptimizer(
-            optimizer, units, self.reducer, self.group,
+        self.updater = UnitUpdater(
+            optimizer, self.records, placement, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
         )
-        self.optimizer = self.sharded.optimizer
+        self.reducer.on_unit_reduced = self.updater.unit_reduced
+        self.optimizer = optimizer  # the user's object steps the masters (update.py)
         self.lr_scheduler = self._scheduler_from_config()
         self.loss_scaler = LossScaler.from_config(cfg.precision)
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.global_step = 0
         self.micro_steps = 0
+        self._boundary_override: bool | None = None
+        self._step_applied = False
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._window_loss = 0.0
@@ -187,7 +191,14 @@ class Engine:
         return self.pg.rank
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's override: the caller says whether the next backward/step ends the
+        accumulation window (None returns to counting micro-steps)."""
+        self._boundary_override = is_boundary
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -201,11 +212,15 @@ class Engine:
             self._window_samples += first.shape[0]
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
-        self.reducer.communicate = self.is_gradient_accumulation_boundary()
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
+        ``scale_wrt_gas=False`` skips the division, as in DeepSpeed."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.reducer.communicate = boundary
+        if boundary:
+            self.updater.open_window(self.loss_scaler, self.config.gradient_clipping)
         self._window_loss = self._window_loss + loss.detach().float()  # no sync per micro-step
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        factor = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
         (loss.float() * factor).backward()
         self.reducer.finish_backward()
         if self.gatherer is not None:
@@ -219,12 +234,14 @@ class Engine:
             return
         if self.gatherer is not None:
             self.gatherer.finish_backward()  # nothing gathered may outlive the update unrefreshed
-        applied, self.last_grad_norm = self.sharded.step(
+        applied, self.last_grad_norm = self.updater.step(
             loss_scaler=self.loss_scaler, clip=self.config.gradient_clipping
         )
+        self.reducer.zero()
         self.global_step += 1
         if self._trim_every and (self.global_step == 1 or self.global_step % self._trim_every == 0):
             trim_host_heap()  # Note [trim after step] in host_memory.py
+        self._step_applied = applied
         if not applied:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
@@ -252,6 +269,17 @@ class Engine:
         return self.train(False)
 
     # -- inspection -----------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last step (computed when clipping or fp16 scaling is on)."""
+        return self.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False after a step that fp16 overflow skipped."""
+        return self._step_applied
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now, counted from the tensors' storages."""
         parameters = sum(u.param_nbytes() for u in self.partition.units)
@@ -259,14 +287,18 @@ class Engine:
         gradients, transient = self.reducer.nbytes()
         if self.gatherer is not None:
             transient += self.gatherer.pool_nbytes()
-        optimizer_state = self.sharded.state_nbytes()
+        placed = self.updater.placed_nbytes()
+        host_parameters = sum(u.param_nbytes() for u in self.partition.units if u.shard_offloaded)
         breakdown = {
-            "parameters": parameters,
+            "parameters": parameters - host_parameters,
             "gradients": gradients,
-            "optimizer_state": optimizer_state,
+            "optimizer_state": placed["device"],
             "communication_buffers": transient,
         }
         breakdown["total"] = sum(breakdown.values())
+        # Offloaded state (offload.py): host memory and NVMe files, outside the device total.
+        breakdown["offloaded_host"] = placed["host"] + host_parameters
+        breakdown["offloaded_nvme"] = placed["nvme"]
         return breakdown
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -36,27 +36,13 @@ from typing import Callable
 import torch
 
 from zerorun.zero import collectives
+from zerorun.zero.unit_record import GradState, UnitRecord
 from zerorun.zero.units import FlatUnit
 
 
 class ReducePolicy(enum.Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
-
-
-class GradState(enum.Enum):
-    """Per unit, within one backward.
-
-    IDLE       nothing of this backward arrived (REDUCE_SCATTER: no bucket allocated).
-    FILLING    some of the unit's gradients are in its buffer/bucket.
-    READY      all arrived (or the end of backward says they never will); not yet issued.
-    REDUCING   the collective is in flight (REDUCE_SCATTER: bucket alive until it finishes).
-    """
-
-    IDLE = "idle"
-    FILLING = "filling"
-    READY = "ready"
-    REDUCING = "reducing"
 
 
 # REDUCE_SCATTER keeps at most this many buckets in flight, so transient gradient memory
@@ -103,9 +89,13 @@ class BucketPool:
 
 
 class GradReducer:
+    """Writes each record's gradient fields; ``on_unit_reduced(record)`` is told when a
+    unit's gradient chunk is final for this backward (its collective finished), so an update
+    can start while backward goes on (update.py, Note [update while backward runs])."""
+
     def __init__(
         self,
-        units: list[FlatUnit],
+        records: list[UnitRecord],
         order: list[int],
         policy: ReducePolicy,
         group,
@@ -113,56 +103,51 @@ class GradReducer:
         on_unit_complete: Callable[[FlatUnit], None] | None = None,
         lazy_shards: bool = False,
     ):
-        self.units = units
+        self.records = records
         self.order = order
         self.policy = policy
         self.group = group
         self.on_unit_complete = on_unit_complete
-        self.state = [GradState.IDLE] * len(units)
-        self.arrived = [0] * len(units)
+        self.on_unit_reduced: Callable[[UnitRecord], None] | None = None
         self.communicate = True
         self._next = 0
         self._in_flight: deque = deque()
-        self._buckets: dict[int, torch.Tensor] = {}
-        self._bucket_buffers: dict[int, torch.Tensor] = {}  # pool buffers behind _buckets
         self._pools: dict[tuple, BucketPool] = {}
-        self._written: dict[int, list[bool]] = {}
-        # REDUCE_SCATTER: accumulator chunks still all-zero in this window (see _launch).
-        self._chunk_clean = [True] * len(units)
         self.lazy_shards = lazy_shards and policy is ReducePolicy.REDUCE_SCATTER
         self._hooks = []
         if policy is ReducePolicy.ALL_REDUCE:
-            self.grad_full = [torch.zeros_like(u.full) for u in units]
-            self.grad_chunks = [g[slice(*u.layout.chunk_range(u.rank))] for g, u in zip(self.grad_full, units)]
-            for unit, buffer in zip(units, self.grad_full):
+            for record in records:
+                unit = record.unit
+                record.grad_full = torch.zeros_like(unit.full)
+                record.grad = record.grad_full[slice(*unit.layout.chunk_range(unit.rank))]
                 for param, offset in zip(unit.params, unit.layout.offsets):
-                    param.grad = buffer[offset : offset + param.numel()].view(param.shape)
+                    param.grad = record.grad_full[offset : offset + param.numel()].view(param.shape)
         else:
-            self.grad_full = []
-            self.grad_chunks: list[torch.Tensor | None] = [None] * len(units)
             self._create_chunks()
-            for unit in units:
+            for record in records:
+                unit = record.unit
                 key = (unit.dtype, unit.device)
                 largest = self._pools[key].numel if key in self._pools else 0
                 if not self._reduces_in_place(unit):
                     largest = max(largest, unit.layout.padded_numel)
                 self._pools[key] = BucketPool(largest, unit.dtype, unit.device, keep=MAX_IN_FLIGHT + 1)
-        for unit in units:
-            for position, param in enumerate(unit.params):
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(unit, position)))
+        for record in records:
+            for position, param in enumerate(record.unit.params):
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(record, position)))
 
-    def _hook(self, unit: FlatUnit, position: int):
+    def _hook(self, record: UnitRecord, position: int):
         def on_grad(param: torch.Tensor) -> None:
-            self._arrive(unit, position, param)
+            self._arrive(record, position, param)
 
         return on_grad
 
     # -- during backward -------------------------------------------------------------------
-    def _arrive(self, unit: FlatUnit, position: int, param: torch.Tensor) -> None:
+    def _arrive(self, record: UnitRecord, position: int, param: torch.Tensor) -> None:
+        unit = record.unit
         offset = unit.layout.offsets[position]
         numel = param.numel()
         if self.policy is ReducePolicy.ALL_REDUCE:
-            view = self.grad_full[unit.index][offset : offset + numel]
+            view = record.grad_full[offset : offset + numel]
             if param.grad.data_ptr() != view.data_ptr():
                 # Someone replaced .grad (e.g. zero_grad(set_to_none=True)); fold it back in.
                 view.add_(param.grad.reshape(-1))
@@ -170,85 +155,89 @@ class GradReducer:
             if not self.communicate:
                 return
         else:
-            bucket = self._buckets.get(unit.index)
+            bucket = record.bucket
             if bucket is None and self._reduces_in_place(unit):
                 # A lone parameter that needs no padding (a big embedding, typically): its
                 # gradient is already the bucket, so skip the copy and the second buffer.
-                self._buckets[unit.index] = param.grad.reshape(-1)
-                self._written[unit.index] = [True]
+                record.bucket = param.grad.reshape(-1)
+                record.written = [True]
                 param.grad = None
             elif bucket is None:
                 # Not zeroed: each parameter's slot is written once per backward (autograd
                 # fires the hook once per parameter); _launch zeroes the slots never written.
-                bucket = self._take_bucket(unit)
-                self._written[unit.index] = [False] * len(unit.params)
+                bucket = self._take_bucket(record)
+                record.written = [False] * len(unit.params)
             if bucket is not None:
                 bucket[offset : offset + numel].copy_(param.grad.reshape(-1))
-                self._written[unit.index][position] = True
+                record.written[position] = True
                 param.grad = None
-        if self.state[unit.index] is GradState.IDLE:
-            self.state[unit.index] = GradState.FILLING
-        self.arrived[unit.index] += 1
-        if self.arrived[unit.index] == len(unit.params):
-            self.state[unit.index] = GradState.READY
+        if record.grad_state is GradState.IDLE:
+            record.grad_state = GradState.FILLING
+        record.arrived += 1
+        if record.arrived == len(unit.params):
+            record.grad_state = GradState.READY
             if self.on_unit_complete is not None:
                 self.on_unit_complete(unit)
             self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
-        while self._next < len(self.order) and self.state[self.order[self._next]] is GradState.READY:
-            self._launch(self.units[self.order[self._next]])
+        while self._next < len(self.order) and self.records[self.order[self._next]].grad_state is GradState.READY:
+            self._launch(self.records[self.order[self._next]])
             self._next += 1
 
-    def _launch(self, unit: FlatUnit) -> None:
-        assert self.state[unit.index] is GradState.READY
-        self.state[unit.index] = GradState.REDUCING
+    def _launch(self, record: UnitRecord) -> None:
+        assert record.grad_state is GradState.READY
+        record.grad_state = GradState.REDUCING
+        unit = record.unit
         if self.policy is ReducePolicy.ALL_REDUCE:
-            handle = collectives.all_reduce(self.grad_full[unit.index], group=self.group, async_op=True)
-            self._in_flight.append((unit, handle, None))
+            handle = collectives.all_reduce(record.grad_full, group=self.group, async_op=True)
+            self._in_flight.append((record, handle, None))
             return
-        bucket = self._buckets.pop(unit.index, None)
+        bucket = record.bucket
         if bucket is None:  # nothing arrived on this rank; other ranks may still contribute
-            bucket = self._take_bucket(unit)
-            self._buckets.pop(unit.index)
+            bucket = self._take_bucket(record)
             bucket.zero_()
         else:
-            self._zero_unwritten(unit, bucket, self._written.pop(unit.index))
-        chunk = self.grad_chunks[unit.index]
-        if chunk is not None and self._chunk_clean[unit.index] and chunk.dtype == unit.dtype:
+            self._zero_unwritten(unit, bucket, record.written)
+        record.bucket, record.written = None, None
+        chunk = record.grad
+        if chunk is not None and record.grad_clean and chunk.dtype == unit.dtype:
             out = chunk  # first contribution of the window: reduce straight into the accumulator
         else:
             out = torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
-        self._chunk_clean[unit.index] = False
+        record.grad_clean = False
         handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True)
-        self._in_flight.append((unit, handle, (out, bucket, self._bucket_buffers.pop(unit.index, None))))
+        self._in_flight.append((record, handle, (out, bucket, record.bucket_buffer)))
+        record.bucket_buffer = None
         while len(self._in_flight) > MAX_IN_FLIGHT:
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:
-        unit, handle, buffers = self._in_flight.popleft()
+        record, handle, buffers = self._in_flight.popleft()
         handle.wait()
         if buffers is not None:
             out, _bucket, pooled = buffers  # an unpooled bucket dies with this tuple
-            chunk = self.grad_chunks[unit.index]
-            if chunk is None:  # Note [lazy gradient shards]: the window's first contribution
-                self.grad_chunks[unit.index] = out if out.dtype == torch.float32 else out.float()
-            elif out.data_ptr() != chunk.data_ptr():
-                chunk.add_(out)
+            if record.grad is None:  # Note [lazy gradient shards]: the window's first contribution
+                record.grad = out if out.dtype == torch.float32 else out.float()
+            elif out.data_ptr() != record.grad.data_ptr():
+                record.grad.add_(out)
             if pooled is not None:
-                self._pools[(unit.dtype, unit.device)].give_back(pooled)
-        self.state[unit.index] = GradState.IDLE
-        self.arrived[unit.index] = 0
+                self._pools[(record.unit.dtype, record.unit.device)].give_back(pooled)
+        record.grad_state = GradState.IDLE
+        record.arrived = 0
+        if self.on_unit_reduced is not None and self.communicate:
+            self.on_unit_reduced(record)
 
     def finish_backward(self) -> None:
         """Issue what unused parameters held back (in order), then wait for everything."""
         if self.policy is ReducePolicy.ALL_REDUCE and not self.communicate:
             return
         for index in self.order[self._next :]:
-            if self.state[index] is not GradState.READY:
-                if self.on_unit_complete is not None and self.state[index] is GradState.FILLING:
-                    self.on_unit_complete(self.units[index])
-                self.state[index] = GradState.READY
+            record = self.records[index]
+            if record.grad_state is not GradState.READY:
+                if self.on_unit_complete is not None and record.grad_state is GradState.FILLING:
+                    self.on_unit_complete(record.unit)
+                record.grad_state = GradState.READY
         self._launch_ready_prefix()
         while self._in_flight:
             self._complete_oldest()
@@ -256,11 +245,10 @@ class GradReducer:
         for pool in self._pools.values():
             pool.clear()
 
-    def _take_bucket(self, unit: FlatUnit) -> torch.Tensor:
+    def _take_bucket(self, record: UnitRecord) -> torch.Tensor:
+        unit = record.unit
         buffer, bucket = self._pools[(unit.dtype, unit.device)].take(unit.layout.padded_numel)
-        self._buckets[unit.index] = bucket
-        if buffer is not None:
-            self._bucket_buffers[unit.index] = buffer
+        record.bucket, record.bucket_buffer = bucket, buffer
         return bucket
 
     @staticmethod
@@ -280,29 +268,27 @@ class GradReducer:
 
     # -- around the optimizer step ---------------------------------------------------------
     def zero(self) -> None:
-        for buffer in self.grad_full:
-            buffer.zero_()
+        for record in self.records:
+            if record.grad_full is not None:
+                record.grad_full.zero_()
         if self.policy is ReducePolicy.REDUCE_SCATTER:
             self._create_chunks()
-            self._chunk_clean = [True] * len(self.units)
 
     def _create_chunks(self) -> None:
         """REDUCE_SCATTER: fresh all-zero fp32 accumulators, or none (Note [lazy gradient shards])."""
-        if self.lazy_shards:
-            self.grad_chunks = [None] * len(self.units)
-            return
-        for index, unit in enumerate(self.units):
-            chunk = self.grad_chunks[index]
-            if chunk is None:
-                self.grad_chunks[index] = torch.zeros(unit.layout.chunk_numel, dtype=torch.float32, device=unit.device)
+        for record in self.records:
+            record.grad_clean = True
+            if self.lazy_shards:
+                record.grad = None
+            elif record.grad is None:
+                record.grad = torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32, device=record.unit.device)
             else:
-                chunk.zero_()
+                record.grad.zero_()
 
     def nbytes(self) -> tuple[int, int]:
         """(gradient accumulator bytes, transient bucket bytes) held right now."""
-        held = self.grad_full or [t for t in self.grad_chunks if t is not None]
-        persistent = sum(t.numel() * t.element_size() for t in held)
-        pooled = set(self._bucket_buffers)
-        transient = sum(b.numel() * b.element_size() for i, b in self._buckets.items() if i not in pooled)
+        persistent = sum(r.grad_nbytes() for r in self.records)
+        transient = sum(r.bucket.numel() * r.bucket.element_size() for r in self.records
+                        if r.bucket is not None and r.bucket_buffer is None)
         transient += sum(pool.nbytes() for pool in self._pools.values())
         return persistent, transient

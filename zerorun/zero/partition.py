@@ -68,6 +68,7 @@ def build_partition(
     persistence_threshold: int,
     min_unit_numel: int = 0,
     alignment: int = 1,
+    offload_params: bool = False,
 ) -> Partition:
     group_of = group_of_params(model, optimizer)
     named = list(model.named_parameters())
@@ -80,7 +81,7 @@ def build_partition(
 
     def add_unit(members: list[tuple[str, nn.Parameter]], group_index: int, partitioned: bool) -> FlatUnit:
         unit = FlatUnit(len(units), group_index, members, shard_world, shard_rank,
-                        partition_params=partitioned, alignment=alignment)
+                        partition_params=partitioned, alignment=alignment, offload_shard=offload_params)
         units.append(unit)
         return unit
 

@@ -19,6 +19,13 @@ size, and a gather swaps a pooled buffer's memory into the unit's own storage ob
 pool holds at most what was gathered at once (the running module, the prefetched one and any
 unit kept for reuse), reported as communication buffers. On CUDA the caching allocator already
 reuses memory, so units resize their storage as before; so does a torch without the swap.
+
+Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device: cpu``) the
+owned chunk is kept in host memory (pinned when the model is on CUDA) and copied onto the
+device right before its all-gather; the staged copy lives until the gather is waited for (the
+collective reads it), then is dropped, so the device holds only gathered units. The optimizer
+publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
+its own and the staging is skipped.
 """
 
 from __future__ import annotations
@@ -54,6 +61,11 @@ _ALLOWED = {
     ParamState.GATHERED: {ParamState.SHARDED},
     ParamState.REPLICATED: set(),
 }
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    host = tensor.to("cpu", copy=True)
+    return host.pin_memory() if tensor.is_cuda else host
 
 
 class GatherPool:
@@ -94,6 +106,7 @@ class FlatUnit:
         *,
         partition_params: bool,
         alignment: int = 1,
+        offload_shard: bool = False,
     ):
         self.index = index
         self.group_index = group_index
@@ -113,8 +126,13 @@ class FlatUnit:
                 param.data = view.view(param.shape)
         lo, hi = self.layout.chunk_range(shard_rank)
         self.partitioned = partition_params
+        # Stage-3 parameter offload: the owned chunk lives in host memory and is staged onto
+        # the device for each gather (Note [host shards]).
+        self.shard_offloaded = partition_params and offload_shard
         if partition_params:
             self.shard = self.full[lo:hi].clone()
+            if self.shard_offloaded:
+                self.shard = _host_copy(self.shard)
             self._full_nbytes = self.full.untyped_storage().nbytes()
             self.full.untyped_storage().resize_(0)
             self.state = ParamState.SHARDED
@@ -122,6 +140,7 @@ class FlatUnit:
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
         self._gather_handle = None
+        self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
 
@@ -152,7 +171,10 @@ class FlatUnit:
         if self.state is not ParamState.SHARDED:
             return
         self._allocate_full()
-        self._gather_handle = collectives.all_gather(self.full, self.shard, group=group, async_op=True)
+        source = self.shard
+        if source.device != self.device:
+            source = self._staged_shard = source.to(self.device, non_blocking=True)
+        self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
         self._move(ParamState.GATHERING)
 
     def gather(self, group) -> None:
@@ -162,6 +184,7 @@ class FlatUnit:
         if self.state is ParamState.GATHERING:
             self._gather_handle.wait()
             self._gather_handle = None
+            self._staged_shard = None
             self._move(ParamState.GATHERED)
 
     def release(self) -> None:
@@ -169,6 +192,7 @@ class FlatUnit:
         if self.state is ParamState.GATHERING:
             self._gather_handle.wait()
             self._gather_handle = None
+            self._staged_shard = None
             self._move(ParamState.GATHERED)
         if self.state is ParamState.GATHERED:
             self._free_full()

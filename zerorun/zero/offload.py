@@ -1,0 +1,284 @@
+"""Placements: where a unit's fp32 master and optimizer state live between updates.
+
+The update (update.py) consults its placement at four named points, and nowhere else does
+anything depend on offload:
+
+    make_master(unit)        the record's fp32 master, created once, where the state lives
+    gradient(record)         the record's fp32 gradient chunk, moved next to the master
+    begin_update(record)     make master and state resident (NVMe: read the unit's file)
+    end_update(record)       put them away again (NVMe: write the file, free the memory)
+
+``OnDevice`` keeps everything beside the model (no offload). ``OnHost`` is ZeRO-Offload's
+optimizer offload: master and state in (pinned, when the model is on CUDA) host memory, the
+update run by the host's optimizer kernels; only a unit-sized fp32 gradient is ever staged
+on the host, never a full-size gradient copy. ``OnFile`` is ZeRO-Infinity's NVMe offload:
+master and state in one file per unit, read ahead into a bounded set of host buffers and
+written behind (Note [file buffers]).
+
+On a machine without a GPU the "device" and the host are the same memory, so ``OnHost``
+and ``OnFile`` run their whole path (separate masters, staged gradients, worker thread,
+files) on CPU, which is what the CPU test suite exercises.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from zerorun.errors import RuntimeConfigError
+from zerorun.zero.unit_record import UnitRecord
+from zerorun.zero.units import FlatUnit
+
+HOST = torch.device("cpu")
+
+
+def _pin(tensor: torch.Tensor, model_device: torch.device, pin: bool) -> torch.Tensor:
+    """Pinned host memory makes device<->host copies asynchronous and about 3x faster; it only
+    exists with CUDA, and a CPU worker must never touch CUDA (docs/launch.md, device contract)."""
+    if pin and model_device.type == "cuda":
+        return tensor.pin_memory()
+    return tensor
+
+
+class OnDevice:
+    """No offload: the master sits beside the model (Note [masters] in unit_record.py)."""
+
+    name = "none"
+    overlaps_backward = False
+
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+        if unit.dtype == torch.float32:
+            return unit.shard
+        return unit.shard.detach().float()
+
+    def gradient(self, record: UnitRecord) -> torch.Tensor:
+        grad = record.grad
+        if grad is None:  # a lazy shard that no backward created this window: zero gradient
+            return torch.zeros_like(record.master)
+        return grad if grad.dtype == torch.float32 else grad.float()
+
+    def begin_update(self, record: UnitRecord, optimizer) -> None:
+        pass
+
+    def end_update(self, record: UnitRecord, optimizer) -> None:
+        pass
+
+    def publish(self, record: UnitRecord) -> None:
+        """Copy an updated master into the model's chunk (in the model's dtype). Blocking on
+        purpose: an offloaded master's buffer is reused or rewritten right after (Note [file
+        buffers]), so an asynchronous host-to-device copy from it could read changed values."""
+        if not record.master_is_model_storage:
+            record.unit.shard.copy_(record.master)
+
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
+        """Bytes of masters and optimizer state, by where they are."""
+        own = sum(r.master.numel() * 4 for r in records if not r.master_is_model_storage)
+        state = sum(t.numel() * t.element_size() for r in records for t in r.state_tensors(optimizer).values())
+        return {"device": own + state, "host": 0, "nvme": 0}
+
+    def close(self) -> None:
+        pass
+
+
+class OnHost(OnDevice):
+    """ZeRO-Offload: fp32 master and optimizer state in host memory, updated by the host."""
+
+    name = "cpu"
+    overlaps_backward = True
+
+    def __init__(self, pin_memory: bool = True):
+        self.pin_memory = pin_memory
+
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+        # Always a tensor of its own, even in fp32 on a CPU host: the model's chunk is published
+        # from it, as it would be across the PCIe bus.
+        master = torch.empty(unit.layout.chunk_numel, dtype=torch.float32, device=HOST)
+        master = _pin(master, unit.device, self.pin_memory)
+        master.copy_(unit.shard)
+        return master
+
+    def gradient(self, record: UnitRecord) -> torch.Tensor:
+        """Note [unit-sized gradient staging]: the chunk leaves the device once, at the
+        boundary, into a host tensor of this unit's size that the update consumes and drops;
+        accumulation across micro-steps stays on the device, so the host never holds a
+        full-size fp32 gradient beside master and state (what exhausts DeepSpeed's host)."""
+        grad = record.grad
+        if grad is None:
+            return torch.zeros_like(record.master)
+        return grad.to(HOST, dtype=torch.float32)
+
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
+        held = super().nbytes(records, optimizer)
+        return {"device": 0, "host": held["device"], "nvme": 0}
+
+
+class BufferPool:
+    """``count`` host buffers of ``numel`` fp32 elements; ``take`` blocks while all are lent."""
+
+    def __init__(self, count: int, numel: int, model_device: torch.device, pin: bool):
+        self.numel = numel
+        self._free = [_pin(torch.empty(numel, dtype=torch.float32), model_device, pin) for _ in range(count)]
+        self._available = threading.Semaphore(count)
+        self._lock = threading.Lock()
+        self.count = count
+
+    def take(self) -> torch.Tensor:
+        self._available.acquire()
+        with self._lock:
+            return self._free.pop()
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buffer)
+        self._available.release()
+
+    def nbytes(self) -> int:
+        return self.count * self.numel * 4
+
+
+class OnFile(OnHost):
+    """ZeRO-Infinity: master and optimizer state in one file per unit under ``nvme_path``.
+
+    Note [file buffers]: a unit's file holds its master followed by each state tensor of the
+    master's size (Adam's two moments), ``slots`` chunks in all. To update a unit, one host
+    buffer from a pool of ``buffer_count`` x ``buffer_size`` elements is taken, the file is
+    read into it on the reader thread (read-ahead: units are read as soon as their update is
+    queued, as far as free buffers allow), master and state become views of the buffer, the
+    optimizer steps them, and the writer thread writes the buffer back and returns it to the
+    pool (write-behind). Host memory for master and state is therefore the pool, whatever the
+    model's size. Between updates the master's ``.data`` is an empty tensor and each state
+    entry an empty placeholder, so the optimizer object keeps its keys and per-step scalars.
+    Reads and writes never wait on each other (separate threads), so a full pool only stalls
+    the reader until a write finishes. O_DIRECT is not used: the page cache keeps a recently
+    written unit readable at memory speed, and torch buffers are not guaranteed 4 KiB-aligned.
+    """
+
+    name = "nvme"
+
+    def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int,
+                 pin_memory: bool = True, slots: int = 3):
+        super().__init__(pin_memory)
+        self.directory = Path(nvme_path) / f"zerorun-rank{rank}-{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeConfigError(f"zero.offload_optimizer.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
+                                     hint="point nvme_path at a directory on a local disk you can write") from None
+        # The files are scratch space of this process: gone when the placement is (or at exit).
+        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        self.buffer_count, self.buffer_size, self.slots = buffer_count, buffer_size, slots
+        self._reserved = 0  # bytes the files will need once every unit has its state
+        self.pool: BufferPool | None = None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-write")
+        self._reads: dict[int, Future] = {}
+        self._writes: dict[int, Future] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._state_names: dict[int, list[str]] = {}
+
+    def _path(self, record: UnitRecord) -> Path:
+        return self.directory / f"unit{record.index}.bin"
+
+    def make_master(self, unit: FlatUnit) -> torch.Tensor:
+        need = self.slots * unit.layout.chunk_numel
+        if need > self.buffer_size:
+            raise RuntimeConfigError(
+                f"zero.offload_optimizer.buffer_size={self.buffer_size} is smaller than one unit's "
+                f"master and optimizer state ({need} elements)",
+                hint=f"set buffer_size to at least {need}, or shrink the units (reduce_bucket_size / allgather_bucket_size)")
+        self._reserved += need * 4
+        free = shutil.disk_usage(self.directory).free
+        if self._reserved > free:
+            raise RuntimeConfigError(
+                f"zero.offload_optimizer.nvme_path {str(self.directory.parent)!r} has {free / 2**30:.1f} GiB free, "
+                f"less than the optimizer state needs (at least {self._reserved / 2**30:.1f} GiB)",
+                hint="free space there or point nvme_path at a larger disk")
+        if self.pool is None:
+            self.pool = BufferPool(self.buffer_count, self.buffer_size, unit.device, self.pin_memory)
+        master = unit.shard.detach().to(HOST, dtype=torch.float32, copy=True)
+        path = self.directory / f"unit{unit.index}.bin"
+        with open(path, "wb") as handle:
+            handle.write(master.numpy().tobytes())
+        master.data = torch.empty(0, dtype=torch.float32)
+        return master
+
+    def prefetch(self, record: UnitRecord) -> None:
+        """Start reading ``record``'s file into a pool buffer (read-ahead)."""
+        if record.index not in self._reads:
+            self._reads[record.index] = self._reader.submit(self._read, record)
+
+    def _read(self, record: UnitRecord) -> torch.Tensor:
+        write = self._writes.pop(record.index, None)
+        if write is not None:
+            write.result()  # the previous update of this unit must be on disk first
+        buffer = self.pool.take()
+        n = record.unit.layout.chunk_numel
+        slots = 1 + len(self._state_names.get(record.index, ()))
+        view = buffer[: slots * n]
+        with open(self._path(record), "rb") as handle:
+            handle.readinto(memoryview(view.numpy()).cast("B"))
+        return buffer
+
+    def begin_update(self, record: UnitRecord, optimizer) -> None:
+        self.prefetch(record)
+        buffer = self._reads.pop(record.index).result()
+        self._buffers[record.index] = buffer
+        n = record.unit.layout.chunk_numel
+        record.master.data = buffer[:n]
+        state = optimizer.state.get(record.master)
+        for slot, name in enumerate(self._state_names.get(record.index, ()), start=1):
+            state[name] = buffer[slot * n : (slot + 1) * n]
+
+    def end_update(self, record: UnitRecord, optimizer) -> None:
+        n = record.unit.layout.chunk_numel
+        buffer = self._buffers.pop(record.index)
+        state = optimizer.state.get(record.master, {})
+        names = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
+        if len(names) + 1 > self.slots:
+            raise RuntimeConfigError(f"{type(optimizer).__name__} keeps {len(names)} state tensors per "
+                                     f"parameter; NVMe offload has room for {self.slots - 1}")
+        for slot, name in enumerate(names, start=1):
+            target = buffer[slot * n : (slot + 1) * n]
+            if state[name].data_ptr() != target.data_ptr():  # created by this (first) step
+                target.copy_(state[name])
+            state[name] = torch.empty(0, dtype=state[name].dtype)
+        self._state_names[record.index] = names
+        record.master.data = torch.empty(0, dtype=torch.float32)
+        self._writes[record.index] = self._writer.submit(self._write, record, buffer, (1 + len(names)) * n)
+
+    def _write(self, record: UnitRecord, buffer: torch.Tensor, numel: int) -> None:
+        try:
+            with open(self._path(record), "r+b") as handle:
+                handle.write(memoryview(buffer[:numel].numpy()).cast("B"))
+        finally:
+            self.pool.give_back(buffer)
+
+    def flush(self) -> None:
+        """Wait for every write behind (before a checkpoint reads the files, or at exit)."""
+        for write in list(self._writes.values()):
+            write.result()
+
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
+        on_disk = sum(r.unit.layout.chunk_numel * (1 + len(self._state_names.get(r.index, ()))) * 4 for r in records)
+        return {"device": 0, "host": self.pool.nbytes() if self.pool else 0, "nvme": on_disk}
+
+    def close(self) -> None:
+        self.flush()
+        self._reader.shutdown()
+        self._writer.shutdown()
+
+
+def placement_from_config(offload, *, rank: int):
+    """The placement for ``zero.offload_optimizer`` (an OffloadConfig)."""
+    if offload.device == "cpu":
+        return OnHost(offload.pin_memory)
+    if offload.device == "nvme":
+        return OnFile(offload.nvme_path, rank, buffer_count=offload.buffer_count,
+                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory)
+    return OnDevice()

@@ -1,0 +1,183 @@
+"""The update, unit by unit, with the user's own optimizer object.
+
+The user's optimizer stays the one that steps: its param groups keep their hyper-parameters
+(and any LR scheduler already built on it keeps editing them), and each group's ``params``
+becomes the fp32 masters of that group's units on this rank (unit_record.py). Torch
+optimizers skip a parameter whose ``.grad`` is None, so a subset of units is updated by
+giving only their masters a gradient and calling ``optimizer.step()``: the same object, the
+same per-parameter state, any subset at a time. Without offload every unit is updated in one
+call (the multi-tensor path); with NVMe one unit at a time, as its buffer allows.
+
+Per unit: the placement makes master and state resident and stages the fp32 gradient chunk
+beside them (offload.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
+clipped when asked; the optimizer steps; the master is published into the model's chunk; and
+the placement puts master and state away.
+
+Note [update while backward runs]: with an offloaded optimizer the host would sit idle through
+backward and the device through the update. So at an accumulation boundary each unit's work is
+queued on one worker thread the moment its gradient chunk is final (grad_reduce calls
+``unit_reduced``), while backward goes on for the other units. Exactness decides how far the
+worker may go:
+- with no clipping and no loss scale (``needs_norm`` false) the whole update of a unit depends
+  only on that unit, so the worker stages, unscales, steps and publishes it at once;
+- with clipping or fp16 scaling, every unit's update needs the global gradient norm (overflow
+  is a global verdict, and the clip coefficient is global), which exists only after the last
+  unit. The worker then stages and unscales each unit and computes its sum of squares, and the
+  steps wait in ``step()`` for the all-reduced norm. The sums are added in unit order on the
+  main thread, so the norm is the same number whichever thread computed the pieces.
+The engine's ``step()`` waits for the worker before returning, and collectives (the norm, the
+stage 1-2 refresh) are issued only from the main thread, so every rank issues them in order.
+A unit's values are no longer read by this backward once its gradient is final, which is what
+makes writing its chunk early safe.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from zerorun.zero import collectives
+from zerorun.zero.offload import OnFile
+from zerorun.zero.precision import LossScaler
+from zerorun.zero.unit_record import UnitRecord
+
+
+@dataclass
+class _Window:
+    """What the boundary backward's unit work needs to know before the step runs."""
+
+    inverse: float
+    needs_norm: bool
+    clip: float
+
+
+def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord]) -> None:
+    """Point each of the user's param groups at its units' masters (one per unit)."""
+    for index, group in enumerate(optimizer.param_groups):
+        group["params"] = [r.master for r in records if r.group_index == index]
+    optimizer.state.clear()  # state is per master from now on; nothing stepped the originals
+
+
+class UnitUpdater:
+    def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], placement, group, *,
+                 data_parallel_world: int, shard_world: int):
+        self.optimizer = optimizer
+        self.records = records
+        self.placement = placement
+        self.group = group
+        self.data_parallel_world = data_parallel_world
+        self.shard_world = shard_world
+        install_masters(optimizer, records)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if placement.overlaps_backward else None
+        self._window: _Window | None = None
+        self._staged: dict[int, torch.Tensor] = {}
+        self._squares: dict[int, torch.Tensor] = {}
+        self._done: set[int] = set()
+
+    # -- the boundary backward ---------------------------------------------------------
+    def open_window(self, loss_scaler: LossScaler, clip: float) -> None:
+        """Before the boundary micro-step's backward: fix the unscale factor and whether the
+        global norm is needed (Note [update while backward runs])."""
+        self._window = _Window(
+            inverse=1.0 / (self.data_parallel_world * loss_scaler.scale),
+            needs_norm=clip > 0 or loss_scaler.dynamic or loss_scaler.scale != 1.0,
+            clip=clip,
+        )
+
+    def unit_reduced(self, record: UnitRecord) -> None:
+        """grad_reduce: ``record``'s gradient chunk is final; start its work on the worker."""
+        if self._worker is None or self._window is None:
+            return
+        if isinstance(self.placement, OnFile) and not self._window.needs_norm:
+            self.placement.prefetch(record)  # read-ahead while the gradient is staged
+        record.pending = self._worker.submit(self._early_work, record, self._window)
+
+    def _early_work(self, record: UnitRecord, window: _Window) -> None:
+        self._stage(record, window)
+        if not window.needs_norm:
+            self._apply([record], coefficient=1.0)
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self, *, loss_scaler: LossScaler, clip: float) -> tuple[bool, float | None]:
+        """Unscale, check overflow, clip, update, spread. Returns (applied, grad_norm)."""
+        if self._window is None:
+            self.open_window(loss_scaler, clip)
+        window = self._window
+        self._wait_for_worker()
+        for record in self.records:
+            if record.index not in self._staged and record.index not in self._done:
+                self._stage(record, window)
+        norm, overflow = None, False
+        if window.needs_norm:
+            norm = self._global_norm()
+            overflow = not math.isfinite(norm)
+        applied = loss_scaler.update(overflow)
+        if applied:
+            coefficient = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+            waiting = [r for r in self.records if r.index not in self._done]
+            batch = 1 if isinstance(self.placement, OnFile) else len(waiting)
+            for start in range(0, len(waiting), max(batch, 1)):
+                self._apply(waiting[start : start + batch], coefficient)
+            self._refresh_replicas()
+        self._staged.clear()
+        self._squares.clear()
+        self._done.clear()
+        self._window = None
+        return applied, norm
+
+    def _wait_for_worker(self) -> None:
+        for record in self.records:
+            if record.pending is not None:
+                record.pending.result()  # re-raises what failed on the worker
+                record.pending = None
+
+    def _stage(self, record: UnitRecord, window: _Window) -> None:
+        grad = self.placement.gradient(record)
+        grad.mul_(window.inverse)
+        self._staged[record.index] = grad
+        if window.needs_norm:
+            self._squares[record.index] = grad.pow(2).sum()
+
+    def _global_norm(self) -> float:
+        """L2 norm over every rank's chunks; padding is zero, tied weights are counted once."""
+        device = self.records[0].unit.device if self.records else torch.device("cpu")
+        squares = torch.zeros(1, dtype=torch.float32, device=device)
+        for record in self.records:  # unit order, whichever thread computed each piece
+            squares += self._squares[record.index].to(device)
+        if self.shard_world > 1:
+            collectives.all_reduce(squares, group=self.group)
+        return float(squares.sqrt())
+
+    def _apply(self, records: list[UnitRecord], coefficient: float) -> None:
+        """Step ``records`` with the user's optimizer and publish them to the model."""
+        for record in records:
+            self.placement.begin_update(record, self.optimizer)
+            grad = self._staged.pop(record.index)
+            if coefficient != 1.0:
+                grad.mul_(coefficient)
+            record.master.grad = grad
+        self.optimizer.step()
+        with torch.no_grad():
+            for record in records:
+                record.master.grad = None
+                self.placement.publish(record)
+                self.placement.end_update(record, self.optimizer)
+                self._done.add(record.index)
+
+    def _refresh_replicas(self) -> None:
+        """Stages 1-2: spread every rank's updated chunk to all ranks (main thread, unit order)."""
+        handles = [r.unit.start_refresh(self.group) for r in self.records if not r.unit.partitioned]
+        for handle in handles:
+            handle.wait()
+
+    # -- inspection ----------------------------------------------------------------------
+    def placed_nbytes(self) -> dict[str, int]:
+        return self.placement.nbytes(self.records, self.optimizer)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        self.placement.close()
