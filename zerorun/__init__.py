@@ -9,11 +9,11 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
-def initialize(model, optimizer=None, config=None):
+def initialize(model, optimizer=None, config=None, *, weights=None, param_init_fn=None):
     """Wrap ``model`` and ``optimizer`` in a ZeRO engine (see zerorun.zero.engine.initialize)."""
     from zerorun.zero.engine import initialize as _initialize
 
-    return _initialize(model, optimizer, config)
+    return _initialize(model, optimizer, config, weights=weights, param_init_fn=param_init_fn)
 
 
 def leave_together(group=None):

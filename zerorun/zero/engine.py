@@ -22,6 +22,7 @@ from zerorun.errors import RuntimeConfigError
 from zerorun.telemetry import get_recorder
 from zerorun.zero import collectives
 from zerorun.zero.checkpointing import apply_from_config
+from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
 from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
 from zerorun.zero.param_gather import ParamGatherer
@@ -39,9 +40,13 @@ CHUNK_ALIGNMENT = 8
 BROADCAST_BUCKET_NUMEL = 4_000_000
 
 
-def initialize(model: nn.Module, optimizer=None, config=None) -> "Engine":
+def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None) -> "Engine":
     """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
     a YAML/JSON path or a ZerorunConfig.
+
+    ``model`` may be built on the meta device: each unit is then materialized on its own, from
+    ``weights`` (a .safetensors file, a Hugging Face checkpoint directory or a state dict) or by
+    its modules' ``reset_parameters()`` / ``param_init_fn(module)`` (construct.py).
 
     The config is validated twice: once on its own, and once the process group exists, with the
     real world size, so the batch rule (train = micro x accumulation x world) is checked and the
@@ -52,7 +57,7 @@ def initialize(model: nn.Module, optimizer=None, config=None) -> "Engine":
     # The launcher already applied CLI > env > file; applying the environment again here could
     # let a stale variable beat a --set flag.
     cfg = load_config(source, environ={} if from_launcher else None)
-    engine = Engine(model, optimizer, cfg)
+    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn)
     engine.config = load_config(cfg, world_size=engine.world_size)
     engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
     return engine
@@ -102,15 +107,31 @@ def _broadcast_state(model: nn.Module, group) -> None:
                 position += tensor.numel()
 
 
+def _compute_device(model_device: torch.device) -> torch.device:
+    """Where a model built on the meta device is materialized: the launcher's choice
+    (ZERORUN_DEVICE, docs/launch.md), else this rank's GPU when there is one, else the CPU."""
+    if model_device.type != "meta":
+        return model_device
+    if os.environ.get("ZERORUN_DEVICE"):
+        return torch.device(os.environ["ZERORUN_DEVICE"])
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
+    return torch.device("cpu")
+
+
 class Engine:
-    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig):
+    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None):
         _check_supported(cfg)
         self.config = cfg
         first = next(model.parameters(), None)
         if first is None:
             raise RuntimeConfigError("the model has no parameters to train")
-        self.pg = resolve_process_group(first.device)
-        if self.pg.device != first.device:
+        self.pg = resolve_process_group(_compute_device(first.device))
+        materializer = None
+        if Materializer.needed(model, weights):  # Note [materialize per unit] in construct.py
+            materializer = Materializer(model, self.pg.device, weights=weights, param_init_fn=param_init_fn,
+                                        seed=cfg.seed if cfg.seed is not None else 0)
+        if self.pg.device != first.device and not first.is_meta:
             model.to(self.pg.device)
         self.group = self.pg.group
         self.dtype = model_dtype(cfg.precision)
@@ -120,7 +141,8 @@ class Engine:
             optimizer = _optimizer_from_config(model, cfg)
         if cfg.zero.stage == 3 and self.pg.device.type == "cpu":
             return_large_frees_to_os()  # opt-in (ZERORUN_HOST_MALLOC_TUNING=1), see host_memory.py
-        _broadcast_state(model, self.group)
+        if materializer is None:  # Note [same values on every rank] in construct.py
+            _broadcast_state(model, self.group)
         # Before any hook or partition: they must see the final module classes.
         self.checkpointed_modules = apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
@@ -131,7 +153,10 @@ class Engine:
             persistence_threshold=cfg.zero.param_persistence_threshold,
             min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
             offload_params=cfg.zero.offload_param.device != "none",
+            before_unit=materializer.ensure if materializer else None,
         )
+        if materializer is not None:
+            materializer.finish()
         units = self.partition.units
         placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
         # One record per unit (unit_record.py): shard, master, gradient, segments, placement.

@@ -14,6 +14,7 @@ Frozen parameters belong to no unit: they are not in the optimizer and never com
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -69,7 +70,10 @@ def build_partition(
     min_unit_numel: int = 0,
     alignment: int = 1,
     offload_params: bool = False,
+    before_unit: Callable[[list[nn.Parameter]], None] | None = None,
 ) -> Partition:
+    """``before_unit(params)`` runs just before each unit copies its parameters in (sharded
+    construction gives meta parameters their values there: construct.py)."""
     group_of = group_of_params(model, optimizer)
     named = list(model.named_parameters())
     registration = {id(p): i for i, (_, p) in enumerate(named)}
@@ -80,6 +84,8 @@ def build_partition(
     module_units: dict[nn.Module, list[FlatUnit]] = {}
 
     def add_unit(members: list[tuple[str, nn.Parameter]], group_index: int, partitioned: bool) -> FlatUnit:
+        if before_unit is not None:
+            before_unit([p for _, p in members])
         unit = FlatUnit(len(units), group_index, members, shard_world, shard_rank,
                         partition_params=partitioned, alignment=alignment, offload_shard=offload_params)
         units.append(unit)

@@ -118,25 +118,37 @@ class FlatUnit:
         self.rank = shard_rank
         first = self.params[0]
         self.dtype, self.device = first.dtype, first.device
-        self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for param, offset in zip(self.params, self.layout.offsets):
-                view = self.full[offset : offset + param.numel()]
-                view.copy_(param.detach().reshape(-1))
-                param.data = view.view(param.shape)
         lo, hi = self.layout.chunk_range(shard_rank)
         self.partitioned = partition_params
         # Stage-3 parameter offload: the owned chunk lives in host memory and is staged onto
         # the device for each gather (Note [host shards]).
         self.shard_offloaded = partition_params and offload_shard
         if partition_params:
-            self.shard = self.full[lo:hi].clone()
-            if self.shard_offloaded:
-                self.shard = _host_copy(self.shard)
+            # Note [chunk-only construction]: a partitioned unit never holds its whole buffer
+            # while it is built: ``full`` gets its shape with no memory, and each parameter's
+            # piece of this rank's chunk is copied straight into the shard. Building a model
+            # unit by unit (construct.py) then costs the shards plus one unit's parameters,
+            # without a unit-sized buffer beside them whose freed memory the host heap keeps.
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)  # untouched
+            self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for param, offset in zip(self.params, self.layout.offsets):
+                    start, end = max(lo, offset), min(hi, offset + param.numel())
+                    if start < end:
+                        self.shard[start - lo : end - lo].copy_(param.detach().reshape(-1)[start - offset : end - offset])
+                    param.data = self.full[offset : offset + param.numel()].view(param.shape)
             self._full_nbytes = self.full.untyped_storage().nbytes()
             self.full.untyped_storage().resize_(0)
+            if self.shard_offloaded:
+                self.shard = _host_copy(self.shard)
             self.state = ParamState.SHARDED
         else:
+            self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                for param, offset in zip(self.params, self.layout.offsets):
+                    view = self.full[offset : offset + param.numel()]
+                    view.copy_(param.detach().reshape(-1))
+                    param.data = view.view(param.shape)
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
         self._gather_handle = None
