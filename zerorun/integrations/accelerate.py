@@ -64,8 +64,8 @@ class EngineModule(nn.Module):
         """No-op: the engine frees or keeps gradients by its own accumulation boundaries."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model on rank 0 ({} elsewhere); every rank must call it."""
-        return self.engine.full_state_dict(rank0_only=True)
+        """The whole model on rank 0 ({} elsewhere), tied weights once; every rank must call it."""
+        return whole_model_state(self.engine)
 
     def save_pretrained(self, save_directory, **kwargs) -> None:
         """``save_pretrained`` of the whole model, written by rank 0 (collective: call on every rank)."""
@@ -222,6 +222,20 @@ class EngineRouter:
             else:
                 applied = getattr(self.engine, "skipped_steps", 0) == skipped_before
             self.optimizer.step_was_skipped = not applied
+
+
+def whole_model_state(engine) -> dict[str, torch.Tensor]:
+    """``engine.full_state_dict()`` on rank 0 ({} elsewhere; collective) with each tied parameter
+    under its first name only: the gathered copies no longer share storage, so
+    ``save_pretrained`` could not tell a tied output head from a trained one, and would write it
+    twice."""
+    state = engine.full_state_dict(rank0_only=True)
+    seen: set[int] = set()
+    for name, parameter in engine.module.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            state.pop(name, None)
+        seen.add(id(parameter))
+    return state
 
 
 def _grad_norm(engine) -> float | None:

@@ -39,7 +39,13 @@ from dataclasses import dataclass, field
 from transformers import Trainer, TrainingArguments
 
 from zerorun.errors import RuntimeConfigError
-from zerorun.integrations.accelerate import EngineModule, EngineOptimizer, EngineRouter, route_accelerator
+from zerorun.integrations.accelerate import (
+    EngineModule,
+    EngineOptimizer,
+    EngineRouter,
+    route_accelerator,
+    whole_model_state,
+)
 from zerorun.integrations.hf_auto import fill_from_args, fill_from_model, hidden_size_of, read_config
 
 ENGINE_CHECKPOINT_TAG = "zerorun_step{step}"
@@ -157,7 +163,7 @@ class ZerorunTrainer(Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state = self.engine.full_state_dict(rank0_only=True)
+        state = whole_model_state(self.engine)
         if self.args.should_save:
             self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
