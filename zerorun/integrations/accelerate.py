@@ -105,6 +105,11 @@ class EngineOptimizer(torch.optim.Optimizer):
         return self._source.defaults
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose groups this one shows (Accelerate matches schedulers by it)."""
+        return self._source
+
+    @property
     def state(self):
         return self.engine.optimizer.state
 
@@ -124,6 +129,9 @@ class EngineOptimizer(torch.optim.Optimizer):
     def sync_hyperparameters(self) -> None:
         """Copy lr, betas, weight decay... from the source groups onto the engine's optimizer."""
         target = self.engine.optimizer
+        # A torch scheduler built on the source warns that it steps before its optimizer unless
+        # that optimizer's step ran; the engine's update is that step.
+        self._source._opt_called = True
         if target is self._source:
             return
         for source_group, target_group in zip(self._source.param_groups, target.param_groups):
