@@ -139,6 +139,17 @@ class EngineOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     target_group[key] = value
 
+    def adopt_engine_hyperparameters(self) -> None:
+        """The reverse of sync_hyperparameters, after the engine loaded a checkpoint: the
+        restored groups become the source's, so the next sync does not undo the load."""
+        target = self.engine.optimizer
+        if target is self._source:
+            return
+        for source_group, target_group in zip(self._source.param_groups, target.param_groups):
+            for key, value in target_group.items():
+                if key != "params":
+                    source_group[key] = value
+
     def state_dict(self):
         return self.engine.optimizer.state_dict()
 

@@ -175,6 +175,9 @@ class ZerorunTrainer(Trainer):
         client_state = {}
         if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
             client_state[CLIENT_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
+        # The scheduler already set the next step's hyper-parameters on the source groups; put
+        # them in the engine's groups too, so that the checkpoint resumes with them.
+        self.optimizer.sync_hyperparameters()
         engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT_TAG.format(step=self.state.global_step),
                                client_state=client_state)
 
@@ -183,7 +186,11 @@ class ZerorunTrainer(Trainer):
             return
         engine = self._require_engine("load_checkpoint", "resuming from a checkpoint",
                                       "train from the saved model instead (from_pretrained)")
-        client_state = engine.load_checkpoint(checkpoint) or {}
+        client_state = engine.load_checkpoint(checkpoint)
+        if isinstance(client_state, tuple):  # DeepSpeed's shape: (path, client_state)
+            client_state = client_state[1]
+        client_state = client_state or {}
+        self.optimizer.adopt_engine_hyperparameters()
         if CLIENT_SCHEDULER_KEY in client_state and not isinstance(self.lr_scheduler, _EngineScheduler):
             self.lr_scheduler.load_state_dict(client_state[CLIENT_SCHEDULER_KEY])
 
@@ -195,6 +202,7 @@ class ZerorunTrainer(Trainer):
         engine = self._require_engine("load_checkpoint", "load_best_model_at_end",
                                       "reload the best checkpoint's model with from_pretrained")
         engine.load_checkpoint(self.state.best_model_checkpoint)
+        self.optimizer.adopt_engine_hyperparameters()
 
     def _require_engine(self, method: str, what: str, otherwise: str):
         if self.engine is None:
