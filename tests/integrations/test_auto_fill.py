@@ -218,7 +218,7 @@ def test_read_config_takes_paths_inline_json_and_dicts(tmp_path):
 
 # -- with transformers: the real argument names, and --zerorun on the command line --------------
 def test_training_arguments_fill_and_conflict(tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", minversion="5.23")
     pytest.importorskip("accelerate")
     from transformers import HfArgumentParser
 

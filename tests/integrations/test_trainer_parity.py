@@ -7,7 +7,8 @@ all "auto" (filled from the same TrainingArguments). Accumulation 2, clipping at
 gradients exceed (so clipping acts), linear warm-up and decay, weight decay on Trainer's two
 parameter groups. A fourth run takes the optimizer from the config ("auto" hyper-parameters)
 and is compared with a DDP run without weight decay (DeepSpeed's optimizer decays every
-parameter, Trainer's spares biases and norms; at 0 both are the same).
+parameter, Trainer's spares biases and norms; at 0 both are the same). A last run takes the
+scheduler from the config (built and stepped by the engine) against the same schedule in DDP.
 
 Compared, each at 1e-4 relative (fp32; sharded and DDP runs sum gradients in another order, so
 values differ by float rounding, ~1e-7 per step; 1e-4 leaves room for Adam's amplification of
@@ -28,7 +29,7 @@ import torch
 
 from hf_world import WORLD, TokenDataset, build_model, join_world, sequences, spawn, write_result
 
-transformers = pytest.importorskip("transformers", reason="transformers is in the `test` extra")
+transformers = pytest.importorskip("transformers", minversion="5.23", reason="ZerorunTrainer needs transformers 5.23")
 pytest.importorskip("accelerate", reason="accelerate is in the `test` extra")
 
 LR = 3e-3
@@ -46,7 +47,7 @@ ZERO_AUTO = {
 OPTIMIZER_AUTO = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
 
 
-def _config(stage: int, optimizer: bool = False) -> dict:
+def _config(stage: int, optimizer: bool = False, scheduler: bool = False) -> dict:
     config = copy.deepcopy(ZERO_AUTO)
     config["zero_optimization"]["stage"] = stage
     if stage == 3:
@@ -54,6 +55,9 @@ def _config(stage: int, optimizer: bool = False) -> dict:
                                            stage3_param_persistence_threshold="auto")
     if optimizer:
         config["optimizer"] = copy.deepcopy(OPTIMIZER_AUTO)
+    if scheduler:
+        config["scheduler"] = {"type": "LinearLR", "params": {"start_factor": 1.0, "end_factor": 0.5,
+                                                              "total_iters": STEPS}}
     return config
 
 
@@ -64,6 +68,15 @@ RUNS = {
     "stage3": (_config(3), 0.01, "ddp"),
     "ddp_no_decay": (None, 0.0, None),
     "stage3_config_optimizer": (_config(3, optimizer=True), 0.0, "ddp_no_decay"),
+    # The engine builds and steps the config's scheduler: torch's LinearLR from 1x to 0.5x over
+    # the run is Trainer's polynomial decay of power 1 to lr_end = 0.5 lr without warm-up.
+    "ddp_polynomial": (None, 0.01, None),
+    "stage2_config_scheduler": (_config(2, scheduler=True), 0.01, "ddp_polynomial"),
+}
+SCHEDULE_OVERRIDES = {
+    "ddp_polynomial": dict(lr_scheduler_type="polynomial", warmup_steps=0,
+                           lr_scheduler_kwargs={"lr_end": LR / 2, "power": 1.0}),
+    "stage2_config_scheduler": dict(warmup_steps=0),
 }
 
 
@@ -96,7 +109,7 @@ def run(name: str, rank: int, out_dir: str) -> dict:
     from zerorun.integrations.hf import ZerorunTrainer
 
     zerorun_config, weight_decay, _ = RUNS[name]
-    args = training_arguments(f"{out_dir}/{name}", weight_decay, zerorun_config)
+    args = training_arguments(f"{out_dir}/{name}", weight_decay, zerorun_config, **SCHEDULE_OVERRIDES.get(name, {}))
     model = build_model()
     trainer_class = Trainer if zerorun_config is None else ZerorunTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=TokenDataset(32, seed=1),

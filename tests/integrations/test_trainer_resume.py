@@ -20,7 +20,7 @@ import pytest
 
 from hf_world import WORLD, TokenDataset, build_model, join_world, spawn, write_result
 
-transformers = pytest.importorskip("transformers", reason="transformers is in the `test` extra")
+transformers = pytest.importorskip("transformers", minversion="5.23", reason="ZerorunTrainer needs transformers 5.23")
 pytest.importorskip("accelerate", reason="accelerate is in the `test` extra")
 
 from zerorun.zero.engine import Engine  # noqa: E402

@@ -226,11 +226,15 @@ class EngineRouter:
         return None if norm is None else torch.tensor(float(norm))
 
     _just_updated = False
+    update_lrs: list[float] | None = None  # learning rates of the last update, per group
 
     def _step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
         if boundary and self.optimizer is not None:
             self.optimizer.sync_hyperparameters()
+        if boundary:
+            # The engine steps its own scheduler inside step(): keep the rates this update used.
+            self.update_lrs = [group["lr"] for group in self.engine.optimizer.param_groups]
         skipped_before = getattr(self.engine, "skipped_steps", 0)
         self.engine.step()
         self._pending = False

@@ -48,6 +48,15 @@ from zerorun.integrations.accelerate import (
 )
 from zerorun.integrations.hf_auto import fill_from_args, fill_from_model, hidden_size_of, read_config
 
+# The Trainer methods overridden below; a transformers without them runs another loop.
+_OVERRIDDEN = ("_prepare_for_training", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+               "_load_from_checkpoint", "_load_best_model", "_clip_grad_norm")
+if not all(hasattr(Trainer, name) for name in _OVERRIDDEN):
+    import transformers
+
+    raise ImportError(f"zerorun.integrations.hf needs transformers>=5.23 (this is {transformers.__version__}): "
+                      "pip install 'zerorun[hf]'")
+
 ENGINE_CHECKPOINT_TAG = "zerorun_step{step}"
 CLIENT_SCHEDULER_KEY = "trainer_lr_scheduler"
 
@@ -74,18 +83,25 @@ class ZerorunTrainingArguments(TrainingArguments):
 
 
 class _EngineScheduler:
-    """Trainer's view of a scheduler the engine builds and steps itself: step() does nothing."""
+    """Trainer's view of a scheduler the engine builds and steps itself: step() does nothing.
 
-    def __init__(self, engine):
+    get_last_lr() gives the rates the last update used, as a Trainer-owned scheduler does when
+    Trainer logs (it reads them before stepping its scheduler); the engine has already stepped
+    its own by then, so its current rates are the next update's."""
+
+    def __init__(self, engine, router: EngineRouter):
         self.engine = engine
+        self.router = router
 
     def step(self, *args, **kwargs) -> None:
         pass
 
     def get_last_lr(self) -> list[float]:
+        if self.router.update_lrs is not None:
+            return list(self.router.update_lrs)
         if hasattr(self.engine, "get_lr"):
             return list(self.engine.get_lr())
-        return list(self.engine.lr_scheduler.get_last_lr())
+        return [group["lr"] for group in self.engine.optimizer.param_groups]
 
     def state_dict(self) -> dict:
         return {}  # inside the engine's checkpoint
@@ -135,7 +151,7 @@ class ZerorunTrainer(Trainer):
         self._router.optimizer = self.optimizer
         route_accelerator(self.accelerator, self._router)
         if engine.lr_scheduler is not None:
-            self.lr_scheduler = _EngineScheduler(engine)
+            self.lr_scheduler = _EngineScheduler(engine, self._router)
         else:
             self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
         model = EngineModule(engine)
