@@ -243,3 +243,15 @@ def test_training_arguments_fill_and_conflict(tmp_path):
     with pytest.raises(AutoConfigMismatch, match=r"gradient_accumulation_steps=8 .* gradient_accumulation_steps=3"):
         ZerorunTrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none",
                                  gradient_accumulation_steps=3, zerorun={"gradient_accumulation_steps": 8})
+
+
+def test_deepspeeds_own_scheduler_is_refused_with_the_trainer_alternative(tmp_path):
+    pytest.importorskip("transformers", minversion="5.23")
+    pytest.importorskip("accelerate")
+    from zerorun.integrations.hf import ZerorunTrainingArguments
+
+    config = {"zero_optimization": {"stage": 2},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}
+    with pytest.raises(ConfigError, match="WarmupDecayLR") as caught:
+        ZerorunTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", zerorun=config)
+    assert "--lr_scheduler_type" in caught.value.hint
