@@ -29,8 +29,8 @@ What each call does (docs/integrations.md has the same table):
   config's ``gradient_clipping``, over the whole sharded gradient. ``max_norm`` must equal it
   (``inf``, a plain norm query, is always fine); the call runs the engine's step at once, so it
   can return that step's gradient norm (before clipping, as ``torch.nn.utils.clip_grad_norm_``
-  returns), and the ``optimizer.step()`` that follows does nothing. Off a boundary it returns
-  None. ``"auto"`` for ``gradient_clipping`` is filled from ``prepare(..., max_grad_norm=)``.
+  returns), and the ``optimizer.step()`` that follows does nothing. Off a boundary, or when the
+  engine computed no norm (fp32 without clipping), it returns None. ``"auto"`` for ``gradient_clipping`` is filled from ``prepare(..., max_grad_norm=)``.
 - A scheduler built on the optimizer (the user's, before or after ``prepare``, or the returned
   one) drives the engine's learning rate; a scheduler section in the config is built and stepped
   by the engine instead. ``optimizer.step_was_skipped`` tells Accelerate's prepared scheduler
@@ -77,7 +77,10 @@ class EngineModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
 
 class EngineOptimizer(torch.optim.Optimizer):
@@ -186,6 +189,8 @@ class EngineRouter:
         self.loss_scaled = loss_scaled_for_accumulation
         self.optimizer: EngineOptimizer | None = None
         self._pending = False  # a backward ran and its engine.step() has not yet
+        self._just_updated = False  # the last engine.step() was an update
+        self.update_lrs: list[float] | None = None  # learning rates of the last update, per group
         self._backward_takes_scale = "scale_wrt_gas" in inspect.signature(engine.backward).parameters
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -224,9 +229,6 @@ class EngineRouter:
             return None
         norm = _grad_norm(self.engine)
         return None if norm is None else torch.tensor(float(norm))
-
-    _just_updated = False
-    update_lrs: list[float] | None = None  # learning rates of the last update, per group
 
     def _step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
@@ -274,7 +276,7 @@ def fill_for_accelerator(config: dict, accelerator_gradient_accumulation_steps: 
     from types import SimpleNamespace
 
     from zerorun.config.deepspeed import looks_like_deepspeed
-    from zerorun.integrations.hf_auto import Rule, _apply, _parent
+    from zerorun.integrations.hf_auto import Rule, apply_rules, parent_of
 
     rules = [Rule("gradient_accumulation_steps", "batch.gradient_accumulation_steps",
                   "gradient_accumulation_steps", lambda a, f: a.gradient_accumulation_steps)]
@@ -282,9 +284,9 @@ def fill_for_accelerator(config: dict, accelerator_gradient_accumulation_steps: 
         rules.append(Rule("gradient_clipping", "gradient_clipping", "max_grad_norm", lambda a, f: a.max_grad_norm))
     values = SimpleNamespace(gradient_accumulation_steps=accelerator_gradient_accumulation_steps,
                              max_grad_norm=max_grad_norm)
-    out = _apply(config, values, {}, rules, source="the Accelerator / prepare()")
+    out = apply_rules(config, values, {}, rules, source="the Accelerator / prepare()")
     deepspeed = looks_like_deepspeed(out)
-    parent, leaf = _parent(out, "gradient_clipping")
+    parent, leaf = parent_of(out, "gradient_clipping")
     if parent is not None and parent.get(leaf) == "auto":
         raise ConfigError("gradient_clipping is 'auto' but prepare() got no max_grad_norm to fill it with",
                           hint="pass prepare(..., max_grad_norm=1.0) or write a number in the config")

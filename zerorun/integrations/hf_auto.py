@@ -127,7 +127,7 @@ def read_config(source: Any) -> dict:
 def fill_from_args(config: dict, args) -> dict:
     """Step 1 (the arguments exist): a copy of ``config`` with the argument-derived autos filled.
     Raises AutoConfigMismatch listing every concrete value that disagrees with the arguments."""
-    return _apply(config, args, {}, ARGUMENT_RULES)
+    return apply_rules(config, args, {}, ARGUMENT_RULES)
 
 
 def fill_from_model(config: dict, args, *, hidden_size: int | None, num_training_steps: int,
@@ -146,7 +146,7 @@ def fill_from_model(config: dict, args, *, hidden_size: int | None, num_training
                 f"cannot fill {', '.join(wanting)}: they are 'auto' and the model's config has no "
                 "hidden_size (nor hidden_sizes, nor text_config.hidden_size)",
                 hint="write a number for these keys instead of 'auto'")
-    return _apply(config, args, facts, MODEL_RULES)
+    return apply_rules(config, args, facts, MODEL_RULES)
 
 
 def hidden_size_of(model_config) -> int | None:
@@ -178,7 +178,9 @@ def _path(rule: Rule, deepspeed: bool) -> str | None:
     return rule.deepspeed if deepspeed else rule.zerorun
 
 
-def _apply(config: dict, args, facts: dict, rules, source: str = "TrainingArguments") -> dict:
+def apply_rules(config: dict, args, facts: dict, rules, source: str = "TrainingArguments") -> dict:
+    """A copy of ``config`` with ``rules`` applied: autos filled, disagreements raised together;
+    ``source`` names where the values come from in the error."""
     out = copy.deepcopy(config)
     deepspeed = looks_like_deepspeed(out)
     mismatches = []
@@ -186,7 +188,7 @@ def _apply(config: dict, args, facts: dict, rules, source: str = "TrainingArgume
         path = _path(rule, deepspeed)
         if path is None or not rule.applies(out, deepspeed):
             continue
-        parent, leaf = _parent(out, path)
+        parent, leaf = parent_of(out, path)
         if parent is None or leaf not in parent:
             continue  # absent keys stay absent
         wanted = rule.value(args, facts)
@@ -202,7 +204,7 @@ def _apply(config: dict, args, facts: dict, rules, source: str = "TrainingArgume
     return out
 
 
-def _parent(config: dict, path: str) -> tuple[dict | None, str]:
+def parent_of(config: dict, path: str) -> tuple[dict | None, str]:
     *parents, leaf = path.split(".")
     node: Any = config
     for part in parents:
@@ -213,7 +215,7 @@ def _parent(config: dict, path: str) -> tuple[dict | None, str]:
 
 
 def _get(config: dict, path: str) -> Any:
-    parent, leaf = _parent(config, path)
+    parent, leaf = parent_of(config, path)
     return None if parent is None else parent.get(leaf)
 
 
