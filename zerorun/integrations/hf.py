@@ -34,6 +34,7 @@ This subclass overrides a few private Trainer methods (``_prepare_for_training``
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from transformers import Trainer, TrainingArguments
@@ -58,6 +59,7 @@ if not all(hasattr(Trainer, name) for name in _OVERRIDDEN):
     raise ImportError(f"zerorun.integrations.hf needs transformers>=5.23 (this is {transformers.__version__}): "
                       "pip install 'zerorun[hf]'")
 
+logger = logging.getLogger(__name__)
 ENGINE_CHECKPOINT_TAG = "zerorun_step{step}"
 CLIENT_SCHEDULER_KEY = "trainer_lr_scheduler"
 
@@ -128,6 +130,7 @@ class ZerorunTrainer(Trainer):
                                      hint="ZerorunTrainingArguments(..., zerorun='ds_config.json')")
         self.engine = None
         self._router: EngineRouter | None = None
+        self._warned: set[str] = set()
 
     # -- setting up --------------------------------------------------------------------------
     def zerorun_config_for(self, num_training_steps: int) -> dict:
@@ -194,8 +197,9 @@ class ZerorunTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        engine = self._require_engine("save_checkpoint", "saving a resumable checkpoint",
-                                      "save_only_model=True saves the model alone")
+        engine = self._require_engine("save_checkpoint", "saving a resumable checkpoint", None)
+        if engine is None:
+            return
         client_state = {}
         if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
             client_state[CLIENT_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
@@ -228,13 +232,20 @@ class ZerorunTrainer(Trainer):
         engine.load_checkpoint(self.state.best_model_checkpoint)
         self.optimizer.adopt_engine_hyperparameters()
 
-    def _require_engine(self, method: str, what: str, otherwise: str):
+    def _require_engine(self, method: str, what: str, otherwise: str | None):
+        """The engine, when it has ``method``. Without it: an error saying what needs it, or, for
+        ``otherwise`` None, a warning (once) and None, so the caller goes on without it."""
         if self.engine is None:
             raise RuntimeConfigError(f"{what} needs a zerorun engine; call train() first")
-        if not hasattr(self.engine, method):
-            raise RuntimeConfigError(f"{what} needs engine.{method}(), which this zerorun runtime lacks",
-                                     hint=otherwise)
-        return self.engine
+        if hasattr(self.engine, method):
+            return self.engine
+        message = f"{what} needs engine.{method}(), which this zerorun runtime lacks"
+        if otherwise is not None:
+            raise RuntimeConfigError(message, hint=otherwise)
+        if method not in self._warned:
+            self._warned.add(method)
+            logger.warning("%s: checkpoints hold the model only and cannot be resumed from", message)
+        return None
 
 
 __all__ = ["ZerorunTrainer", "ZerorunTrainingArguments"]
