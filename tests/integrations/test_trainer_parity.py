@@ -10,9 +10,11 @@ and is compared with a DDP run without weight decay (DeepSpeed's optimizer decay
 parameter, Trainer's spares biases and norms; at 0 both are the same). A last run takes the
 scheduler from the config (built and stepped by the engine) against the same schedule in DDP.
 
+Every run also evaluates and writes a model checkpoint at step 3, mid-training.
+
 Compared, each at 1e-4 relative (fp32; sharded and DDP runs sum gradients in another order, so
 values differ by float rounding, ~1e-7 per step; 1e-4 leaves room for Adam's amplification of
-near-zero gradients): every logged loss and learning rate, the eval loss, and the weights
+near-zero gradients): every logged loss and learning rate, the eval losses, and the weights
 ``save_model`` wrote, reloaded with ``from_pretrained`` (atol 2e-5 beside rtol: lr is 3e-3,
 one wrong update moves a weight ~100x that). After stage-3 training, ``generate`` with
 ``synced_gpus=True`` and a different number of new tokens per rank gives DDP's tokens.
@@ -87,8 +89,11 @@ def training_arguments(output_dir: str, weight_decay: float, zerorun_config=None
         output_dir=output_dir, use_cpu=True, ddp_backend="gloo", report_to="none", disable_tqdm=True,
         per_device_train_batch_size=2, per_device_eval_batch_size=3, gradient_accumulation_steps=2,
         learning_rate=LR, weight_decay=weight_decay, max_grad_norm=MAX_GRAD_NORM, warmup_steps=2,
-        lr_scheduler_type="linear", max_steps=STEPS, logging_steps=1, save_strategy="no", seed=7,
+        lr_scheduler_type="linear", max_steps=STEPS, logging_steps=1, seed=7,
         dataloader_num_workers=0, include_num_input_tokens_seen="no",
+        # Mid-training evaluation and a model checkpoint (a gathering save) at step 3: training
+        # goes on from both unchanged.
+        eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3, save_only_model=True,
     )
     settings.update(overrides)
     if zerorun_config is None:
@@ -115,7 +120,8 @@ def run(name: str, rank: int, out_dir: str) -> dict:
     trainer = trainer_class(model=model, args=args, train_dataset=TokenDataset(32, seed=1),
                             eval_dataset=TokenDataset(12, seed=2))
     trainer.train()
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry and "eval_loss" not in entry]
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
     metrics = trainer.evaluate()
     trainer.save_model(f"{out_dir}/{name}/final")
     trainer.model.eval()
@@ -129,6 +135,7 @@ def run(name: str, rank: int, out_dir: str) -> dict:
         "learning_rate": [e["learning_rate"] for e in logs],
         "grad_norm": [e.get("grad_norm") for e in logs],
         "eval_loss": metrics["eval_loss"],
+        "evals_during_training": evals,
         "generated": generated[0].tolist(),
         "filled": getattr(args, "zerorun_config", None),
         # Proof the run trained on the engine, not on a DDP-wrapped model.
@@ -229,6 +236,8 @@ def test_eval_loss_matches_ddp(results, name):
         got, want = results[rank][name], results[rank][reference]
         assert "error" not in got, got.get("error")
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
+        assert len(want["evals_during_training"]) == 2  # at steps 3 and 6
+        assert got["evals_during_training"] == pytest.approx(want["evals_during_training"], rel=1e-4)
         print(f"{name} rank {rank}: eval loss rel diff {_relative(got['eval_loss'], want['eval_loss']):.2e}")
 
 
