@@ -21,15 +21,17 @@ evaluation, data loading and its own optimizer and schedule unless the config na
 
 Checkpoints: ``save_model`` gathers the whole model (every rank calls it; rank 0 writes a
 ``from_pretrained`` directory). A Trainer checkpoint also holds the engine's sharded checkpoint
-(``engine.save_checkpoint``), which ``resume_from_checkpoint`` and ``load_best_model_at_end``
-load back with ``engine.load_checkpoint``. Evaluation runs the model itself: at stage 3 its
+(``engine.save_checkpoint``, where the runtime has it; else the model alone, with a warning),
+which ``resume_from_checkpoint`` and ``load_best_model_at_end`` load back with
+``engine.load_checkpoint``. Evaluation runs the model itself: at stage 3 its
 modules gather their parameters in forward hooks. ``generate`` at stage 3 needs
 ``synced_gpus=True`` when ranks may generate different numbers of tokens (every rank must run
 every forward, since each forward gathers collectively).
 
 This subclass overrides a few private Trainer methods (``_prepare_for_training``,
 ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_from_checkpoint``,
-``_load_best_model``, ``_clip_grad_norm``); they are those of transformers 5.x.
+``_load_best_model``, ``_clip_grad_norm``) as transformers 5.23 has them; importing this module
+with a transformers that lacks them is an ImportError.
 """
 
 from __future__ import annotations
