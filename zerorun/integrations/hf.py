@@ -1,0 +1,253 @@
+"""Hugging Face Trainer on a zerorun engine.
+
+    args = ZerorunTrainingArguments(output_dir="out", zerorun="ds_config.json", ...)
+    trainer = ZerorunTrainer(model=model, args=args, train_dataset=..., eval_dataset=...)
+    trainer.train(); trainer.evaluate(); trainer.save_model("final")
+
+or from the command line, through ``HfArgumentParser((ZerorunTrainingArguments,))``:
+``--zerorun ds_config.json``. The config is a zerorun YAML or a DeepSpeed JSON; its ``"auto"``
+values are filled from the arguments by transformers' rules for DeepSpeed (hf_auto.py), and a
+concrete value that disagrees with an argument is an error naming both.
+
+The engine owns what DeepSpeed owns under Trainer: backward, the accumulation boundaries,
+clipping (by the config's ``gradient_clipping``) and the step. Trainer keeps its loop, logging,
+evaluation, data loading and its own optimizer and schedule unless the config names one:
+
+| config has   | optimizer                              | scheduler                                 |
+|--------------|----------------------------------------|-------------------------------------------|
+| neither      | Trainer's (create_optimizer)           | Trainer's, built on the engine's groups   |
+| optimizer    | the engine's, from the config          | Trainer's, built on the engine's groups   |
+| scheduler    | either of the above                    | the engine's, from the config             |
+
+Checkpoints: ``save_model`` gathers the whole model (every rank calls it; rank 0 writes a
+``from_pretrained`` directory). A Trainer checkpoint also holds the engine's sharded checkpoint
+(``engine.save_checkpoint``, where the runtime has it; else the model alone, with a warning),
+which ``resume_from_checkpoint`` and ``load_best_model_at_end`` load back with
+``engine.load_checkpoint``. Evaluation runs the model itself: at stage 3 its
+modules gather their parameters in forward hooks. ``generate`` at stage 3 needs
+``synced_gpus=True`` when ranks may generate different numbers of tokens (every rank must run
+every forward, since each forward gathers collectively).
+
+This subclass overrides a few private Trainer methods (``_prepare_for_training``,
+``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_from_checkpoint``,
+``_load_best_model``, ``_clip_grad_norm``) as transformers 5.23 has them; importing this module
+with a transformers that lacks them is an ImportError.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import Trainer, TrainingArguments
+
+from zerorun.config.deepspeed import DEEPSPEED_SCHEDULERS
+from zerorun.errors import ConfigError, RuntimeConfigError
+from zerorun.integrations.accelerate import (
+    EngineModule,
+    EngineOptimizer,
+    EngineRouter,
+    route_accelerator,
+    whole_model_state,
+)
+from zerorun.integrations.hf_auto import fill_from_args, fill_from_model, hidden_size_of, read_config
+
+# The Trainer methods overridden below; a transformers without them runs another loop.
+_OVERRIDDEN = ("_prepare_for_training", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler",
+               "_load_from_checkpoint", "_load_best_model", "_clip_grad_norm")
+if not all(hasattr(Trainer, name) for name in _OVERRIDDEN):
+    import transformers
+
+    raise ImportError(f"zerorun.integrations.hf needs transformers>=5.23 (this is {transformers.__version__}): "
+                      "pip install 'zerorun[hf]'")
+
+logger = logging.getLogger(__name__)
+ENGINE_CHECKPOINT_TAG = "zerorun_step{step}"
+CLIENT_SCHEDULER_KEY = "trainer_lr_scheduler"
+
+
+@dataclass
+class ZerorunTrainingArguments(TrainingArguments):
+    """TrainingArguments plus ``zerorun``: a zerorun YAML / DeepSpeed JSON path, JSON text or dict."""
+
+    zerorun: dict | str | None = field(
+        default=None,
+        metadata={"help": "zerorun config: a zerorun YAML or DeepSpeed JSON file (or a dict); "
+                          "'auto' values are filled from these arguments"},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.zerorun is None:
+            self.zerorun_config = None
+            return
+        if self.deepspeed is not None:
+            raise RuntimeConfigError("both --deepspeed and --zerorun are set", hint="keep one of them")
+        raw = read_config(self.zerorun)
+        scheduler = raw.get("scheduler")
+        if isinstance(scheduler, dict) and scheduler.get("type") in DEEPSPEED_SCHEDULERS:
+            raise ConfigError(
+                f"scheduler.type {scheduler['type']!r} is DeepSpeed's own scheduler, which zerorun does not have",
+                hint="drop the scheduler section: Trainer's schedule (--lr_scheduler_type, --warmup_steps) "
+                     "then drives the engine's learning rate; or name a torch.optim.lr_scheduler class")
+        # transformers fills at this point too: mismatches surface before any model is built.
+        self.zerorun_config = fill_from_args(raw, self)
+
+
+class _EngineScheduler:
+    """Trainer's view of a scheduler the engine builds and steps itself: step() does nothing.
+
+    get_last_lr() gives the rates the last update used, as a Trainer-owned scheduler does when
+    Trainer logs (it reads them before stepping its scheduler); the engine has already stepped
+    its own by then, so its current rates are the next update's."""
+
+    def __init__(self, engine, router: EngineRouter):
+        self.engine = engine
+        self.router = router
+
+    def step(self, *args, **kwargs) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        if self.router.update_lrs is not None:
+            return list(self.router.update_lrs)
+        if hasattr(self.engine, "get_lr"):
+            return list(self.engine.get_lr())
+        return [group["lr"] for group in self.engine.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {}  # inside the engine's checkpoint
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class ZerorunTrainer(Trainer):
+    """A Trainer whose model, optimizer step and checkpoints run on a zerorun engine."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if getattr(self.args, "zerorun_config", None) is None:
+            raise RuntimeConfigError("ZerorunTrainer needs ZerorunTrainingArguments with a zerorun config",
+                                     hint="ZerorunTrainingArguments(..., zerorun='ds_config.json')")
+        self.engine = None
+        self._router: EngineRouter | None = None
+        self._warned: set[str] = set()
+
+    # -- setting up --------------------------------------------------------------------------
+    def zerorun_config_for(self, num_training_steps: int) -> dict:
+        """The config handed to zerorun.initialize: every auto Trainer can decide, filled."""
+        return fill_from_model(
+            self.args.zerorun_config, self.args,
+            hidden_size=hidden_size_of(getattr(self.model, "config", None)),
+            num_training_steps=num_training_steps,
+            warmup_steps=self.args.get_warmup_steps(num_training_steps),
+        )
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        import zerorun
+
+        if self.engine is not None:
+            raise RuntimeConfigError("ZerorunTrainer.train() runs once per trainer: the engine already "
+                                     "holds this model", hint="build a new ZerorunTrainer to train again")
+        if self._created_lr_scheduler:
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        config = self.zerorun_config_for(max_steps)
+        user_optimizer = None if "optimizer" in config else self.create_optimizer()
+        self.engine = engine = zerorun.initialize(self.model, user_optimizer, config)
+        self._router = EngineRouter(
+            engine, sync_gradients=lambda: self.accelerator.sync_gradients,
+            step_in_backward=True,  # Trainer reads the gradient norm before optimizer.step()
+            loss_scaled_for_accumulation=True)  # training_step divides by the accumulation steps
+        self.optimizer = EngineOptimizer(engine, self._router, user_optimizer)
+        self._router.optimizer = self.optimizer
+        route_accelerator(self.accelerator, self._router)
+        if engine.lr_scheduler is not None:
+            self.lr_scheduler = _EngineScheduler(engine, self._router)
+        else:
+            self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
+        model = EngineModule(engine)
+        self.model_wrapped = model
+        # Registered with the Accelerator so that evaluation uses the model as it is (its stage-3
+        # hooks gather) instead of preparing, i.e. DDP-wrapping, it; and so its skipped-step flag
+        # is seen.
+        self.accelerator._models.append(model)
+        self.accelerator._optimizers.append(self.optimizer)
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _clip_grad_norm(self, model):
+        """The engine already clipped at its step (config gradient_clipping, as under DeepSpeed);
+        this returns that step's global norm before clipping."""
+        return self._router.clip_grad_norm_(None, float("inf"))
+
+    # -- saving and loading -----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A ``from_pretrained`` directory of the whole model. Collective: call it on every rank."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = whole_model_state(self.engine)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        engine = self._require_engine("save_checkpoint", "saving a resumable checkpoint", None)
+        if engine is None:
+            return
+        client_state = {}
+        if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
+            client_state[CLIENT_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
+        # The scheduler already set the next step's hyper-parameters on the source groups; put
+        # them in the engine's groups too, so that the checkpoint resumes with them.
+        self.optimizer.sync_hyperparameters()
+        engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT_TAG.format(step=self.state.global_step),
+                               client_state=client_state)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        engine = self._require_engine("load_checkpoint", "resuming from a checkpoint",
+                                      "train from the saved model instead (from_pretrained)")
+        client_state = engine.load_checkpoint(checkpoint)
+        if isinstance(client_state, tuple):  # DeepSpeed's shape: (path, client_state)
+            client_state = client_state[1]
+        client_state = client_state or {}
+        self.optimizer.adopt_engine_hyperparameters()
+        if CLIENT_SCHEDULER_KEY in client_state and not isinstance(self.lr_scheduler, _EngineScheduler):
+            self.lr_scheduler.load_state_dict(client_state[CLIENT_SCHEDULER_KEY])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Nothing before the engine exists: the engine's checkpoint restores the model with the
+        optimizer (in _prepare_for_training), as DeepSpeed's does."""
+
+    def _load_best_model(self) -> None:
+        engine = self._require_engine("load_checkpoint", "load_best_model_at_end",
+                                      "reload the best checkpoint's model with from_pretrained")
+        engine.load_checkpoint(self.state.best_model_checkpoint)
+        self.optimizer.adopt_engine_hyperparameters()
+
+    def _require_engine(self, method: str, what: str, otherwise: str | None):
+        """The engine, when it has ``method``. Without it: an error saying what needs it, or, for
+        ``otherwise`` None, a warning (once) and None, so the caller goes on without it."""
+        if self.engine is None:
+            raise RuntimeConfigError(f"{what} needs a zerorun engine; call train() first")
+        if hasattr(self.engine, method):
+            return self.engine
+        message = f"{what} needs engine.{method}(), which this zerorun runtime lacks"
+        if otherwise is not None:
+            raise RuntimeConfigError(message, hint=otherwise)
+        if method not in self._warned:
+            self._warned.add(method)
+            logger.warning("%s: checkpoints hold the model only and cannot be resumed from", message)
+        return None
+
+
+__all__ = ["ZerorunTrainer", "ZerorunTrainingArguments"]
