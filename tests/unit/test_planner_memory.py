@@ -75,20 +75,30 @@ def test_cpu_optimizer_offload_moves_the_optimizer_shard_to_the_host():
     offloaded = estimate(SEVEN_B, job, Training(stage=2, offload="cpu-optimizer"))
     assert offloaded.optimizer == 0
     assert offloaded.params == on_gpu.params and offloaded.grads == on_gpu.grads
-    staging = 4 * Training().reduce_bucket_size  # one fp32 gradient bucket per rank
+    # one unit's fp32 gradient chunk staged at a time (a 6.25M-element bucket over 8 ranks)
+    staging = 4 * -(-Training().reduce_bucket_size // 8)
     assert offloaded.host_per_rank == on_gpu.optimizer + staging
     assert offloaded.host_per_node == 4 * (on_gpu.optimizer + staging)
 
 
-def test_param_offload_and_nvme_move_the_parameter_shard_too():
+def test_param_offload_moves_the_parameter_shard_and_nvme_the_optimizer_state():
     job = Job(8)
     base = estimate(SEVEN_B, job, Training(stage=3))
     cpu = estimate(SEVEN_B, job, Training(stage=3, offload="cpu-optimizer+params"))
-    nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme"))
-    assert cpu.params == 0 and nvme.params == 0
-    assert cpu.host_per_rank > base.optimizer + base.params
-    assert nvme.nvme_per_rank == base.optimizer + base.params
-    assert nvme.host_per_rank < cpu.host_per_rank  # only staging buffers stay in host memory
+    nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_elements=10**8))
+    assert cpu.params == 0 and cpu.host_per_rank > base.optimizer + base.params
+    assert nvme.params == base.params and nvme.optimizer == 0  # parameters stay (param NVMe: refused)
+    assert nvme.nvme_per_rank == base.optimizer
+    assert nvme.host_per_rank == 4 * 10**8  # the configured buffers, whatever the model's size
+
+
+def test_offloaded_fp32_master_is_counted_beside_the_adam_state():
+    job = Job(2)
+    none = estimate(SEVEN_B, job, Training(stage=2, precision="fp32"))
+    cpu = estimate(SEVEN_B, job, Training(stage=2, precision="fp32", offload="cpu-optimizer"))
+    share = -(-SEVEN_B.num_params // 2)
+    assert none.optimizer == 8 * share  # the fp32 parameter doubles as the master
+    assert cpu.host_per_rank >= 12 * share and cpu.host_per_rank - 12 * share < 0.01 * cpu.host_per_rank
 
 
 @pytest.mark.parametrize("stage, offload", [(0, "cpu-optimizer"), (0, "nvme"), (2, "cpu-optimizer+params")])

@@ -167,7 +167,7 @@ def _training_from_config(path: Path):
     zero = cfg.zero
     optimizer_device = zero.offload_optimizer.device
     param_device = zero.offload_param.device
-    if "nvme" in (optimizer_device, param_device):
+    if optimizer_device == "nvme":
         offload = "nvme"
     elif param_device == "cpu":
         offload = "cpu-optimizer+params"
@@ -183,6 +183,7 @@ def _training_from_config(path: Path):
         allgather_bucket_size=int(zero.allgather_bucket_size),
         prefetch_bucket_size=int(zero.prefetch_bucket_size),
         param_persistence_threshold=int(zero.param_persistence_threshold),
+        nvme_buffer_elements=int(zero.offload_optimizer.buffer_count * zero.offload_optimizer.buffer_size),
     )
     activation = {
         "micro_batch": cfg.batch.micro_batch_size,

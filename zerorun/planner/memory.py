@@ -72,6 +72,9 @@ class Training:
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     device: Literal["cuda", "cpu"] = "cuda"  # where the step runs: decides Adam's temporaries
+    # NVMe offload: the host buffers master and state stream through (buffer_count x buffer_size
+    # fp32 elements of zero.offload_optimizer; the config's defaults).
+    nvme_buffer_elements: int = 4 * 100_000_000
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -167,18 +170,19 @@ def estimate(model: ModelSpec, job: Job, training: Training,
     grads = p * (psi if stage < 2 else shard(psi, n))
     optimizer = k * (psi if stage == 0 else shard(psi, n))
     host = nvme = 0.0
-    staging = _offload_staging_bytes(model, job, training)
-    if training.offload in ("cpu-optimizer", "cpu-optimizer+params"):
-        host, optimizer = optimizer + staging, 0.0
-    elif training.offload == "nvme":
-        nvme, host, optimizer = optimizer, staging, 0.0
-    if training.offload == "cpu-optimizer+params" or (training.offload == "nvme" and stage == 3):
+    if training.offload != "none":
+        # An offloaded master is always a tensor of its own (zerorun/zero/offload.py), even in
+        # fp32, where without offload the parameter storage doubles as the master.
+        offloaded = optimizer + (MASTER_COPY_BYTES * shard(psi, n) if training.precision == "fp32" else 0)
+        optimizer = 0.0
+        if training.offload == "nvme":
+            nvme, host = offloaded, _offload_staging_bytes(model, job, training)
+        else:
+            host = offloaded + _offload_staging_bytes(model, job, training)
+    if training.offload == "cpu-optimizer+params":
         moved = p * shard(sharded, n)
         params -= moved
-        if training.offload == "nvme":
-            nvme += moved
-        else:
-            host += moved
+        host += moved
     return MemoryEstimate(
         stage=stage,
         offload=training.offload,
@@ -335,14 +339,15 @@ def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
 
 
 def _offload_staging_bytes(model: ModelSpec, job: Job, training: Training) -> int:
-    """Host buffers an offloaded step streams through: one fp32 gradient bucket (cpu), or two
-    buckets of optimizer state being swapped in and out (nvme)."""
+    """Host memory an offloaded update streams through: one unit's fp32 gradient chunk at a
+    time (cpu: Note [unit-sized gradient staging] in zerorun/zero/offload.py), or the
+    configured buffers that master and state are read into (nvme: Note [file buffers])."""
     if training.offload == "none":
         return 0
-    bucket = min(training.reduce_bucket_size, shard(model.num_params, job.world_size))
     if training.offload == "nvme":
-        return 2 * bucket * (training.optimizer_bytes + 4)
-    return 4 * bucket
+        return 4 * training.nvme_buffer_elements
+    unit = model.largest_layer_params if training.stage == 3 and model.largest_layer_params else bucket_elements(model, training)
+    return 4 * shard(unit, job.world_size)
 
 
 def _activations(model: ModelSpec, training: Training, job: ActivationJob | None) -> float | None:

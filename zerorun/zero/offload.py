@@ -46,11 +46,21 @@ def _pin(tensor: torch.Tensor, model_device: torch.device, pin: bool) -> torch.T
     return tensor
 
 
+def device_gradient(record: UnitRecord) -> torch.Tensor:
+    """The unit's fp32 gradient chunk where the reduction left it (the accumulator itself when
+    it is fp32); zeros for a lazy shard that no backward created this window."""
+    grad = record.grad
+    if grad is None:
+        return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32, device=record.unit.device)
+    return grad if grad.dtype == torch.float32 else grad.float()
+
+
 class OnDevice:
     """No offload: the master sits beside the model (Note [masters] in unit_record.py)."""
 
     name = "none"
     overlaps_backward = False
+    update_batch: int | None = None  # every unit in one optimizer call (the multi-tensor path)
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
         if unit.dtype == torch.float32:
@@ -58,10 +68,7 @@ class OnDevice:
         return unit.shard.detach().float()
 
     def gradient(self, record: UnitRecord) -> torch.Tensor:
-        grad = record.grad
-        if grad is None:  # a lazy shard that no backward created this window: zero gradient
-            return torch.zeros_like(record.master)
-        return grad if grad.dtype == torch.float32 else grad.float()
+        return device_gradient(record)
 
     def begin_update(self, record: UnitRecord, optimizer) -> None:
         pass
@@ -91,6 +98,7 @@ class OnHost(OnDevice):
 
     name = "cpu"
     overlaps_backward = True
+    update_batch = 1  # one unit's gradient staged on the host at a time
 
     def __init__(self, pin_memory: bool = True):
         self.pin_memory = pin_memory
@@ -110,7 +118,7 @@ class OnHost(OnDevice):
         full-size fp32 gradient beside master and state (what exhausts DeepSpeed's host)."""
         grad = record.grad
         if grad is None:
-            return torch.zeros_like(record.master)
+            return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32)
         return grad.to(HOST, dtype=torch.float32)
 
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:

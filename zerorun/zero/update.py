@@ -22,9 +22,11 @@ worker may go:
   only on that unit, so the worker stages, unscales, steps and publishes it at once;
 - with clipping or fp16 scaling, every unit's update needs the global gradient norm (overflow
   is a global verdict, and the clip coefficient is global), which exists only after the last
-  unit. The worker then stages and unscales each unit and computes its sum of squares, and the
-  steps wait in ``step()`` for the all-reduced norm. The sums are added in unit order on the
+  unit. The worker then computes each unit's sum of squares where its gradient is, and the
+  updates wait in ``step()`` for the all-reduced norm. The sums are added in unit order on the
   main thread, so the norm is the same number whichever thread computed the pieces.
+Either way a gradient is staged next to its master only inside that unit's update, one unit at
+a time for offloaded placements (Note [unit-sized gradient staging] in offload.py).
 The engine's ``step()`` waits for the worker before returning, and collectives (the norm, the
 stage 1-2 refresh) are issued only from the main thread, so every rank issues them in order.
 A unit's values are no longer read by this backward once its gradient is final, which is what
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from zerorun.zero import collectives
-from zerorun.zero.offload import OnFile
+from zerorun.zero.offload import OnFile, device_gradient
 from zerorun.zero.precision import LossScaler
 from zerorun.zero.unit_record import UnitRecord
 
@@ -73,7 +75,6 @@ class UnitUpdater:
         install_masters(optimizer, records)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if placement.overlaps_backward else None
         self._window: _Window | None = None
-        self._staged: dict[int, torch.Tensor] = {}
         self._squares: dict[int, torch.Tensor] = {}
         self._done: set[int] = set()
 
@@ -96,9 +97,10 @@ class UnitUpdater:
         record.pending = self._worker.submit(self._early_work, record, self._window)
 
     def _early_work(self, record: UnitRecord, window: _Window) -> None:
-        self._stage(record, window)
-        if not window.needs_norm:
-            self._apply([record], coefficient=1.0)
+        if window.needs_norm:
+            self._norm_piece(record, window)
+        else:
+            self._apply([record], window, coefficient=1.0)
 
     # -- the step ------------------------------------------------------------------------
     def step(self, *, loss_scaler: LossScaler, clip: float) -> tuple[bool, float | None]:
@@ -107,9 +109,10 @@ class UnitUpdater:
             self.open_window(loss_scaler, clip)
         window = self._window
         self._wait_for_worker()
-        for record in self.records:
-            if record.index not in self._staged and record.index not in self._done:
-                self._stage(record, window)
+        if window.needs_norm:
+            for record in self.records:
+                if record.index not in self._squares:
+                    self._norm_piece(record, window)
         norm, overflow = None, False
         if window.needs_norm:
             norm = self._global_norm()
@@ -118,11 +121,10 @@ class UnitUpdater:
         if applied:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
             waiting = [r for r in self.records if r.index not in self._done]
-            batch = 1 if isinstance(self.placement, OnFile) else len(waiting)
+            batch = self.placement.update_batch or len(waiting)
             for start in range(0, len(waiting), max(batch, 1)):
-                self._apply(waiting[start : start + batch], coefficient)
+                self._apply(waiting[start : start + batch], window, coefficient)
             self._refresh_replicas()
-        self._staged.clear()
         self._squares.clear()
         self._done.clear()
         self._window = None
@@ -134,12 +136,11 @@ class UnitUpdater:
                 record.pending.result()  # re-raises what failed on the worker
                 record.pending = None
 
-    def _stage(self, record: UnitRecord, window: _Window) -> None:
-        grad = self.placement.gradient(record)
-        grad.mul_(window.inverse)
-        self._staged[record.index] = grad
-        if window.needs_norm:
-            self._squares[record.index] = grad.pow(2).sum()
+    def _norm_piece(self, record: UnitRecord, window: _Window) -> None:
+        """This unit's share of the squared norm, computed where the gradient already is (a
+        unit-sized temporary, never a staged copy: Note [unit-sized gradient staging])."""
+        unscaled = device_gradient(record) * window.inverse
+        self._squares[record.index] = unscaled.pow(2).sum()
 
     def _global_norm(self) -> float:
         """L2 norm over every rank's chunks; padding is zero, tied weights are counted once."""
@@ -151,11 +152,14 @@ class UnitUpdater:
             collectives.all_reduce(squares, group=self.group)
         return float(squares.sqrt())
 
-    def _apply(self, records: list[UnitRecord], coefficient: float) -> None:
-        """Step ``records`` with the user's optimizer and publish them to the model."""
+    def _apply(self, records: list[UnitRecord], window: _Window, coefficient: float) -> None:
+        """Stage, unscale and clip the gradients of ``records``, step them with the user's
+        optimizer and publish them to the model. The unscale is the same multiplication as in
+        ``_norm_piece``, so the norm describes exactly the gradient stepped."""
         for record in records:
             self.placement.begin_update(record, self.optimizer)
-            grad = self._staged.pop(record.index)
+            grad = self.placement.gradient(record)
+            grad.mul_(window.inverse)
             if coefficient != 1.0:
                 grad.mul_(coefficient)
             record.master.grad = grad
