@@ -10,7 +10,7 @@ and one of these kinds (fields beyond the envelope):
              sample, comm_seconds_total, entered_seq (highest collective seq started, -1 none),
              blocked: null | {seq, op, for_s} (the collective this rank is waiting in now),
              breakdown: optional dict from engine.memory_breakdown()
-    step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens
+    step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens, total_steps
              (``t`` is when the step ended; steps are written in a burst before each sample)
     bye      sent at interpreter exit, after the last sample
 
@@ -31,7 +31,7 @@ MAX_LINE_BYTES = 64 * 1024
 KINDS = ("hello", "sample", "step", "bye")
 
 _MEM_KEYS = ("rss", "rss_peak", "pinned", "cuda_allocated", "cuda_reserved", "cuda_peak")
-_STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens")
+_STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens", "total_steps")
 
 
 class SchemaError(ValueError):

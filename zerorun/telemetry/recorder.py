@@ -93,6 +93,7 @@ class Recorder:
         self._entered_seq = -1
         self._in_flight: dict[int, tuple[str, float]] = {}  # seq -> (op, monotonic start)
         self._breakdown: dict | None = None
+        self._total_steps: int | None = None  # engine.set_total_steps(n): sent with every step
         # Steps wait here for the next sample (at most interval_s): one burst of writes per
         # interval, not a syscall per step in the training thread nor a launcher wake-up per step.
         self._pending_steps: deque = deque(maxlen=_MAX_PENDING_STEPS)
@@ -133,12 +134,18 @@ class Recorder:
             message = {**self._envelope, "kind": "step", "t": self._clock(), "step": int(step),
                        "step_time_s": float(step_time_s), "loss": _number(loss), "loss_scale": _number(loss_scale),
                        "lr": _number(lr), "samples": _number(samples), "tokens": _number(tokens)}
+            if self._total_steps is not None:
+                message["total_steps"] = self._total_steps
             with self._lock:
                 if len(self._pending_steps) == self._pending_steps.maxlen:
                     self.steps_dropped += 1  # the oldest goes: the sampler has not run for a long time
                 self._pending_steps.append(message)
         except Exception:  # noqa: BLE001 - telemetry must never break training
             pass
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's optimizer steps, for the dashboard's progress bar and ETA."""
+        self._total_steps = int(total_steps)
 
     def set_memory_breakdown(self, breakdown: dict) -> None:
         with self._lock:
