@@ -133,3 +133,25 @@ def test_env_and_version_as_real_subprocesses(tmp_path):
     assert facts["torch"] and facts["gloo"] is True and "matplotlib" in facts["extras"]
     assert facts["host_memory_bytes"] > 0
     assert "Failed to initialize NumPy" not in done.stderr
+
+
+def test_estimate_model_class_needing_arguments_is_one_line(capsys, monkeypatch):
+    """``zerorun estimate --model examples/gpt.py:GPT`` used to end in a 30-line traceback."""
+    monkeypatch.chdir(REPO)
+    code, out, err = run_main(["estimate", "--model", "examples/gpt.py:GPT"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[0] == ("zerorun: error: --model 'examples/gpt.py:GPT': GPT needs argument cfg, "
+                                   "but --model calls it with none")
+    assert len(err.splitlines()) == 2  # the error and its hint
+
+
+def test_estimate_model_whose_code_fails_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.py").write_text("def build():\n    raise RuntimeError('no weights here')\n"
+                                        "def bad_import():\n    pass\nimport not_a_module_xyz\n")
+    code, out, err = run_main(["estimate", "--model", "broken.py:build"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "importing 'broken.py' failed: ModuleNotFoundError" in err
+    (tmp_path / "broken2.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    code, out, err = run_main(["estimate", "--model", "broken2.py:build"], capsys)
+    assert code == 2 and "building the model failed: RuntimeError: no weights here" in err
