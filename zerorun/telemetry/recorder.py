@@ -89,7 +89,9 @@ class Recorder:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._comm: dict[str, list] = {}  # op -> [count, bytes, seconds] since the last sample
+        # Wall seconds with at least one collective in flight (Note [comm share]).
         self._comm_seconds_total = 0.0
+        self._busy_since: float | None = None
         self._entered_seq = -1
         self._in_flight: dict[int, tuple[str, float]] = {}  # seq -> (op, monotonic start)
         self._breakdown: dict | None = None
@@ -152,9 +154,18 @@ class Recorder:
             self._breakdown = {str(k): _number(v) for k, v in dict(breakdown).items()}
 
     # --- collectives observer ----------------------------------------------------------
+    # Note [comm share]: the dashboard's comm column is comm_seconds_total over wall time. Summing
+    # each collective's issue-to-completion time counted overlapping asynchronous collectives (and
+    # the compute they overlap) several times over, so the CPU demo showed "comm 100%" all along.
+    # Counting the union of their intervals instead gives the share of wall time during which
+    # some collective was outstanding: never above 100%, and equal to the exposed time for the
+    # blocking collectives. The per-op seconds (summary table) stay plain sums.
     def collective_started(self, seq: int, op: str, nbytes: int) -> None:
         with self._lock:
-            self._in_flight[seq] = (op, time.monotonic())
+            now = time.monotonic()
+            if not self._in_flight:
+                self._busy_since = now
+            self._in_flight[seq] = (op, now)
             if seq > self._entered_seq:
                 self._entered_seq = seq
 
@@ -167,7 +178,9 @@ class Recorder:
             totals[0] += 1
             totals[1] += int(nbytes)
             totals[2] += float(seconds)
-            self._comm_seconds_total += float(seconds)
+            if not self._in_flight and self._busy_since is not None:
+                self._comm_seconds_total += time.monotonic() - self._busy_since
+                self._busy_since = None
 
     # --- sampling ----------------------------------------------------------------------
     def send_sample(self) -> None:
@@ -180,7 +193,10 @@ class Recorder:
                 self._pending_steps.clear()
                 comm, self._comm = self._comm, {}
                 blocked = self._oldest_in_flight()
-                fields = dict(mem=mem, comm=comm, comm_seconds_total=self._comm_seconds_total,
+                busy = self._comm_seconds_total
+                if self._busy_since is not None:  # a collective still out: count its time so far
+                    busy += time.monotonic() - self._busy_since
+                fields = dict(mem=mem, comm=comm, comm_seconds_total=busy,
                               entered_seq=self._entered_seq, blocked=blocked)
                 if self._breakdown is not None:
                     fields["breakdown"] = self._breakdown
