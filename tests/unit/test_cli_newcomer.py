@@ -88,6 +88,11 @@ def test_misspelt_subcommand_suggests_the_right_one(workdir, capsys, typo, meant
                                    f"did you mean 'zerorun {meant}'?")
 
 
+def test_a_missing_script_is_not_taken_for_a_typo(workdir, capsys):
+    code, out, err = run_main(["run.py"], capsys)
+    assert code == 2 and "did you mean" not in err and "script run.py not found" in err
+
+
 def test_a_real_file_close_to_a_subcommand_is_still_a_script(workdir, capsys):
     (workdir / "estimat").write_text("print('hi')\n")
     code, out, err = run_main(["--nproc", "1", "--dry-run", "estimat"], capsys)  # options first: a script

@@ -23,7 +23,8 @@ def build_app() -> typer.Typer:
     app = typer.Typer(
         add_completion=False,
         no_args_is_help=True,
-        help="ZeRO sharded data-parallel training, launched and watched from one command.",
+        help="ZeRO sharded data-parallel training, launched and watched from one command. "
+             "zerorun --version prints the version.",
         pretty_exceptions_enable=False,
     )
     for module in (run, estimate, init, report, env):
@@ -55,7 +56,8 @@ def _refuse_misspelt_subcommand(word: str, is_file=os.path.exists) -> None:
     """``zerorun estimat`` would otherwise launch a script called 'estimat' and fail as a missing file."""
     import difflib
 
-    if word.startswith("-") or is_file(word):
+    # A path or a file name (train.py, run.py) is a script that may be missing, not a typo.
+    if word.startswith("-") or "." in word or "/" in word or is_file(word):
         return
     close = difflib.get_close_matches(word, SUBCOMMANDS, n=1, cutoff=0.6)
     if close:
