@@ -42,3 +42,26 @@ def test_launcher_itself_stays_quiet_without_numpy(tmp_path):
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
     assert "Failed to initialize NumPy" not in done.stderr
+
+
+SCRIPT_CONFIG = r'''
+import torch, zerorun
+model = torch.nn.Linear(7, 3)
+engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-4),
+                            {"zero": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
+engine.backward(engine(torch.randn(2, 7)).sum()); engine.step()
+print(f"rank {engine.rank} stage {engine.stage}", flush=True)
+'''
+
+
+def test_script_config_and_optimizer_overrides_warn_once_through_the_launcher(tmp_path):
+    (tmp_path / "job.py").write_text(SCRIPT_CONFIG)
+    (tmp_path / "z3.yaml").write_text("zero:\n  stage: 3\n")
+    done = run_cli(["--nproc", "2", "--no-dashboard", "--config", "z3.yaml", "job.py"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout + done.stderr
+    assert "rank 0 stage 1" in out and "rank 1 stage 1" in out
+    assert out.count("replaces the launcher's --config") == 1  # rank 0 only
+    assert "zero.stage: script 1, --config 3" in out
+    assert out.count("optimizer.params.lr = 0.01 in the config is ignored") == 1
+    assert "lr = 0.0003" in out

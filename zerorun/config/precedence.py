@@ -40,7 +40,7 @@ def script_config_message(launcher_label: str, launcher: ZerorunConfig, script_l
     ours, theirs = _leaves(to_dict(script)), _leaves(to_dict(launcher))
     differing = [path for path in sorted(set(ours) | set(theirs)) if ours.get(path) != theirs.get(path)]
     head = (f"the config passed to zerorun.initialize() in the script ({script_label}) replaces the "
-            f"launcher's --config ({launcher_label})")
+            f"launcher's --config (as resolved in {launcher_label})")
     if not differing:
         return head + "; they agree on every key"
     listed = ", ".join(f"{path}: script {ours.get(path)!r}, --config {theirs.get(path)!r}"
@@ -76,7 +76,7 @@ def warn_overridden(cfg: ZerorunConfig, optimizer, script_config, launcher_confi
         if launcher_cfg is not None:
             label = str(script_config) if isinstance(script_config, (str, os.PathLike)) else type(script_config).__name__
             warnings.warn(script_config_message(launcher_config, launcher_cfg, label, cfg),
-                          ConfigPrecedenceWarning, stacklevel=3)
+                          ConfigPrecedenceWarning, stacklevel=4)
     message = optimizer_params_message(cfg, optimizer) if optimizer is not None else None
     if message:
-        warnings.warn(message, ConfigPrecedenceWarning, stacklevel=3)
+        warnings.warn(message, ConfigPrecedenceWarning, stacklevel=4)
