@@ -268,3 +268,21 @@ def test_total_steps_from_set_total_steps_reach_the_progress_bar():
     launcher_known.ingest("h", events.encode({**env, "kind": "step", "t": 1.0, "step": 3, "step_time_s": 0.5,
                                               "total_steps": 30}))
     assert launcher_known.snapshot().total_steps == 50  # the launcher's setting (config/env) wins
+
+
+def test_summary_fits_80_columns_with_three_collective_types():
+    """At 80 columns the one-column-per-collective summary was cut to 'all_gat…', 'loca…'."""
+    ranks = tuple(RankView(rank=r, host="localhost", step=30, mem_label="rss", mem_peak=358 << 20,
+                           samples_per_s=32.7, breakdown=(("total", 14 << 20),),
+                           comm=(CommStat("all_gather", 242, 1 << 30, 3.2 + r), CommStat("all_reduce", 30, 1 << 20, 0.1),
+                                 CommStat("reduce_scatter", 150, 1 << 30, 2.9)))
+                  for r in range(2))
+    snap = Snapshot(world_size=2, elapsed_s=12, ranks=ranks, samples_per_s=65.3,
+                    comm_totals=(CommStat("all_gather", 484, 2 << 30, 7.4), CommStat("all_reduce", 60, 2 << 20, 0.2),
+                                 CommStat("reduce_scatter", 300, 2 << 30, 5.8)))
+    narrow = draw(render_summary(snap), width=80)
+    assert "…" not in narrow and max(len(x) for x in narrow.splitlines()) <= 80
+    assert "localhost" in row(narrow, "0") and "rss 358M" in row(narrow, "0") and "6.200" in row(narrow, "0")
+    assert "all_gather" in narrow and "484×" in narrow and "7.400" in narrow and "3.200-4.200" in narrow
+    wide = draw(render_summary(snap), width=160)  # room enough: one column per collective, as before
+    assert "all_gather s" in wide and "3.200 (242×)" in row(wide, "0")

@@ -215,11 +215,74 @@ def render_plain(s: Snapshot) -> str:
     return line
 
 
+class FirstThatFits:
+    """Draws the first of ``choices`` whose natural width fits the console, else the last one.
+
+    Pure like the rest of this module: the choice depends only on the width Rich offers.
+    """
+
+    def __init__(self, *choices):
+        self.choices = choices
+
+    def __rich_console__(self, console, options):
+        from rich.measure import Measurement
+
+        # Measured with room to spare: a table measured at the console's width reports that width.
+        roomy = options.update_width(10_000)
+        for choice in self.choices[:-1]:
+            if Measurement.get(console, roomy, choice).maximum <= options.max_width:
+                yield choice
+                return
+        yield self.choices[-1]
+
+
 def render_summary(s: Snapshot, failed: bool = False):
-    """End-of-run table: per-rank peak memory, time per collective type, throughput."""
+    """End-of-run table: per-rank peak memory, time per collective type, throughput.
+
+    One column per collective type when that fits the terminal; otherwise (80 columns, three
+    collective types) a rank table and a collective table, so no cell is cut."""
+    title = f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})"
+    parts = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
+    if s.samples_per_s is not None:
+        parts.append(Text(f"job throughput: {fmt_rate(s.samples_per_s)} samples/s"
+                          + (f", {fmt_rate(s.tokens_per_s)} tokens/s" if s.tokens_per_s else "")))
+    if s.hang is not None:
+        parts.append(Text(hang_message(s), style="bold red"))
+    dropped = dropped_message(s)
+    if dropped:
+        parts.append(Text(dropped, style="yellow"))
+    return Group(*parts)
+
+
+def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
+    with_state = any(r.breakdown for r in s.ranks)
+    ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm s", "samples/s"):
+        ranks.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
+    for r in s.ranks:
+        ranks.add_row(
+            str(r.rank), Text(r.host[:HOST_WIDTH]), "-" if r.step is None else str(r.step),
+            f"{r.mem_label} {fmt_short(r.mem_peak)}" if r.mem_peak is not None else "-",
+            *((fmt_short(model_state_bytes(r)),) if with_state else ()),
+            f"{sum(c.seconds for c in r.comm):.3f}" if r.comm else "-",
+            "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
+        )
+    tables = [ranks]
+    if s.comm_totals:
+        ops = Table(header_style="bold", box=box.SIMPLE_HEAD)
+        for name in ("collective", "calls", "data", "seconds, all ranks", "per rank"):
+            ops.add_column(name, justify="left" if name == "collective" else "right", no_wrap=True)
+        for total in s.comm_totals:
+            per_rank = [c.seconds for r in s.ranks for c in r.comm if c.op == total.op]
+            spread = f"{min(per_rank):.3f}-{max(per_rank):.3f}" if per_rank else "-"
+            ops.add_row(total.op, f"{total.count}×", fmt_short(total.nbytes), f"{total.seconds:.3f}", spread)
+        tables.append(ops)
+    return tables
+
+
+def _summary_wide(s: Snapshot, title: str) -> Table:
     ops = [c.op for c in s.comm_totals]
-    table = Table(title=f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})",
-                  header_style="bold", title_justify="left")
+    table = Table(title=title, header_style="bold", title_justify="left")
     with_state = any(r.breakdown for r in s.ranks)
     state_column = ("model state",) if with_state else ()
     for name in ("rank", "host", "steps", "peak memory", *state_column, *(f"{op} s" for op in ops), "samples/s"):
@@ -235,16 +298,7 @@ def render_summary(s: Snapshot, failed: bool = False):
             *(_comm_cell(seconds.get(op)) for op in ops),
             "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
         )
-    parts = [table]
-    if s.samples_per_s is not None:
-        parts.append(Text(f"job throughput: {fmt_rate(s.samples_per_s)} samples/s"
-                          + (f", {fmt_rate(s.tokens_per_s)} tokens/s" if s.tokens_per_s else "")))
-    if s.hang is not None:
-        parts.append(Text(hang_message(s), style="bold red"))
-    dropped = dropped_message(s)
-    if dropped:
-        parts.append(Text(dropped, style="yellow"))
-    return Group(*parts)
+    return table
 
 
 def model_state_bytes(r: RankView):
