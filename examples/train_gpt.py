@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     model = GPT(cfg).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     engine = zerorun.initialize(model, optimizer, args.config)
+    if args.steps and hasattr(engine, "set_total_steps"):
+        engine.set_total_steps(args.steps)  # the dashboard's progress bar and ETA
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     configured = getattr(getattr(engine, "config", None), "batch", None)

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from zerorun.config import BatchConfig, OffloadConfig, OptimizerConfig, ZeroConfig, load_config, to_dict
+from zerorun.config import (
+    BatchConfig, OffloadConfig, OptimizerConfig, SchedulerConfig, ZeroConfig, load_config, to_dict,
+)
 from zerorun.config.deepspeed import DEEPSPEED_MARKERS, TOP_LEVEL, looks_like_deepspeed
 from zerorun.errors import ConfigError
 
@@ -79,22 +81,61 @@ def test_optimizer_names_follow_deepspeed_semantics():
     assert sgd.optimizer == OptimizerConfig(type="SGD", params={"lr": 0.1, "momentum": 0.9})
 
 
-def test_hugging_face_auto_values_are_resolved_with_notes():
-    config = load_config({
-        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-        "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "weight_decay": 0.0}},
-        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
-                              "stage3_prefetch_bucket_size": "auto",
-                              "stage3_param_persistence_threshold": "auto"},
-    }, world_size=2, environ={})
-    assert config.zero == ZeroConfig(stage=3)  # every "auto" bucket size falls back to zerorun's default
-    assert config.batch == BatchConfig()  # nothing to derive: the script batches its own data
-    assert config.gradient_clipping == 0.0
-    assert config.precision.dtype == "fp32"
-    assert config.optimizer == OptimizerConfig(type="AdamW", params={"weight_decay": 0.0})
-    assert sum("'auto'" in note for note in config.notes) == 11
+def test_auto_batch_sizes_are_derived():
+    config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                          "gradient_accumulation_steps": "auto"}, world_size=2, environ={})
+    assert config.batch == BatchConfig(train_batch_size=16, micro_batch_size=8, gradient_accumulation_steps=1)
+    assert sum("'auto' derived" in note for note in config.notes) == 2
+
+
+def test_auto_outside_the_hf_integration_is_an_error_naming_each_key():
+    """bf16.enabled: auto used to train in fp32 without a word; now every non-batch 'auto' is named."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({
+            "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.0}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+        }, world_size=2, environ={})
+    message = caught.value.message
+    assert "5 problems" in message
+    assert "bf16.enabled = 'auto'" in message and "set it to true or false" in message
+    assert "Hugging Face integration" in message
+    for key in ("gradient_clipping", "optimizer.params.lr", "scheduler.params.warmup_max_lr",
+                "zero_optimization.reduce_bucket_size"):
+        assert f"{key} = 'auto'" in message
+    assert "train_batch_size" not in message
+
+
+def test_a_dict_without_auto_loads_as_before():
+    """The HF integration fills every 'auto' before load_config: such a dict must load unchanged."""
+    config = load_config({"train_batch_size": 8, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                          "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}, environ={})
+    assert config.precision.dtype == "bf16" and config.zero == ZeroConfig(stage=2, reduce_bucket_size=1000)
+    assert config.gradient_clipping == 1.0
+
+
+@pytest.mark.parametrize("name, params", [
+    ("WarmupLR", {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 100}),
+    ("WarmupDecayLR", {"total_num_steps": 1000, "warmup_num_steps": 100, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 1000, "warmup_min_ratio": 0.1}),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 50}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 1e-5, "lr_range_test_staircase": True}),
+])
+def test_deepspeed_schedulers_load_with_their_params(name, params):
+    config = load_config({"train_batch_size": 8, "scheduler": {"type": name, "params": params}}, environ={})
+    assert config.scheduler == SchedulerConfig(type=name, params=params)
+
+
+def test_deepspeed_scheduler_missing_or_misspelt_params_are_named():
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR",
+                                                          "params": {"warmup_num_step": 10}}}, environ={})
+    message = caught.value.message
+    assert "scheduler.params.total_num_steps: zerorun.schedulers.WarmupDecayLR needs this argument" in message
+    assert "scheduler.params.warmup_num_step: zerorun.schedulers.WarmupDecayLR takes no such argument" in message
 
 
 def test_offload_details_and_legacy_cpu_offload():

@@ -178,11 +178,10 @@ def test_deepspeed_unsupported_features_are_named():
     ]
 
 
-def test_deepspeed_scheduler_points_at_a_torch_equivalent():
-    assert problems({"train_batch_size": 8, "scheduler": {"type": "WarmupLR", "params": {}}}) == [
-        "scheduler.type = 'WarmupLR': DeepSpeed's own scheduler is not available; use a zerorun "
-        "YAML config with a torch.optim.lr_scheduler class such as LinearLR, or drop the "
-        "scheduler section"
+def test_deepspeed_scheduler_is_accepted_and_its_params_checked():
+    assert load_config({"train_batch_size": 8, "scheduler": {"type": "WarmupLR"}}, environ={}).scheduler.type == "WarmupLR"
+    assert problems({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0}}}) == [
+        "scheduler.params.cycle_max_lr: zerorun.schedulers.OneCycle needs this argument"
     ]
 
 

@@ -224,3 +224,42 @@ def test_steps_wait_for_the_next_sample_and_the_queue_is_bounded(pipe):
         rec.record_step(step=step, step_time_s=0.01)
     assert rec.steps_dropped == 5000 - 4096
     rec.close()
+
+
+class _Lines:
+    def __init__(self):
+        self.messages = []
+
+    def write(self, line: bytes) -> None:
+        self.messages.append(json.loads(line))
+
+
+def test_comm_share_counts_overlapping_collectives_once(monkeypatch):
+    """The CPU demo showed 'comm 100%': overlapping async collectives were summed (Note [comm share])."""
+    import zerorun.telemetry.recorder as recorder_module
+
+    now = [100.0]
+    monkeypatch.setattr(recorder_module.time, "monotonic", lambda: now[0])
+    sink = _Lines()
+    rec = Recorder(sink, token=TOKEN, rank=0, host="h", world_size=2, clock=lambda: now[0])
+
+    def at(t, call, *args):
+        now[0] = 100.0 + t
+        call(*args)
+
+    at(0, rec.collective_started, 1, "reduce_scatter", 8)
+    at(1, rec.collective_started, 2, "reduce_scatter", 8)
+    at(3, rec.collective_finished, 1, "reduce_scatter", 8, 3.0)
+    at(4, rec.collective_finished, 2, "reduce_scatter", 8, 3.0)
+    at(10, rec.send_sample)
+    at(10, rec.collective_started, 3, "all_gather", 8)
+    at(12, rec.send_sample)  # a collective still out counts its time so far
+    samples = [m for m in sink.messages if m["kind"] == "sample"]
+    assert samples[0]["comm_seconds_total"] == pytest.approx(4.0)  # the union, not 3 + 3
+    assert samples[0]["comm"]["reduce_scatter"] == [2, 16, 6.0]  # per-op sums stay sums
+    assert samples[1]["comm_seconds_total"] == pytest.approx(6.0)
+    window = [(110.0, samples[0]["comm_seconds_total"]), (112.0, samples[1]["comm_seconds_total"])]
+    from zerorun.telemetry.collector import comm_fraction
+
+    assert comm_fraction(window) == pytest.approx(1.0)  # truly outstanding the whole time
+    assert comm_fraction([(100.0, 0.0), (110.0, 4.0)]) == pytest.approx(0.4)

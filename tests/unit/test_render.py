@@ -54,10 +54,10 @@ def test_dashboard_shows_one_row_per_rank_with_memory_bar_comm_and_heartbeat():
     assert "2 ranks" in text and "1:02:05" in text and "step 40/160" in text and "19.0 samples/s" in text
     assert "25%" in text  # 40 of 160 steps
     r0, r1 = row(text, "0"), row(text, "1")
-    assert "alpha" in r0 and "41" in r0 and "6.0 GiB/8.0 GiB" in r0 and "memory (gpu)" in text
-    assert "████████░░" in r0  # 6 of 8 GiB on a ten-cell bar (7.5 cells, rounded to even)
-    assert "42%" in r0 and "3.5 GiB/s" in r0 and " 0s " in r0 and "straggler" not in r0
-    assert "beta" in r1 and "██░░░░░░░░ 2.0 GiB" in r1 and "5%" in r1 and "20s" in r1 and "straggler" in r1
+    assert "alpha" in r0 and "41" in r0 and "6.0G/8.0G" in r0 and "mem (gpu)" in text
+    assert "██████░░" in r0  # 6 of 8 GiB on an eight-cell bar
+    assert "42%" in r0 and "3.5G/s" in r0 and " 0s " in r0 and "slow" not in r0
+    assert "beta" in r1 and "██░░░░░░ 2.0G" in r1 and "5%" in r1 and "20s" in r1 and "◀ slow" in r1
     assert "[rank0] epoch 1 loss 2.31" in text and "[rank1] warming up" in text
     assert "HANG" not in text and "dropped" not in text
 
@@ -69,7 +69,7 @@ def test_dashboard_names_ranks_missing_from_a_hung_collective_and_dropped_lines(
                     dropped=(("oversized", 1), ("malformed", 0), ("unauthenticated", 2), ("schema", 0)))
     text = draw(render(snap))
     assert "HANG: rank 1 has not entered collective #17 (all_gather); ranks 0,2 waiting 45s" in text
-    assert "in #17 all_gather 45s" in row(text, "0")
+    assert "in #17 45s" in row(text, "0")
     assert "dropped 3 telemetry lines (1 oversized, 2 unauthenticated)" in text
     assert "%" not in text.splitlines()[1]  # no progress bar without total steps
     all_in = Hang(seq=3, op="barrier", waited_s=31, waiting=(0, 1), missing=())
@@ -191,3 +191,98 @@ def test_config_json_in_the_run_dir_sets_defaults_below_the_environment(tmp_path
     monkeypatch.setenv("ZERORUN_TOTAL_STEPS", "80")
     view = JobView(run_dir=tmp_path, token="T", world_size=1, dashboard=False, hang_after_s=3)
     assert (view.collector.total_steps, view.collector.hang_after_s) == (80, 3)
+
+
+# --- issue 13: what a newcomer saw on the CPU demo -------------------------------------------
+
+def cpu_snapshot(**overrides) -> Snapshot:
+    """Two CPU ranks as in the README's demo: RSS against a 23 GiB host, losses, step times."""
+    MiB = 1 << 20
+    ranks = tuple(
+        RankView(rank=r, host="localhost", device="cpu", step=12, loss=4.1234 - r * 0.001, mem_label="rss",
+                 mem_used=(900 + 100 * r) * MiB, mem_peak=(1000 + 100 * r) * MiB, mem_capacity=23 * GiB,
+                 comm_fraction=0.37, bandwidth_bps=512 * MiB, heartbeat_age_s=0.5, step_time_s=0.5,
+                 samples_per_s=8.0, blocked=Blocked(seq=1234, op="all_gather", waited_s=3.0))
+        for r in range(2))
+    base = dict(world_size=2, elapsed_s=6, ranks=ranks, step=12, total_steps=30, samples_per_s=16.0)
+    base.update(overrides)
+    return Snapshot(**base)
+
+
+@pytest.mark.parametrize("make", [snapshot, cpu_snapshot])
+def test_dashboard_fits_80_columns_without_cut_cells(make):
+    text = draw(render(make()), width=80)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("rank"))
+    for name in ("rank", "host", "step", "loss", "mem", "peak", "comm", "bw", "seen"):
+        assert name in header, name
+
+
+def test_dashboard_has_a_loss_column():
+    text = draw(render(cpu_snapshot()), width=80)
+    assert "4.123" in row(text, "0") and "4.122" in row(text, "1")
+
+
+def test_eta_from_total_steps_and_the_slowest_step_time():
+    snap = cpu_snapshot()  # 18 steps left at 0.5 s
+    text = draw(render(snap), width=80)
+    assert "40%  ETA 0:00:09" in text
+    assert "ETA 0:00:09" in render_plain(snap)
+    assert "ETA" not in draw(render(cpu_snapshot(total_steps=None)), width=80)
+
+
+def test_cpu_memory_bar_is_scaled_to_the_jobs_peak_not_the_host():
+    text = draw(render(cpu_snapshot()), width=80)
+    # against the job's largest peak (1100 MiB): 900 MiB is 6.5 cells of 8, 1000 MiB 7.3; against
+    # the 23 GiB host both bars were empty
+    assert "███████░ 900M" in row(text, "0") and "███████░ 1.0G" in row(text, "1")
+    assert "/23.0G" not in text  # no host capacity on the bar
+
+
+def test_straggler_is_not_tagged_when_a_hang_names_another_rank():
+    """Once showed rank 0 STRAGGLER while the hang line rightly named rank 1."""
+    hang = Hang(seq=7, op="all_reduce", waited_s=40, waiting=(0,), missing=(1,))
+    ranks = (RankView(rank=0, host="a", straggler=True, comm_fraction=0.1, heartbeat_age_s=1),
+             RankView(rank=1, host="b", straggler=True, comm_fraction=0.0, heartbeat_age_s=1))
+    snap = Snapshot(world_size=2, elapsed_s=60, ranks=ranks, hang=hang)
+    text = draw(render(snap), width=80)
+    assert "slow" not in row(text, "0") and "◀ slow" in row(text, "1")
+    line = render_plain(snap)
+    assert "r0 mem - comm 10% |" in line and "r1 mem - comm 0% STRAGGLER" in line
+    every_rank_in = Hang(seq=7, op="all_reduce", waited_s=40, waiting=(0, 1), missing=())
+    assert "slow" not in draw(render(Snapshot(world_size=2, elapsed_s=60, ranks=ranks, hang=every_rank_in)))
+
+
+def test_total_steps_from_set_total_steps_reach_the_progress_bar():
+    from zerorun.telemetry.collector import Collector
+
+    collector = Collector(token="T", world_size=1)
+    env = {"v": 1, "token": "T", "rank": 0, "host": "h"}
+    assert collector.ingest("h", events.encode({**env, "kind": "step", "t": 1.0, "step": 3, "step_time_s": 0.5,
+                                                "loss": 2.0, "total_steps": 30}))
+    snap = collector.snapshot()
+    assert snap.total_steps == 30
+    assert "10%  ETA 0:00:13" in draw(render(snap), width=80)  # 27 steps left at 0.5 s
+    launcher_known = Collector(token="T", world_size=1, total_steps=50)
+    launcher_known.ingest("h", events.encode({**env, "kind": "step", "t": 1.0, "step": 3, "step_time_s": 0.5,
+                                              "total_steps": 30}))
+    assert launcher_known.snapshot().total_steps == 50  # the launcher's setting (config/env) wins
+
+
+def test_summary_fits_80_columns_with_three_collective_types():
+    """At 80 columns the one-column-per-collective summary was cut to 'all_gat…', 'loca…'."""
+    ranks = tuple(RankView(rank=r, host="localhost", step=30, mem_label="rss", mem_peak=358 << 20,
+                           samples_per_s=32.7, breakdown=(("total", 14 << 20),),
+                           comm=(CommStat("all_gather", 242, 1 << 30, 3.2 + r), CommStat("all_reduce", 30, 1 << 20, 0.1),
+                                 CommStat("reduce_scatter", 150, 1 << 30, 2.9)))
+                  for r in range(2))
+    snap = Snapshot(world_size=2, elapsed_s=12, ranks=ranks, samples_per_s=65.3,
+                    comm_totals=(CommStat("all_gather", 484, 2 << 30, 7.4), CommStat("all_reduce", 60, 2 << 20, 0.2),
+                                 CommStat("reduce_scatter", 300, 2 << 30, 5.8)))
+    narrow = draw(render_summary(snap), width=80)
+    assert "…" not in narrow and max(len(x) for x in narrow.splitlines()) <= 80
+    assert "localhost" in row(narrow, "0") and "rss 358M" in row(narrow, "0") and "6.200" in row(narrow, "0")
+    assert "all_gather" in narrow and "484×" in narrow and "7.400" in narrow and "3.200-4.200" in narrow
+    wide = draw(render_summary(snap), width=160)  # room enough: one column per collective, as before
+    assert "all_gather s" in wide and "3.200 (242×)" in row(wide, "0")

@@ -69,7 +69,7 @@ def test_html_report_is_one_self_contained_page(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("setup,args,message", [
-    (None, ["--format", "pdf"], "--format 'pdf' is not one of png, html"),
+    (None, ["--format", "pdf"], "--format 'pdf' is not one of png, html, terminal"),
     ("missing", [], "does not exist"),
     ("empty_dir", [], "metrics.jsonl does not exist"),
     ("garbage", [], "holds no telemetry records (2 unreadable lines)"),
@@ -87,3 +87,55 @@ def test_bad_input_is_one_line_error(tmp_path, capsys, setup, args, message):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
     assert err.startswith("zerorun: error: ")
+
+
+# A Python that cannot import matplotlib, as after the README's first command (no [report] extra).
+NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from zerorun.cli.main import main; main(sys.argv[1:])"
+
+
+def _without_matplotlib(args, cwd):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_without_matplotlib_prints_a_terminal_report(tmp_path):
+    """Used to end in a raw ModuleNotFoundError: matplotlib."""
+    write_run(tmp_path)
+    done = _without_matplotlib(["report", str(tmp_path)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "zerorun report" in done.stdout and "all_reduce" in done.stdout
+    assert "loss (rank 0, 2.0000 -> 0.5000)" in done.stdout
+    assert "pip install 'zerorun[report]'" in done.stderr
+
+
+def test_png_without_matplotlib_names_the_extra_in_one_line(tmp_path):
+    write_run(tmp_path)
+    done = _without_matplotlib(["report", str(tmp_path), "--format", "png"], tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[0] == ("zerorun: error: PNG plots need matplotlib, which is not installed: "
+                                           "pip install 'zerorun[report]'")
+    html = _without_matplotlib(["report", str(tmp_path), "--format", "html"], tmp_path)
+    assert html.returncode == 0, html.stderr
+    assert "No plots: matplotlib is not installed" in (tmp_path / "report.html").read_text()
+
+
+def test_terminal_format_with_matplotlib_too(tmp_path, capsys):
+    write_run(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path), "--format", "terminal"])
+    assert exit_info.value.code in (0, None)
+    assert "peak" in capsys.readouterr().out
+
+
+def test_sparkline_spans_low_to_high():
+    from zerorun.cli.report import sparkline
+
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
+    assert len(sparkline(list(range(500)))) == 60 and sparkline([]) == ""

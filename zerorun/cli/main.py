@@ -1,35 +1,38 @@
 """``zerorun [options] SCRIPT [args...]`` and ``zerorun SUBCOMMAND ...``: the CLI entry point.
 
-Run ``zerorun --help``. Each subcommand lives in its own module under zerorun/cli/ and
-registers itself on the typer app; ``run`` is the default when the first word is not a
-subcommand, so ``zerorun --nproc 2 train.py --lr 3e-4`` needs no ``run``.
+Run ``zerorun --help`` (or ``zerorun --version``). Each subcommand lives in its own module
+under zerorun/cli/ and registers itself on the typer app; ``run`` is the default when the first
+word is not a subcommand, so ``zerorun --nproc 2 train.py --lr 3e-4`` needs no ``run``. A first
+word that is no file but close to a subcommand (``zerorun estimat``) is a typo, not a script.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import typer
 
-from zerorun.errors import ZerorunError
+from zerorun.errors import LaunchError, ZerorunError
 
 
 def build_app() -> typer.Typer:
-    from zerorun.cli import estimate, init, report, run
+    from zerorun.cli import env, estimate, init, report, run
 
     app = typer.Typer(
         add_completion=False,
         no_args_is_help=True,
-        help="ZeRO sharded data-parallel training, launched and watched from one command.",
+        help="ZeRO sharded data-parallel training, launched and watched from one command. "
+             "zerorun --version prints the version.",
         pretty_exceptions_enable=False,
     )
-    for module in (run, estimate, init, report):
+    for module in (run, estimate, init, report, env):
         module.register(app)
     return app
 
 
-SUBCOMMANDS = ("run", "estimate", "init", "report")
+SUBCOMMANDS = ("run", "estimate", "init", "report", "env")
 
 
 def route(argv: list[str]) -> list[str]:
@@ -45,11 +48,32 @@ def route(argv: list[str]) -> list[str]:
         return ["run", *route_run_argv(argv[1:])]
     if argv[0] in SUBCOMMANDS:
         return argv
+    _refuse_misspelt_subcommand(argv[0])
     return ["run", *route_run_argv(argv)]
+
+
+def _refuse_misspelt_subcommand(word: str, is_file=os.path.exists) -> None:
+    """``zerorun estimat`` would otherwise launch a script called 'estimat' and fail as a missing file."""
+    import difflib
+
+    # A path or a file name (train.py, run.py) is a script that may be missing, not a typo.
+    if word.startswith("-") or "." in word or "/" in word or is_file(word):
+        return
+    close = difflib.get_close_matches(word, SUBCOMMANDS, n=1, cutoff=0.6)
+    if close:
+        raise LaunchError(f"{word!r} is neither a subcommand nor a file; did you mean 'zerorun {close[0]}'?",
+                          hint="subcommands: " + ", ".join(SUBCOMMANDS) + "; anything else is taken for a script")
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from zerorun import __version__
+
+        print(f"zerorun {__version__}")
+        return
+    # torch warns at import when numpy is missing; the launcher never converts to numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     app = build_app()
     try:
         app(args=route(argv), prog_name="zerorun", standalone_mode=True)

@@ -1,9 +1,13 @@
-"""``zerorun report RUN_DIR [--format png|html] [--out PATH]``: plots from a run's metrics.jsonl.
+"""``zerorun report RUN_DIR [--format png|html|terminal] [--out PATH]``: a run's metrics.jsonl, reported.
 
 Draws memory over time per rank, communication time per collective type per rank, and loss /
 step time per step, with matplotlib (headless Agg backend). PNG writes one file per plot into
 RUN_DIR/report/ (or --out); HTML writes one self-contained page (images inlined, plus a summary
-table) to RUN_DIR/report.html (or --out). Reading the file is zerorun.telemetry.metrics.
+table) to RUN_DIR/report.html (or --out); terminal prints the summary and a loss trace with Rich.
+
+matplotlib is optional (``pip install 'zerorun[report]'``): without it the default format is
+terminal, HTML has the table but no plots, and ``--format png`` says which extra to install.
+Reading the file is zerorun.telemetry.metrics.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import typer
 from zerorun.errors import ZerorunError
 from zerorun.telemetry.metrics import Metrics, comm_ops, load_records, summarize, throughput
 
-FORMATS = ("png", "html")
+FORMATS = ("png", "html", "terminal")
+INSTALL_HINT = "pip install 'zerorun[report]'"
 MiB = 1 << 20
 
 
@@ -31,29 +36,42 @@ def register(app: typer.Typer) -> None:
     @app.command("report", help="Plot a run's telemetry (memory per rank, communication per op, steps) as PNG or HTML.")
     def report_command(
         run_dir: Path = typer.Argument(..., help="A run directory (the one holding metrics.jsonl)."),
-        fmt: str = typer.Option("png", "--format", help="png (one file per plot) or html (one page)."),
+        fmt: Optional[str] = typer.Option(None, "--format", help="png (one file per plot), html (one page) or "
+                                          "terminal; default png, or terminal without matplotlib."),
         out: Optional[Path] = typer.Option(None, "--out", help="Output folder (png) or file (html)."),
     ) -> None:
+        if fmt is None:
+            fmt = "png" if has_matplotlib() else "terminal"
+        if fmt == "terminal":
+            from rich.console import Console
+
+            Console(highlight=False).print(terminal_report(load_metrics(run_dir), run_dir))
+            if not has_matplotlib():
+                typer.echo(f"zerorun: note: matplotlib is not installed; {INSTALL_HINT} for PNG/HTML plots", err=True)
+            return
         for path in write_report(run_dir, fmt, out):
             typer.echo(str(path))
+
+
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401 - imported to learn whether it can be
+    except ImportError:
+        return False
+    return True
 
 
 def write_report(run_dir: Path, fmt: str = "png", out: Path | None = None) -> list[Path]:
     """Write the report; returns the files written. Raises ReportError on bad input."""
     if fmt not in FORMATS:
-        raise ReportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}", hint="use --format png or --format html")
-    metrics_path = Path(run_dir) / "metrics.jsonl"
-    if not Path(run_dir).is_dir():
-        raise ReportError(f"run directory {str(run_dir)!r} does not exist",
-                          hint="pass the directory zerorun printed at the start of the run")
-    if not metrics_path.is_file():
-        raise ReportError(f"{metrics_path} does not exist",
-                          hint="telemetry was off for this run, or it ended before any worker reported")
-    records, skipped = load_records(metrics_path)
-    metrics = summarize(records, skipped)
-    if not metrics.ranks:
-        raise ReportError(f"{metrics_path} holds no telemetry records ({skipped} unreadable lines)")
-    figures = _figures(metrics)
+        raise ReportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}", hint="use --format png, html or terminal")
+    if fmt == "terminal":
+        raise ReportError("--format terminal prints the report; it writes no file")
+    if fmt == "png" and not has_matplotlib():
+        raise ReportError(f"PNG plots need matplotlib, which is not installed: {INSTALL_HINT}",
+                          hint="or use --format terminal (or html, without plots)")
+    metrics = load_metrics(run_dir)
+    figures = _figures(metrics) if has_matplotlib() else {}
     if fmt == "png":
         folder = out or Path(run_dir) / "report"
         folder.mkdir(parents=True, exist_ok=True)
@@ -69,6 +87,65 @@ def write_report(run_dir: Path, fmt: str = "png", out: Path | None = None) -> li
     path.write_text(_html(metrics, figures, run_dir), encoding="utf-8")
     _close(figures)
     return [path]
+
+
+def load_metrics(run_dir: Path) -> Metrics:
+    """The run's metrics, or a ReportError saying what is missing."""
+    metrics_path = Path(run_dir) / "metrics.jsonl"
+    if not Path(run_dir).is_dir():
+        raise ReportError(f"run directory {str(run_dir)!r} does not exist",
+                          hint="pass the directory zerorun printed at the start of the run")
+    if not metrics_path.is_file():
+        raise ReportError(f"{metrics_path} does not exist",
+                          hint="telemetry was off for this run, or it ended before any worker reported")
+    records, skipped = load_records(metrics_path)
+    metrics = summarize(records, skipped)
+    if not metrics.ranks:
+        raise ReportError(f"{metrics_path} holds no telemetry records ({skipped} unreadable lines)")
+    return metrics
+
+
+# Block characters from low to high: a loss trace that reads without colour or a font for plots.
+SPARK = "▁▂▃▄▅▆▇█"
+SPARK_WIDTH = 60
+
+
+def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
+    """``values`` resampled to at most ``width`` points, each a block from low (▁) to high (█)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return ""
+    if len(values) > width:
+        values = [values[i * len(values) // width] for i in range(width)]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - low) / span * len(SPARK)))] for v in values)
+
+
+def terminal_report(metrics: Metrics, run_dir: Path):
+    """The summary table and, when steps were recorded, rank 0's loss trace (pure)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    ops = comm_ops(metrics)
+    table = Table(title=f"zerorun report: {run_dir}", title_justify="left", header_style="bold")
+    for name in ("rank", "host", "steps", "peak MiB", *(f"{op} s" for op in ops), "samples/s", "last loss"):
+        table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
+    for rank, s in metrics.ranks.items():
+        rate = throughput(s)
+        losses = [v for v in s.loss if v is not None]
+        table.add_row(str(rank), Text(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}",
+                      *(f"{s.comm[op][2]:.3f}" if op in s.comm else "-" for op in ops),
+                      "-" if rate is None else f"{rate:.1f}", f"{losses[-1]:.4f}" if losses else "-")
+    parts = [table, Text(f"{len(metrics.ranks)} ranks, {metrics.duration_s:.1f} s of telemetry"
+                         + (f", {metrics.skipped_lines} unreadable lines skipped" if metrics.skipped_lines else ""))]
+    first = next(iter(metrics.ranks.values()))
+    losses = [v for v in first.loss if v is not None]
+    if losses:
+        parts.append(Text(f"loss (rank {next(iter(metrics.ranks))}, {losses[0]:.4f} -> {losses[-1]:.4f}): "
+                          + sparkline(losses)))
+    return Group(*parts)
 
 
 def _figures(metrics: Metrics) -> dict:
@@ -133,6 +210,8 @@ def _html(metrics: Metrics, figures: dict, run_dir: Path) -> str:
         images.append(f'<h2>{name}</h2><img alt="{name}" src="data:image/png;base64,'
                       f'{base64.b64encode(buffer.getvalue()).decode()}">')
     note = f"<p>{metrics.skipped_lines} unreadable lines skipped.</p>" if metrics.skipped_lines else ""
+    if not figures:
+        note += f"<p>No plots: matplotlib is not installed ({html.escape(INSTALL_HINT)}).</p>"
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>zerorun report</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"

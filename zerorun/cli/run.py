@@ -7,6 +7,11 @@
 Everything after the script (or after ``-m MODULE``) belongs to the script: ``split_argv``
 finds that point before typer parses anything, so a script's ``--help`` or ``--nproc`` is
 never taken as ours.
+
+DeepSpeed and torchrun spellings work too (``canonical_option``): ``--num_gpus`` (= ``--gpus``),
+``--deepspeed``/``--deepspeed_config`` (= ``--config``), ``--nnodes`` (= ``--num-nodes``),
+``--nproc_per_node`` (= ``--gpus`` where GPUs are visible, else ``--nproc``), and the
+underscore form of every option (``--master_port``).
 """
 
 from __future__ import annotations
@@ -23,14 +28,69 @@ FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h"})
 MODULE_OPTIONS = ("-m", "--module")
 
 
+# Other launchers' option names -> ours (after underscores became dashes).
+ALIASES = {
+    "--num-gpus": "--gpus",
+    "--deepspeed": "--config",
+    "--deepspeed-config": "--config",
+    "--nnodes": "--num-nodes",
+    "--nproc-per-node": "--nproc-per-node",  # resolved by resolve_nproc_per_node (needs the GPU count)
+}
+OUR_OPTIONS = frozenset({
+    "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
+    "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
+    "--no-dashboard", "--dry-run", "--grace", "--help",
+})
+
+
+def canonical_option(word: str) -> str:
+    """``--master_port=29500`` -> ``--master-port=29500``, ``--num_gpus`` -> ``--gpus``; other words as they are.
+
+    Only launcher-side words go through here (split_argv), so a script's own underscore
+    options are never touched.
+    """
+    if not word.startswith("--") or word == "--":
+        return word
+    name, eq, value = word.partition("=")
+    dashed = name.replace("_", "-")
+    dashed = ALIASES.get(dashed, dashed)
+    if dashed in OUR_OPTIONS or dashed in ALIASES.values():
+        return dashed + eq + value
+    return word
+
+
+def resolve_nproc_per_node(argv: list[str], gpu_counter) -> list[str]:
+    """torchrun's ``--nproc-per-node N``: GPU workers where this machine has GPUs, CPU workers otherwise."""
+    out, index = [], 0
+    while index < len(argv):
+        word = argv[index]
+        if word == "--":
+            return out + argv[index:]
+        if word == "--nproc-per-node" or word.startswith("--nproc-per-node="):
+            if "=" in word:
+                value = word.partition("=")[2]
+            elif index + 1 < len(argv):
+                index += 1
+                value = argv[index]
+            else:
+                raise LaunchError("--nproc_per_node needs a number", hint="--nproc_per_node 2")
+            out.append(("--gpus=" if gpu_counter() > 0 else "--nproc=") + value)
+        else:
+            out.append(word)
+        index += 1
+    return out
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split ``[launcher options] [-m MODULE | SCRIPT] [script args]`` into (ours, the script's).
 
-    The module option stays on our side; the script name starts the script's side.
+    The module option stays on our side; the script name starts the script's side. Our side's
+    options are spelt canonically (``canonical_option``).
     """
+    argv = list(argv)
     index = 0
     while index < len(argv):
-        word = argv[index]
+        word = argv[index] = canonical_option(argv[index])
         if word == "--":
             return argv[:index], argv[index + 1:]
         if word in MODULE_OPTIONS:
@@ -43,9 +103,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def route_run_argv(argv: list[str]) -> list[str]:
+def route_run_argv(argv: list[str], gpu_counter=None) -> list[str]:
     """``[opts] SCRIPT args`` -> ``[opts] -- SCRIPT args`` so click never parses script args."""
     ours, theirs = split_argv(argv)
+    if any(w == "--nproc-per-node" or w.startswith("--nproc-per-node=") for w in ours):
+        if gpu_counter is None:
+            from zerorun.launch.launcher import count_gpus as gpu_counter
+        ours = resolve_nproc_per_node(ours, gpu_counter)
     return [*ours, "--", *theirs] if theirs else ours
 
 
@@ -93,14 +157,21 @@ def register(app: typer.Typer) -> None:
             config_overrides=parse_settings(list(settings or [])), run_dir=run_dir,
             dashboard=not no_dashboard, grace_s=grace,
         )
-        job = prepare(options)
+        if dry_run and gpus is not None:
+            # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.
+            job = prepare(options, gpu_counter=lambda: gpus)
+            job.notes.append(f"--dry-run: the {gpus} GPU(s) per host are not checked on this machine")
+        else:
+            job = prepare(options)
         for note in job.notes:
             print(f"zerorun: note: {note}", file=sys.stderr)
         if dry_run:
             print(dry_run_text(job))
             return
+        print(f"zerorun: run directory {job.plan.run_dir}", file=sys.stderr, flush=True)
         result = execute(job)
         logs = f"{result.run_dir}/logs"
+        print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
         if result.interrupted:
             print(f"zerorun: interrupted; every worker was stopped (logs in {logs})", file=sys.stderr)
             raise typer.Exit(130)

@@ -7,8 +7,10 @@ Each DeepSpeed key is one of:
   Unsupported a feature zerorun does not have: always an error naming the key
 Anything else is an unknown key, reported with a did-you-mean. Nothing is dropped silently.
 
-"auto" values (Hugging Face Trainer fills them in from its own arguments) are replaced by what
-zerorun would do without them: derived batch sizes, zerorun defaults, torch defaults, with a note.
+"auto" values are placeholders the Hugging Face integration fills in from the Trainer's own
+arguments before loading. Outside it only the batch sizes can be derived (from the other two and
+the world size); any other "auto" is an error naming the key, because a zerorun default in its
+place would train differently without saying so (``bf16.enabled: auto`` used to mean fp32).
 docs/config.md carries the same table for users.
 """
 
@@ -212,9 +214,7 @@ DEEPSPEED_MARKERS = frozenset(TOP_LEVEL) - {"optimizer", "scheduler", "gradient_
 OPTIMIZER_NAMES = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
 DEEPSPEED_ONLY_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam",
                              "muadamw", "musgd", "muon", "fusedadam", "cpuadam"}
-DEEPSPEED_SCHEDULERS = {"WarmupLR": "LinearLR", "WarmupDecayLR": "LinearLR (chained with SequentialLR)",
-                        "WarmupCosineLR": "CosineAnnealingLR (chained with SequentialLR)",
-                        "OneCycle": "OneCycleLR", "LRRangeTest": "LinearLR"}
+AUTO_FIX = "'auto' is filled in only by the Hugging Face integration (HfDeepSpeedConfig / Trainer)"
 
 
 def looks_like_deepspeed(data: dict) -> bool:
@@ -265,9 +265,11 @@ def _safe(predicate: Callable[[Any], bool], value: Any) -> bool:
 def _map(rule: Map, value: Any, ds_path: str, out: Translation) -> None:
     out.aliases[rule.target] = ds_path
     if value == "auto":
-        out.notes.append(f"{ds_path}: 'auto' (a Hugging Face Trainer placeholder) left to zerorun: "
-                         + ("derived from the other batch sizes" if rule.target.startswith("batch.")
-                            else f"zerorun's default for {rule.target}"))
+        if rule.target.startswith("batch."):
+            out.notes.append(f"{ds_path}: 'auto' derived from the other batch sizes and the world size")
+        else:
+            out.problems.add(ds_path, f"{AUTO_FIX}; give a value here, or remove the key for "
+                             f"zerorun's default", value)
         return
     if rule.transform is not None:
         value = rule.transform(value)
@@ -287,7 +289,8 @@ def _enabled(data: dict, name: str, out: Translation) -> bool:
         return False  # a non-mapping is reported by _walk
     value = section.get("enabled", False)
     if value == "auto":
-        out.notes.append(f"{name}.enabled: 'auto' (a Hugging Face Trainer placeholder) read as false")
+        out.problems.add(f"{name}.enabled", f"{AUTO_FIX}; set it to true or false, or train through "
+                         "the Hugging Face integration, which fills it in", value)
         return False
     if not isinstance(value, bool):
         out.problems.add(f"{name}.enabled", "must be true, false or 'auto'", value)
@@ -353,11 +356,8 @@ def _scheduler(section: Any, out: Translation) -> None:
     if checked is None:
         return
     name, params = checked
-    if name in DEEPSPEED_SCHEDULERS:
-        out.problems.add("scheduler.type", "DeepSpeed's own scheduler is not available; use a zerorun "
-                         f"YAML config with a torch.optim.lr_scheduler class such as "
-                         f"{DEEPSPEED_SCHEDULERS[name]}, or drop the scheduler section", name)
-        return
+    # DeepSpeed's own schedulers (WarmupLR, ...) keep their names and parameters: zerorun.schedulers
+    # implements them with DeepSpeed's formulas, beside every torch.optim.lr_scheduler class.
     out.data["scheduler"] = {"type": name, "params": _without_auto(params, "scheduler.params", out)}
 
 
@@ -365,8 +365,8 @@ def _without_auto(params: dict, path: str, out: Translation) -> dict:
     kept = {}
     for key, value in params.items():
         if value == "auto":
-            out.notes.append(f"{path}.{key}: 'auto' (a Hugging Face Trainer placeholder) dropped; "
-                             "torch's default applies")
+            out.problems.add(f"{path}.{key}", f"{AUTO_FIX}; give a value, or remove the key for the "
+                             "class's default", value)
         else:
             kept[key] = value
     return kept

@@ -112,10 +112,9 @@ def check_torch_names(config: ZerorunConfig, problems: Problems) -> None:
         _check_class("optimizer", config.optimizer.type, config.optimizer.params, classes,
                      "torch.optim", problems)
     if config.scheduler is not None:
-        scheduler_module = torch.optim.lr_scheduler
-        base = getattr(scheduler_module, "LRScheduler", None) or scheduler_module._LRScheduler
-        classes = _subclasses_in(scheduler_module, base)
-        _check_class("scheduler", config.scheduler.type, config.scheduler.params, classes,
+        from zerorun.schedulers import scheduler_classes  # torch's classes and DeepSpeed's five
+
+        _check_class("scheduler", config.scheduler.type, config.scheduler.params, scheduler_classes(),
                      "torch.optim.lr_scheduler", problems)
 
 
@@ -139,9 +138,17 @@ def _check_class(section: str, name: str, params: dict, classes: dict[str, type]
         return
     # The engine supplies the first positional argument (parameters or the optimizer).
     accepted = [p for p in list(signature.parameters)[2:]]
+    ours = cls.__module__.startswith("zerorun.")
+    owner = f"{cls.__module__ if ours else module_name}.{name}"  # zerorun.schedulers.WarmupLR, torch.optim.SGD
+    if ours:
+        # Our classes' required arguments are known data (DeepSpeed's total_num_steps, cycle
+        # bounds): report them missing now, not when the first worker builds the scheduler.
+        for param in list(signature.parameters.values())[2:]:
+            if param.default is param.empty and param.name not in params:
+                problems.add(f"{section}.params.{param.name}", f"{owner} needs this argument")
     for key, value in params.items():
         if key not in accepted:
-            problems.add(f"{section}.params.{key}", f"{module_name}.{name} takes no such argument"
+            problems.add(f"{section}.params.{key}", f"{owner} takes no such argument"
                          f"{did_you_mean(key, accepted)}; it accepts {', '.join(accepted)}")
         elif value == "auto":
             problems.add(f"{section}.params.{key}", "'auto' is a Hugging Face Trainer placeholder; "

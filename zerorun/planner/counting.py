@@ -73,7 +73,11 @@ def _import(module_name: str, target: str):
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules.setdefault(path.stem, module)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's file failed to import: say so in one line
+            raise PlannerError(f"--model {target!r}: importing {module_name!r} failed: "
+                               f"{type(err).__name__}: {err}") from None
         return module
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # like `python -m`, let the user's cwd be importable
@@ -83,17 +87,45 @@ def _import(module_name: str, target: str):
         raise PlannerError(f"--model {target!r}: cannot import {module_name!r} ({err})") from None
 
 
-def build_on_meta(factory: Callable):
-    """Call ``factory()`` with the meta device as default: shapes only, no storage."""
+def required_arguments(factory: Callable) -> list[str]:
+    """Names ``factory`` needs but --model cannot give (it is called with no arguments)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call decide
+        return []
+    return [p.name for p in signature.parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def build_on_meta(factory: Callable, target: str | None = None):
+    """Call ``factory()`` with the meta device as default: shapes only, no storage.
+
+    A class or function that needs arguments (``examples/gpt.py:GPT`` takes a config) and any
+    error while building end in one PlannerError line, not the user's traceback.
+    """
     import torch
 
-    with torch.device("meta"):
-        model = factory()
+    name = target or getattr(factory, "__qualname__", repr(factory))
+    missing = required_arguments(factory)
+    if missing:
+        what = getattr(factory, "__name__", "it")
+        raise PlannerError(
+            f"--model {name!r}: {what} needs argument{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}, but --model calls it with none",
+            hint=f"point --model at a function without arguments that builds the model, "
+                 f"e.g. def build(): return {what}(...)")
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as err:  # noqa: BLE001 - the user's code failed: one line naming it
+        raise PlannerError(f"--model {name!r}: building the model failed: {type(err).__name__}: {err}") from None
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"the --model function returned {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
 def spec_from_factory(target: str) -> ModelSpec:
-    model = build_on_meta(load_factory(target))
+    model = build_on_meta(load_factory(target), target)
     return count_module(model, target)

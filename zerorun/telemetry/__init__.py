@@ -7,6 +7,7 @@ Contract with the runtime (zerorun/zero):
         # samples (and optional tokens): what THIS rank processed in the step; the dashboard
         # sums ranks for job throughput. Numbers or 0-d tensors; None when unknown.
     rec.set_memory_breakdown(dict)  # engine.memory_breakdown(), sent with the next sample
+    rec.set_total_steps(n)          # engine.set_total_steps(n): each step message carries it
 Collectives reach the recorder as an observer of zerorun.zero.collectives.
 
 Contract with the launcher: workers write newline-delimited JSON messages to the file
@@ -31,6 +32,9 @@ class NullRecorder:
         pass
 
     def set_memory_breakdown(self, breakdown: dict) -> None:
+        pass
+
+    def set_total_steps(self, total_steps: int) -> None:
         pass
 
 

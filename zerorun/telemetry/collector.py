@@ -250,7 +250,7 @@ class Collector:
                 elapsed_s=now - self._started,
                 ranks=tuple(views),
                 step=min(steps) if steps else None,
-                total_steps=self.total_steps,
+                total_steps=self.total_steps or _reported_total(self._ranks.values()),
                 samples_per_s=_sum_known(v.samples_per_s for v in views),
                 tokens_per_s=_sum_known(v.tokens_per_s for v in views),
                 hang=hang,
@@ -314,6 +314,13 @@ def _rate(counts: list, seconds: float) -> float | None:
     if not known or len(known) != len(counts) or seconds <= 0:
         return None
     return sum(known) / seconds
+
+
+def _reported_total(states) -> int | None:
+    """The total steps a worker named with engine.set_total_steps (used when the launcher knows none)."""
+    totals = [s.last_step.get("total_steps") for s in states if s.last_step]
+    totals = [int(t) for t in totals if t]
+    return max(totals) if totals else None
 
 
 def _sum_known(values) -> float | None:

@@ -7,10 +7,11 @@ and one of these kinds (fields beyond the envelope):
     hello    pid, world_size, device ("cpu" | "cuda:N"), host_total_bytes, device_total_bytes
     sample   mem: {rss, rss_peak, pinned, cuda_allocated, cuda_reserved, cuda_peak} (bytes,
              a key absent when unknown), comm: {op: [count, bytes, seconds]} since the last
-             sample, comm_seconds_total, entered_seq (highest collective seq started, -1 none),
+             sample, comm_seconds_total (wall seconds with some collective in flight, see Note
+             [comm share] in recorder.py), entered_seq (highest collective seq started, -1 none),
              blocked: null | {seq, op, for_s} (the collective this rank is waiting in now),
              breakdown: optional dict from engine.memory_breakdown()
-    step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens
+    step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens, total_steps
              (``t`` is when the step ended; steps are written in a burst before each sample)
     bye      sent at interpreter exit, after the last sample
 
@@ -31,7 +32,7 @@ MAX_LINE_BYTES = 64 * 1024
 KINDS = ("hello", "sample", "step", "bye")
 
 _MEM_KEYS = ("rss", "rss_peak", "pinned", "cuda_allocated", "cuda_reserved", "cuda_peak")
-_STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens")
+_STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens", "total_steps")
 
 
 class SchemaError(ValueError):

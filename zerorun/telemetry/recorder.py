@@ -89,10 +89,13 @@ class Recorder:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._comm: dict[str, list] = {}  # op -> [count, bytes, seconds] since the last sample
+        # Wall seconds with at least one collective in flight (Note [comm share]).
         self._comm_seconds_total = 0.0
+        self._busy_since: float | None = None
         self._entered_seq = -1
         self._in_flight: dict[int, tuple[str, float]] = {}  # seq -> (op, monotonic start)
         self._breakdown: dict | None = None
+        self._total_steps: int | None = None  # engine.set_total_steps(n): sent with every step
         # Steps wait here for the next sample (at most interval_s): one burst of writes per
         # interval, not a syscall per step in the training thread nor a launcher wake-up per step.
         self._pending_steps: deque = deque(maxlen=_MAX_PENDING_STEPS)
@@ -133,6 +136,8 @@ class Recorder:
             message = {**self._envelope, "kind": "step", "t": self._clock(), "step": int(step),
                        "step_time_s": float(step_time_s), "loss": _number(loss), "loss_scale": _number(loss_scale),
                        "lr": _number(lr), "samples": _number(samples), "tokens": _number(tokens)}
+            if self._total_steps is not None:
+                message["total_steps"] = self._total_steps
             with self._lock:
                 if len(self._pending_steps) == self._pending_steps.maxlen:
                     self.steps_dropped += 1  # the oldest goes: the sampler has not run for a long time
@@ -140,14 +145,27 @@ class Recorder:
         except Exception:  # noqa: BLE001 - telemetry must never break training
             pass
 
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's optimizer steps, for the dashboard's progress bar and ETA."""
+        self._total_steps = int(total_steps)
+
     def set_memory_breakdown(self, breakdown: dict) -> None:
         with self._lock:
             self._breakdown = {str(k): _number(v) for k, v in dict(breakdown).items()}
 
     # --- collectives observer ----------------------------------------------------------
+    # Note [comm share]: the dashboard's comm column is comm_seconds_total over wall time. Summing
+    # each collective's issue-to-completion time counted overlapping asynchronous collectives (and
+    # the compute they overlap) several times over, so the CPU demo showed "comm 100%" all along.
+    # Counting the union of their intervals instead gives the share of wall time during which
+    # some collective was outstanding: never above 100%, and equal to the exposed time for the
+    # blocking collectives. The per-op seconds (summary table) stay plain sums.
     def collective_started(self, seq: int, op: str, nbytes: int) -> None:
         with self._lock:
-            self._in_flight[seq] = (op, time.monotonic())
+            now = time.monotonic()
+            if not self._in_flight:
+                self._busy_since = now
+            self._in_flight[seq] = (op, now)
             if seq > self._entered_seq:
                 self._entered_seq = seq
 
@@ -160,7 +178,9 @@ class Recorder:
             totals[0] += 1
             totals[1] += int(nbytes)
             totals[2] += float(seconds)
-            self._comm_seconds_total += float(seconds)
+            if not self._in_flight and self._busy_since is not None:
+                self._comm_seconds_total += time.monotonic() - self._busy_since
+                self._busy_since = None
 
     # --- sampling ----------------------------------------------------------------------
     def send_sample(self) -> None:
@@ -173,7 +193,10 @@ class Recorder:
                 self._pending_steps.clear()
                 comm, self._comm = self._comm, {}
                 blocked = self._oldest_in_flight()
-                fields = dict(mem=mem, comm=comm, comm_seconds_total=self._comm_seconds_total,
+                busy = self._comm_seconds_total
+                if self._busy_since is not None:  # a collective still out: count its time so far
+                    busy += time.monotonic() - self._busy_since
+                fields = dict(mem=mem, comm=comm, comm_seconds_total=busy,
                               entered_seq=self._entered_seq, blocked=blocked)
                 if self._breakdown is not None:
                     fields["breakdown"] = self._breakdown

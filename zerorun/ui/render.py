@@ -20,7 +20,10 @@ from zerorun.telemetry.collector import RankView, Snapshot
 STALE_AFTER_S = 5.0
 LOST_AFTER_S = 15.0
 OUTPUT_PANEL_LINES = 8
-MEMORY_BAR_WIDTH = 10
+MEMORY_BAR_WIDTH = 8
+PROGRESS_BAR_WIDTH = 40
+# Longer host names are cut here (a dashboard cell, not an identifier: the summary has them whole).
+HOST_WIDTH = 12
 
 
 def render(snapshot: Snapshot):
@@ -57,46 +60,89 @@ def _header(s: Snapshot) -> Text:
     return text
 
 
+def eta_seconds(s: Snapshot) -> float | None:
+    """Time to ``total_steps`` at the slowest rank's recent step time (every rank waits for it)."""
+    times = [r.step_time_s for r in s.ranks if r.step_time_s]
+    if not s.total_steps or s.step is None or not times:
+        return None
+    return max(0, s.total_steps - s.step) * max(times)
+
+
 def _progress(s: Snapshot) -> Text:
     done = min(s.step or 0, s.total_steps)
-    return Text.assemble(bar(done / s.total_steps, 40, "cyan"), f" {100 * done / s.total_steps:.0f}%")
+    text = Text.assemble(bar(done / s.total_steps, PROGRESS_BAR_WIDTH, "cyan"), f" {100 * done / s.total_steps:.0f}%")
+    eta = eta_seconds(s)
+    if eta is not None:
+        text.append(f"  ETA {fmt_duration(eta)}")
+    return text
+
+
+def comm_cell(r: RankView) -> str:
+    """The share of wall time with a collective in flight (overlapping collectives counted once, see
+    recorder.py); ``-`` before two samples."""
+    return "-" if r.comm_fraction is None else f"{100 * r.comm_fraction:.0f}%"
+
+
+def shows_straggler(r: RankView, s: Snapshot) -> bool:
+    """A straggler tag, unless a hang names someone else: while a collective hangs, the ranks that
+    never entered it are the story, and the others' comm shares only say they are waiting."""
+    if not r.straggler:
+        return False
+    return s.hang is None or r.rank in s.hang.missing
 
 
 def _rank_table(s: Snapshot) -> Table:
-    # A light box and short cells: the table must fit a 100-column terminal with 8 columns.
-    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, padding=(0, 1), collapse_padding=True)
+    # A light box, short cells and compact numbers: the table must fit an 80-column terminal.
+    # The box's own blank divider is the only space between columns: every column counts at 80.
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", show_edge=False, pad_edge=False, padding=(0, 0))
     labels = sorted({r.mem_label for r in s.ranks if r.mem_used is not None})
     mixed = len(labels) > 1  # e.g. some ranks on GPU, some on CPU: label every cell instead
-    memory = f"memory ({labels[0]})" if len(labels) == 1 else "memory"
-    for name, justify in (("rank", "right"), ("host", "left"), ("step", "right"), (memory, "left"),
-                          ("peak", "right"), ("comm", "right"), ("bandwidth", "right"),
+    memory = f"mem ({labels[0]})" if len(labels) == 1 else "mem"
+    scale = _memory_scale(s)
+    for name, justify in (("rank", "right"), ("host", "left"), ("step", "right"), ("loss", "right"),
+                          (memory, "left"), ("peak", "right"), ("comm", "right"), ("bw", "right"),
                           ("seen", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))
     for r in s.ranks:
         table.add_row(
             str(r.rank),
-            Text(r.host),  # Text, not str: a host name is never read as markup
+            Text(r.host[:HOST_WIDTH]),  # Text, not str: a host name is never read as markup
             "-" if r.step is None else str(r.step),
-            _memory_cell(r, with_label=mixed),
-            fmt_bytes(r.mem_peak),
-            "-" if r.comm_fraction is None else f"{100 * r.comm_fraction:.0f}%",
-            "-" if r.bandwidth_bps is None else f"{fmt_bytes(r.bandwidth_bps)}/s",
+            fmt_loss(r.loss),
+            _memory_cell(r, with_label=mixed, scale=scale),
+            fmt_short(r.mem_peak),
+            comm_cell(r),
+            "-" if r.bandwidth_bps is None else f"{fmt_short(r.bandwidth_bps)}/s",
             _heartbeat_cell(r),
-            _status_cell(r),
+            _status_cell(r, shows_straggler(r, s)),
         )
     return table
 
 
-def _memory_cell(r: RankView, with_label: bool) -> Text:
-    """A bar against capacity and the numbers; the gpu/rss label only when ranks differ."""
+def _memory_scale(s: Snapshot) -> int | None:
+    """What a bar without a device capacity is drawn against: the largest peak of any rank.
+
+    A CPU rank's capacity is the whole host's memory, against which a training process is a
+    sliver (an empty bar); against the job's largest peak the bars compare ranks and show how
+    close each is to its high-water mark.
+    """
+    peaks = [r.mem_peak or r.mem_used for r in s.ranks if r.mem_used is not None and r.mem_label != "gpu"]
+    peaks = [p for p in peaks if p]
+    return max(peaks) if peaks else None
+
+
+def _memory_cell(r: RankView, with_label: bool, scale: int | None = None) -> Text:
+    """A bar and the numbers: against the device's capacity on a GPU, else against ``scale``."""
     if r.mem_used is None:
         return Text("-")
-    label = f"{r.mem_label} {fmt_bytes(r.mem_used)}" if with_label else fmt_bytes(r.mem_used)
-    if not r.mem_capacity:
-        return Text(label)
-    fraction = min(1.0, r.mem_used / r.mem_capacity)
-    style = "red" if fraction > 0.9 else "yellow" if fraction > 0.75 else "green"
-    return Text.assemble(bar(fraction, MEMORY_BAR_WIDTH, style), f" {label}/{fmt_bytes(r.mem_capacity)}")
+    label = f"{r.mem_label} {fmt_short(r.mem_used)}" if with_label else fmt_short(r.mem_used)
+    if r.mem_label == "gpu" and r.mem_capacity:
+        fraction = min(1.0, r.mem_used / r.mem_capacity)
+        style = "red" if fraction > 0.9 else "yellow" if fraction > 0.75 else "green"
+        return Text.assemble(bar(fraction, MEMORY_BAR_WIDTH, style), f" {label}/{fmt_short(r.mem_capacity)}")
+    if scale:
+        return Text.assemble(bar(r.mem_used / scale, MEMORY_BAR_WIDTH, "cyan"), f" {label}")
+    return Text(label)
 
 
 def bar(fraction: float, width: int, style: str = "green") -> Text:
@@ -112,14 +158,15 @@ def _heartbeat_cell(r: RankView) -> Text:
     return Text(f"{r.heartbeat_age_s:.0f}s", style=style)
 
 
-def _status_cell(r: RankView) -> Text:
+def _status_cell(r: RankView, straggler: bool) -> Text:
+    # Short words: the collective's name is in the hang line once the wait becomes a hang.
     text = Text()
     if r.exit_code is not None:
-        text.append(f"exited {r.exit_code}", style="green" if r.exit_code == 0 else "bold red")
+        text.append(f"exit {r.exit_code}", style="green" if r.exit_code == 0 else "bold red")
     elif r.blocked is not None and r.blocked.waited_s >= 1:
-        text.append(f"in #{r.blocked.seq} {r.blocked.op} {r.blocked.waited_s:.0f}s", style="yellow")
-    if r.straggler:
-        text.append(" ◀ straggler" if text else "◀ straggler", style="bold magenta")
+        text.append(f"in #{r.blocked.seq} {r.blocked.waited_s:.0f}s", style="yellow")
+    if straggler:
+        text.append(" ◀ slow" if text else "◀ slow", style="bold magenta")
     return text
 
 
@@ -149,12 +196,17 @@ def render_plain(s: Snapshot) -> str:
         head += f" step {s.step}" + (f"/{s.total_steps}" if s.total_steps else "")
     if s.samples_per_s is not None:
         head += f" {fmt_rate(s.samples_per_s)} samples/s"
+    eta = eta_seconds(s)
+    if eta is not None:
+        head += f" ETA {fmt_duration(eta)}"
     parts = [head]
     for r in s.ranks:
         item = f"r{r.rank} mem {fmt_bytes(r.mem_used)}"
+        if r.loss is not None:
+            item += f" loss {fmt_loss(r.loss)}"
         if r.comm_fraction is not None:
             item += f" comm {100 * r.comm_fraction:.0f}%"
-        if r.straggler:
+        if shows_straggler(r, s):
             item += " STRAGGLER"
         parts.append(item)
     line = " | ".join(parts)
@@ -163,11 +215,74 @@ def render_plain(s: Snapshot) -> str:
     return line
 
 
+class FirstThatFits:
+    """Draws the first of ``choices`` whose natural width fits the console, else the last one.
+
+    Pure like the rest of this module: the choice depends only on the width Rich offers.
+    """
+
+    def __init__(self, *choices):
+        self.choices = choices
+
+    def __rich_console__(self, console, options):
+        from rich.measure import Measurement
+
+        # Measured with room to spare: a table measured at the console's width reports that width.
+        roomy = options.update_width(10_000)
+        for choice in self.choices[:-1]:
+            if Measurement.get(console, roomy, choice).maximum <= options.max_width:
+                yield choice
+                return
+        yield self.choices[-1]
+
+
 def render_summary(s: Snapshot, failed: bool = False):
-    """End-of-run table: per-rank peak memory, time per collective type, throughput."""
+    """End-of-run table: per-rank peak memory, time per collective type, throughput.
+
+    One column per collective type when that fits the terminal; otherwise (80 columns, three
+    collective types) a rank table and a collective table, so no cell is cut."""
+    title = f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})"
+    parts = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
+    if s.samples_per_s is not None:
+        parts.append(Text(f"job throughput: {fmt_rate(s.samples_per_s)} samples/s"
+                          + (f", {fmt_rate(s.tokens_per_s)} tokens/s" if s.tokens_per_s else "")))
+    if s.hang is not None:
+        parts.append(Text(hang_message(s), style="bold red"))
+    dropped = dropped_message(s)
+    if dropped:
+        parts.append(Text(dropped, style="yellow"))
+    return Group(*parts)
+
+
+def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
+    with_state = any(r.breakdown for r in s.ranks)
+    ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm s", "samples/s"):
+        ranks.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
+    for r in s.ranks:
+        ranks.add_row(
+            str(r.rank), Text(r.host[:HOST_WIDTH]), "-" if r.step is None else str(r.step),
+            f"{r.mem_label} {fmt_short(r.mem_peak)}" if r.mem_peak is not None else "-",
+            *((fmt_short(model_state_bytes(r)),) if with_state else ()),
+            f"{sum(c.seconds for c in r.comm):.3f}" if r.comm else "-",
+            "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
+        )
+    tables = [ranks]
+    if s.comm_totals:
+        ops = Table(header_style="bold", box=box.SIMPLE_HEAD)
+        for name in ("collective", "calls", "data", "seconds, all ranks", "per rank"):
+            ops.add_column(name, justify="left" if name == "collective" else "right", no_wrap=True)
+        for total in s.comm_totals:
+            per_rank = [c.seconds for r in s.ranks for c in r.comm if c.op == total.op]
+            spread = f"{min(per_rank):.3f}-{max(per_rank):.3f}" if per_rank else "-"
+            ops.add_row(total.op, f"{total.count}×", fmt_short(total.nbytes), f"{total.seconds:.3f}", spread)
+        tables.append(ops)
+    return tables
+
+
+def _summary_wide(s: Snapshot, title: str) -> Table:
     ops = [c.op for c in s.comm_totals]
-    table = Table(title=f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})",
-                  header_style="bold", title_justify="left")
+    table = Table(title=title, header_style="bold", title_justify="left")
     with_state = any(r.breakdown for r in s.ranks)
     state_column = ("model state",) if with_state else ()
     for name in ("rank", "host", "steps", "peak memory", *state_column, *(f"{op} s" for op in ops), "samples/s"):
@@ -183,16 +298,7 @@ def render_summary(s: Snapshot, failed: bool = False):
             *(_comm_cell(seconds.get(op)) for op in ops),
             "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
         )
-    parts = [table]
-    if s.samples_per_s is not None:
-        parts.append(Text(f"job throughput: {fmt_rate(s.samples_per_s)} samples/s"
-                          + (f", {fmt_rate(s.tokens_per_s)} tokens/s" if s.tokens_per_s else "")))
-    if s.hang is not None:
-        parts.append(Text(hang_message(s), style="bold red"))
-    dropped = dropped_message(s)
-    if dropped:
-        parts.append(Text(dropped, style="yellow"))
-    return Group(*parts)
+    return table
 
 
 def model_state_bytes(r: RankView):
@@ -221,6 +327,23 @@ def fmt_bytes(n) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"  # pragma: no cover - loop always returns
+
+
+def fmt_short(n) -> str:
+    """Bytes in at most 5 characters for dashboard cells (binary units): ``512B``, ``1.5K``,
+    ``900M``, ``6.0G``; one decimal only below 100."""
+    if n is None:
+        return "-"
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 999.5 or unit == "T":  # below 1000, not 1024: "1023K" would not fit
+            return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 99.95 else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.0f}T"  # pragma: no cover - loop always returns
+
+
+def fmt_loss(x) -> str:
+    """Four significant digits: 2.310, 0.01234, 1.2e+04."""
+    return "-" if x is None else f"{x:.4g}"
 
 
 def fmt_rate(x: float) -> str:

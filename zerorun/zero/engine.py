@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -52,14 +53,20 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     real world size, so the batch rule (train = micro x accumulation x world) is checked and the
     missing batch size derived even for scripts started without the launcher.
     """
-    from_launcher = config is None and bool(os.environ.get("ZERORUN_CONFIG"))
-    source = os.environ["ZERORUN_CONFIG"] if from_launcher else config
+    launcher_config = os.environ.get("ZERORUN_CONFIG")
+    from_launcher = config is None and bool(launcher_config)
+    source = launcher_config if from_launcher else config
     # The launcher already applied CLI > env > file; applying the environment again here could
     # let a stale variable beat a --set flag.
     cfg = load_config(source, environ={} if from_launcher else None)
     engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn)
     engine.config = load_config(cfg, world_size=engine.world_size)
     engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
+    if engine.rank == 0:  # one warning per job, not one per rank
+        from zerorun.config.precedence import warn_overridden
+
+        warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
+                        launcher_config)
     return engine
 
 
@@ -194,13 +201,9 @@ class Engine:
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
 
     def _scheduler_from_config(self):
-        spec = self.config.scheduler
-        if spec is None:
-            return None
-        cls = getattr(torch.optim.lr_scheduler, spec.type, None)
-        if cls is None:
-            raise RuntimeConfigError(f"scheduler.type {spec.type!r} is not in torch.optim.lr_scheduler")
-        return cls(self.optimizer, **spec.params)
+        from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
+
+        return build_scheduler(self.optimizer, self.config.scheduler)
 
     # -- the training loop ------------------------------------------------------------------
     @property
@@ -230,8 +233,8 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         if self.dtype != torch.float32:
-            args = tuple(_cast_floating(a, self.dtype) for a in args)
-            kwargs = {k: _cast_floating(v, self.dtype) for k, v in kwargs.items()}
+            args = _cast_floating(args, self.dtype)
+            kwargs = _cast_floating(kwargs, self.dtype)
         first = next((a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)), None)
         if first is not None and first.dim() > 0:
             self._window_samples += first.shape[0]
@@ -338,8 +341,28 @@ class Engine:
                 self.gatherer.release_all()
         return state
 
+    def set_total_steps(self, n: int) -> None:
+        """Tell the dashboard how many optimizer steps the run will take (progress bar and ETA)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RuntimeConfigError(f"set_total_steps needs a positive number of steps, got {n!r}")
+        setter = getattr(self._recorder, "set_total_steps", None)
+        if setter is not None:
+            setter(n)
+
 
 def _cast_floating(value, dtype: torch.dtype):
-    if torch.is_tensor(value) and value.is_floating_point():
-        return value.to(dtype)
+    """Floating tensors, also inside tuples, lists, dicts and namedtuples, cast to ``dtype``;
+    integer tensors (token ids, labels) and everything else as they are."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple: rebuild by position
+        return type(value)(*(_cast_floating(v, dtype) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, Mapping):
+        cast = {k: _cast_floating(v, dtype) for k, v in value.items()}
+        try:
+            return type(value)(cast)  # keeps OrderedDict / BatchEncoding-like mappings
+        except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
+            return cast
     return value

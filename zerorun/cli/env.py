@@ -1,0 +1,144 @@
+"""``zerorun env [--json]``: what this machine offers a zerorun job (DeepSpeed's ``ds_report``).
+
+Reports zerorun, Python and torch versions; CUDA, NCCL and gloo availability; the visible GPUs
+with their memory; host cores and memory; ssh and sshd (multi-node runs need them); and the
+optional packages zerorun can use. ``collect`` looks (the effects), ``render`` lays the facts
+out (pure), so a test can draw any machine.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import typer
+
+# Optional packages and what each one adds.
+EXTRAS = {
+    "transformers": "Hugging Face models (estimate --hf-config, the HF integration)",
+    "accelerate": "the Accelerate integration",
+    "safetensors": "safetensors checkpoints",
+    "matplotlib": "PNG plots in zerorun report (pip install 'zerorun[report]')",
+    "numpy": "silences torch's 'Failed to initialize NumPy' warning",
+}
+SSHD_PLACES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("env", help="Report torch, CUDA/NCCL/gloo, GPUs, host memory, ssh and optional packages.")
+    def env_command(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table.")) -> None:
+        facts = collect()
+        if as_json:
+            print(json.dumps(facts, indent=2))
+            return
+        from rich.console import Console
+
+        Console(highlight=False).print(render(facts))
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect() -> dict:
+    """The facts, as plain data. Imports torch (a second or two), nothing else heavy."""
+    from zerorun import __version__
+
+    facts: dict = {
+        "zerorun": __version__,
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "cpu_cores": os.cpu_count(),
+        "host_memory_bytes": None,
+        "ssh": shutil.which("ssh"),
+        "sshd": shutil.which("sshd") or next((p for p in SSHD_PLACES if Path(p).exists()), None),
+        "extras": {name: _version(name) for name in EXTRAS},
+    }
+    try:
+        import psutil
+
+        facts["host_memory_bytes"] = psutil.virtual_memory().total
+    except Exception:  # noqa: BLE001 - psutil is a dependency, but a report must not fail
+        pass
+    facts.update(_torch_facts())
+    return facts
+
+
+def _torch_facts() -> dict:
+    try:
+        import torch
+        import torch.distributed as dist
+    except Exception as err:  # noqa: BLE001 - no or broken torch is exactly what this reports
+        return {"torch": None, "torch_error": f"{type(err).__name__}: {err}"}
+    cuda = torch.cuda.is_available()
+    facts = {
+        "torch": torch.__version__,
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "distributed": dist.is_available(),
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+        "nccl_version": None,
+        "gpus": [],
+    }
+    if facts["nccl"] and cuda:
+        try:
+            facts["nccl_version"] = ".".join(str(p) for p in torch.cuda.nccl.version())
+        except Exception:  # noqa: BLE001
+            pass
+    if cuda:
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            facts["gpus"].append({"index": index, "name": props.name, "memory_bytes": props.total_memory})
+    return facts
+
+
+def _gib(n) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _yes(flag, detail: str | None = None) -> str:
+    if not flag:
+        return "[red]no[/red]"
+    from rich.markup import escape
+
+    return f"[green]yes[/green] ({escape(str(detail))})" if detail else "[green]yes[/green]"
+
+
+def render(facts: dict):
+    """A two-column Rich table of ``collect()``'s facts."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="zerorun env", show_header=False, title_justify="left")
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value")
+    table.add_row("zerorun", facts["zerorun"])
+    table.add_row("python", escape(f"{facts['python']} ({facts.get('executable') or '?'})"))
+    table.add_row("platform", escape(facts["platform"]))
+    if facts.get("torch") is None:
+        table.add_row("torch", f"[red]not importable[/red]: {escape(facts.get('torch_error', ''))}")
+    else:
+        table.add_row("torch", facts["torch"])
+        table.add_row("CUDA", _yes(facts["cuda_available"], facts.get("cuda_version")))
+        table.add_row("NCCL", _yes(facts["nccl"] and facts["cuda_available"], facts.get("nccl_version")))
+        table.add_row("gloo", _yes(facts["gloo"]))
+        gpus = facts.get("gpus") or []
+        table.add_row("GPUs", "none visible (CPU workers with --nproc N)" if not gpus else "\n".join(
+            escape(f"{g['index']}: {g['name']}, {_gib(g['memory_bytes'])}") for g in gpus))
+    table.add_row("host", f"{facts['cpu_cores']} cores, {_gib(facts['host_memory_bytes'])} memory")
+    table.add_row("ssh", _yes(facts["ssh"], facts["ssh"]) + ("" if facts["ssh"] else " (needed for --hostfile)"))
+    table.add_row("sshd", _yes(facts["sshd"], facts["sshd"]) + ("" if facts["sshd"] else " (needed on remote hosts and by the multi-node tests)"))
+    for name, version in facts["extras"].items():
+        table.add_row(name, f"[green]{escape(version)}[/green]" if version
+                      else f"[dim]not installed[/dim]: {escape(EXTRAS[name])}")
+    return table
