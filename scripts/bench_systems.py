@@ -33,6 +33,29 @@ import torch.distributed as dist
 from torch import nn
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-noreshard", "zero0", "zero1", "zero2", "zero3")
+# zerorun with offload: "zero2+cpu", "zero3+cpu+params", "zero2+nvme" ... (scripts/bench_offload.py)
+OFFLOADS = {"cpu": {"offload_optimizer": {"device": "cpu"}},
+            "nvme": {"offload_optimizer": {"device": "nvme"}},
+            "params": {"offload_param": {"device": "cpu"}}}
+
+
+def zerorun_system_config(system: str) -> dict:
+    """``zero3+cpu+params`` -> {"zero": {"stage": 3, "offload_optimizer": ..., "offload_param": ...}}."""
+    stage, *extras = system[len("zero"):].split("+")
+    zero: dict = {"stage": int(stage)}
+    for extra in extras:
+        zero.update(OFFLOADS[extra])
+    return {"zero": zero}
+
+
+def is_system(name: str) -> bool:
+    if name in SYSTEMS:
+        return True
+    try:
+        zerorun_system_config(name)
+    except (KeyError, ValueError):
+        return False
+    return name.startswith("zero")
 
 
 # --- the uniform trainer interface -------------------------------------------------------------
@@ -103,7 +126,7 @@ def build_trainer(system: str, model: nn.Module, *, lr: float, precision: str = 
     if system.startswith("zero"):
         import zerorun
 
-        config = {"zero": {"stage": int(system[-1])}}
+        config = zerorun_system_config(system)
         if precision != "fp32":
             config["precision"] = {"dtype": precision}
         _merge(config, zerorun_config or {})
@@ -360,7 +383,7 @@ def parse_shared_options(parser, args) -> None:
     import json
 
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
+    unknown = [s for s in args.systems if not is_system(s)]
     if unknown:
         parser.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     try:

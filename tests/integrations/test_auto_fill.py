@@ -245,13 +245,14 @@ def test_training_arguments_fill_and_conflict(tmp_path):
                                  gradient_accumulation_steps=3, zerorun={"gradient_accumulation_steps": 8})
 
 
-def test_deepspeeds_own_scheduler_is_refused_with_the_trainer_alternative(tmp_path):
+def test_deepspeeds_own_scheduler_is_accepted_and_its_autos_filled(tmp_path):
     pytest.importorskip("transformers", minversion="5.23")
     pytest.importorskip("accelerate")
     from zerorun.integrations.hf import ZerorunTrainingArguments
 
     config = {"zero_optimization": {"stage": 2},
-              "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}
-    with pytest.raises(ConfigError, match="WarmupDecayLR") as caught:
-        ZerorunTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", zerorun=config)
-    assert "--lr_scheduler_type" in caught.value.hint
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}}}
+    args = ZerorunTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", zerorun=config,
+                                    learning_rate=3e-4, warmup_steps=7)
+    params = args.zerorun_config["scheduler"]["params"]
+    assert params["warmup_max_lr"] == 3e-4 and params["warmup_num_steps"] in (7, "auto")

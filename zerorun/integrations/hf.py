@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 
 from transformers import Trainer, TrainingArguments
 
-from zerorun.config.deepspeed import DEEPSPEED_SCHEDULERS
 from zerorun.errors import ConfigError, RuntimeConfigError
 from zerorun.integrations.accelerate import (
     EngineModule,
@@ -84,12 +83,6 @@ class ZerorunTrainingArguments(TrainingArguments):
         if self.deepspeed is not None:
             raise RuntimeConfigError("both --deepspeed and --zerorun are set", hint="keep one of them")
         raw = read_config(self.zerorun)
-        scheduler = raw.get("scheduler")
-        if isinstance(scheduler, dict) and scheduler.get("type") in DEEPSPEED_SCHEDULERS:
-            raise ConfigError(
-                f"scheduler.type {scheduler['type']!r} is DeepSpeed's own scheduler, which zerorun does not have",
-                hint="drop the scheduler section: Trainer's schedule (--lr_scheduler_type, --warmup_steps) "
-                     "then drives the engine's learning rate; or name a torch.optim.lr_scheduler class")
         # transformers fills at this point too: mismatches surface before any model is built.
         self.zerorun_config = fill_from_args(raw, self)
 
