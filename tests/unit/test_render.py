@@ -286,3 +286,18 @@ def test_summary_fits_80_columns_with_three_collective_types():
     assert "all_gather" in narrow and "484×" in narrow and "7.400" in narrow and "3.200-4.200" in narrow
     wide = draw(render_summary(snap), width=160)  # room enough: one column per collective, as before
     assert "all_gather s" in wide and "3.200 (242×)" in row(wide, "0")
+
+
+def test_summary_shows_offloaded_host_and_nvme_bytes_apart_from_model_state():
+    breakdown = (("total", 14 << 20), ("offloaded_host", 48 << 20), ("offloaded_nvme", 96 << 20))
+    ranks = tuple(RankView(rank=r, host="localhost", step=3, mem_label="rss", mem_peak=358 << 20,
+                           samples_per_s=3.0, breakdown=breakdown, comm=()) for r in range(2))
+    snap = Snapshot(world_size=2, elapsed_s=5, ranks=ranks, samples_per_s=6.0, comm_totals=())
+    narrow = draw(render_summary(snap), width=80)
+    assert "rank 0 host 48.0M nvme 96.0M" in narrow and max(len(x) for x in narrow.splitlines()) <= 80
+    wide = draw(render_summary(snap), width=160)
+    assert "offloaded" in wide and "host 48.0M nvme 96.0M" in row(wide, "0")
+    plain = (RankView(rank=0, host="h", step=3, mem_label="rss", mem_peak=1 << 20, samples_per_s=1.0,
+                      breakdown=(("total", 1 << 20), ("offloaded_host", 0), ("offloaded_nvme", 0)), comm=()),)
+    assert "offloaded" not in draw(render_summary(Snapshot(world_size=1, elapsed_s=1, ranks=plain, samples_per_s=1.0,
+                                                            comm_totals=())), width=80)

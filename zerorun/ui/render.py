@@ -268,6 +268,10 @@ def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
             "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
         )
     tables = [ranks]
+    offloaded = [(r.rank, offloaded_label(r)) for r in s.ranks if offloaded_label(r)]
+    if offloaded:  # a line of its own: as a column it would not fit 80 columns
+        ranks.caption = "offloaded: " + ", ".join(f"rank {rank} {label}" for rank, label in offloaded)
+        ranks.caption_justify = "left"
     if s.comm_totals:
         ops = Table(header_style="bold", box=box.SIMPLE_HEAD)
         for name in ("collective", "calls", "data", "seconds, all ranks", "per rank"):
@@ -285,7 +289,10 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
     table = Table(title=title, header_style="bold", title_justify="left")
     with_state = any(r.breakdown for r in s.ranks)
     state_column = ("model state",) if with_state else ()
-    for name in ("rank", "host", "steps", "peak memory", *state_column, *(f"{op} s" for op in ops), "samples/s"):
+    with_offload = any(offloaded_label(r) for r in s.ranks)
+    offload_column = ("offloaded",) if with_offload else ()
+    for name in ("rank", "host", "steps", "peak memory", *state_column, *offload_column,
+                 *(f"{op} s" for op in ops), "samples/s"):
         table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         seconds = {c.op: c for c in r.comm}
@@ -295,20 +302,31 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
             "-" if r.step is None else str(r.step),
             f"{r.mem_label} {fmt_bytes(r.mem_peak)}" if r.mem_peak is not None else "-",
             *((fmt_bytes(model_state_bytes(r)),) if with_state else ()),
+            *((offloaded_label(r) or "-",) if with_offload else ()),
             *(_comm_cell(seconds.get(op)) for op in ops),
             "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
         )
     return table
 
 
+OFFLOADED = {"offloaded_host": "host", "offloaded_nvme": "nvme"}
+
+
 def model_state_bytes(r: RankView):
-    """The engine's own total when it sends one, else the sum of its parts; None without a breakdown."""
+    """The engine's own total when it sends one, else the sum of its parts; None without a breakdown.
+    Offloaded bytes (host memory, NVMe files) are not the device's and are shown apart."""
     parts = dict(r.breakdown)
     if not parts:
         return None
     if parts.get("total") is not None:
         return parts["total"]
-    return sum(v for v in parts.values() if v is not None)
+    return sum(v for k, v in parts.items() if v is not None and k not in OFFLOADED)
+
+
+def offloaded_label(r: RankView) -> str:
+    """``host 1.2G nvme 48M``: what the engine keeps off the device (offload.py); '' for none."""
+    parts = dict(r.breakdown)
+    return " ".join(f"{label} {fmt_short(parts[key])}" for key, label in OFFLOADED.items() if parts.get(key))
 
 
 def _comm_cell(c) -> str:

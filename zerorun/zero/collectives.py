@@ -9,6 +9,29 @@ Observer contract (duck-typed):
     collective_finished(seq: int, op: str, nbytes: int, seconds: float) -> None
 ``seq`` counts collectives issued by this process, from 0, in program order: the same
 number names the same collective on every rank of a correct SPMD program.
+
+Note [streams]: zerorun issues every collective, bucket copy, zero-fill and fp32 accumulation
+on the caller's current CUDA stream; it creates no stream of its own yet. What that guarantees
+and what it does not, on NCCL:
+- Order is correct by construction. ProcessGroupNCCL makes its internal stream wait for the
+  current stream when a collective is issued, and ``Handle.wait()`` makes the current stream
+  wait for the collective. Every later read of an output (accumulating a reduced chunk,
+  autograd reading a gathered unit) is queued on the current stream after that wait.
+- Buffer lifetimes: a bucket handed back to its pool (grad_reduce.py, Note [bucket reuse])
+  after ``wait()`` is next written by work queued on the current stream after that wait, so
+  the collective has finished with it; the process group also keeps its inputs alive until
+  the work completes. A gathered unit's storage is freed (Note [freeing by storage resize])
+  by the current stream's allocator only after its last reader was queued there.
+- The offload worker thread (update.py) copies a reduced chunk to the host with a blocking
+  ``.to("cpu")`` issued after the main thread queued the collective's wait; both threads use
+  the default stream, so the copy sees the reduced values. Publishing an update back is a
+  blocking copy too (offload.py), so a host buffer is never reused under an in-flight copy.
+- Not right on GPU yet: ``Handle.wait()`` on NCCL returns as soon as the wait is queued, so the
+  seconds reported per collective measure issue-to-queue time, not the transfer, and the
+  in-flight throttle (MAX_IN_FLIGHT) bounds queued work, not running work; a stuck collective
+  shows as the next synchronizing call, not as "has not entered collective #k". Events timed
+  on a dedicated communication stream would fix all three; that needs a GPU to test, and none
+  was lent to the sessions that wrote this.
 """
 
 from __future__ import annotations
