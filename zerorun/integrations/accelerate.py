@@ -87,30 +87,27 @@ class EngineOptimizer(torch.optim.Optimizer):
     """The optimizer a wrapped loop holds. A torch Optimizer by type, so torch and transformers
     schedulers accept it; it owns no state (``super().__init__`` is deliberately not called).
 
-    ``param_groups`` are the groups whose hyper-parameters are the truth: the engine's optimizer,
-    or, while the engine steps a rebuilt copy of the user's optimizer and no config scheduler
-    drives it, the user's — copied onto the engine's groups before each update, so a scheduler
-    built on the user's optimizer still drives the learning rate."""
+    Its ``param_groups`` are the engine's optimizer's, which is the user's own object (the
+    engine steps it: zerorun/zero/update.py), so a scheduler built on the user's optimizer,
+    on this wrapper or by the config drives the same groups."""
 
-    def __init__(self, engine, router: "EngineRouter", user_optimizer: torch.optim.Optimizer | None):
+    def __init__(self, engine, router: "EngineRouter"):
         self.engine = engine
         self._router = router
-        own = engine.lr_scheduler is not None or user_optimizer is None
-        self._source = engine.optimizer if own else user_optimizer
         self.step_was_skipped = False
 
     @property
     def param_groups(self):
-        return self._source.param_groups
+        return self.engine.optimizer.param_groups
 
     @property
     def defaults(self):
-        return self._source.defaults
+        return self.engine.optimizer.defaults
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer whose groups this one shows (Accelerate matches schedulers by it)."""
-        return self._source
+        return self.engine.optimizer
 
     @property
     def state(self):
@@ -129,29 +126,10 @@ class EngineOptimizer(torch.optim.Optimizer):
         """The global gradient norm (before clipping) of the engine's last update."""
         return _grad_norm(self.engine)
 
-    def sync_hyperparameters(self) -> None:
-        """Copy lr, betas, weight decay... from the source groups onto the engine's optimizer."""
-        target = self.engine.optimizer
-        # A torch scheduler built on the source warns that it steps before its optimizer unless
-        # that optimizer's step ran; the engine's update is that step.
-        self._source._opt_called = True
-        if target is self._source:
-            return
-        for source_group, target_group in zip(self._source.param_groups, target.param_groups):
-            for key, value in source_group.items():
-                if key != "params":
-                    target_group[key] = value
-
-    def adopt_engine_hyperparameters(self) -> None:
-        """The reverse of sync_hyperparameters, after the engine loaded a checkpoint: the
-        restored groups become the source's, so the next sync does not undo the load."""
-        target = self.engine.optimizer
-        if target is self._source:
-            return
-        for source_group, target_group in zip(self._source.param_groups, target.param_groups):
-            for key, value in target_group.items():
-                if key != "params":
-                    source_group[key] = value
+    def mark_stepped(self) -> None:
+        """A torch scheduler warns that it steps before its optimizer unless that optimizer's
+        step ran; the engine's update is that step."""
+        self.engine.optimizer._opt_called = True
 
     def state_dict(self):
         return self.engine.optimizer.state_dict()
@@ -233,7 +211,7 @@ class EngineRouter:
     def _step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
         if boundary and self.optimizer is not None:
-            self.optimizer.sync_hyperparameters()
+            self.optimizer.mark_stepped()
         if boundary:
             # The engine steps its own scheduler inside step(): keep the rates this update used.
             self.update_lrs = [group["lr"] for group in self.engine.optimizer.param_groups]
@@ -320,7 +298,7 @@ def prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer | No
                           hint="make the config's accumulation steps 'auto' or equal to the Accelerator's")
     router = EngineRouter(engine, sync_gradients=lambda: accelerator.sync_gradients,
                           step_in_backward=False, loss_scaled_for_accumulation=False)
-    wrapped_optimizer = EngineOptimizer(engine, router, optimizer)
+    wrapped_optimizer = EngineOptimizer(engine, router)
     router.optimizer = wrapped_optimizer
     route_accelerator(accelerator, router)
     accelerator._optimizers.append(wrapped_optimizer)  # its step_was_skipped gates prepared schedulers

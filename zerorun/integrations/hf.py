@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from transformers import Trainer, TrainingArguments
 
-from zerorun.errors import ConfigError, RuntimeConfigError
+from zerorun.errors import RuntimeConfigError
 from zerorun.integrations.accelerate import (
     EngineModule,
     EngineOptimizer,
@@ -153,7 +153,7 @@ class ZerorunTrainer(Trainer):
             engine, sync_gradients=lambda: self.accelerator.sync_gradients,
             step_in_backward=True,  # Trainer reads the gradient norm before optimizer.step()
             loss_scaled_for_accumulation=True)  # training_step divides by the accumulation steps
-        self.optimizer = EngineOptimizer(engine, self._router, user_optimizer)
+        self.optimizer = EngineOptimizer(engine, self._router)
         self._router.optimizer = self.optimizer
         route_accelerator(self.accelerator, self._router)
         if engine.lr_scheduler is not None:
@@ -198,9 +198,6 @@ class ZerorunTrainer(Trainer):
         client_state = {}
         if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
             client_state[CLIENT_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
-        # The scheduler already set the next step's hyper-parameters on the source groups; put
-        # them in the engine's groups too, so that the checkpoint resumes with them.
-        self.optimizer.sync_hyperparameters()
         engine.save_checkpoint(output_dir, tag=ENGINE_CHECKPOINT_TAG.format(step=self.state.global_step),
                                client_state=client_state)
 
@@ -213,7 +210,6 @@ class ZerorunTrainer(Trainer):
         if isinstance(client_state, tuple):  # DeepSpeed's shape: (path, client_state)
             client_state = client_state[1]
         client_state = client_state or {}
-        self.optimizer.adopt_engine_hyperparameters()
         if CLIENT_SCHEDULER_KEY in client_state and not isinstance(self.lr_scheduler, _EngineScheduler):
             self.lr_scheduler.load_state_dict(client_state[CLIENT_SCHEDULER_KEY])
 
@@ -225,7 +221,6 @@ class ZerorunTrainer(Trainer):
         engine = self._require_engine("load_checkpoint", "load_best_model_at_end",
                                       "reload the best checkpoint's model with from_pretrained")
         engine.load_checkpoint(self.state.best_model_checkpoint)
-        self.optimizer.adopt_engine_hyperparameters()
 
     def _require_engine(self, method: str, what: str, otherwise: str | None):
         """The engine, when it has ``method``. Without it: an error saying what needs it, or, for
