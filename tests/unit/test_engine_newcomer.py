@@ -154,3 +154,21 @@ def test_set_total_steps_reaches_the_step_messages():
 def test_load_config_of_a_filled_in_dict_is_unchanged():
     data = {"train_batch_size": 8, "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     assert load_config(data, environ={}).precision.dtype == "bf16"
+
+
+def test_a_tuple_batch_counts_its_samples():
+    import torch
+    from torch import nn
+
+    import zerorun
+
+    model = nn.Linear(3, 1)
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    batch = (torch.randn(5, 3), torch.randn(5, 1))
+    engine(batch[0]).sum()
+    assert engine._window_samples == 5
+    wrapper = nn.Module()
+    wrapper.forward = lambda b: model(b[0])
+    engine.module = wrapper
+    engine(batch)
+    assert engine._window_samples == 10

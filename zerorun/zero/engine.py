@@ -26,7 +26,7 @@ from zerorun.zero.checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
 from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
-from zerorun.zero.param_gather import ParamGatherer
+from zerorun.zero.param_gather import ParamGatherer, tensors_in
 from zerorun.zero.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.process_group import resolve_process_group
@@ -235,7 +235,7 @@ class Engine:
         if self.dtype != torch.float32:
             args = _cast_floating(args, self.dtype)
             kwargs = _cast_floating(kwargs, self.dtype)
-        first = next((a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)), None)
+        first = next(tensors_in((args, kwargs)), None)  # a tuple batch counts its first tensor
         if first is not None and first.dim() > 0:
             self._window_samples += first.shape[0]
         return self.module(*args, **kwargs)

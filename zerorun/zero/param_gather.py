@@ -172,7 +172,7 @@ class ParamGatherer:
 
     # -- backward -----------------------------------------------------------------------
     def _hook_outputs(self, module: nn.Module, output) -> None:
-        tensors = [t for t in _flatten(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not tensors:
             return
 
@@ -189,7 +189,7 @@ class ParamGatherer:
 
     def _hook_inputs(self, module: nn.Module, args) -> None:
         """Release ``module``'s shared units once its backward is over (Note [shared units])."""
-        tensors = [t for t in _flatten(args) if t.requires_grad]
+        tensors = [t for t in tensors_in(args) if t.requires_grad]
 
         def after_backward(grad):
             if not is_recomputing():
@@ -261,17 +261,18 @@ def _reads_params_in_backward(module: nn.Module) -> bool:
     return not isinstance(module, nn.Embedding)
 
 
-def _flatten(value):
+def tensors_in(value):
+    """Every tensor inside ``value``: nested tuples, lists, dicts, dataclasses, HF outputs."""
     if torch.is_tensor(value):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _flatten(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _flatten(item)
+            yield from tensors_in(item)
     elif hasattr(value, "__dataclass_fields__") or hasattr(value, "to_tuple"):
         # Hugging Face ModelOutput and plain dataclasses
         items = value.to_tuple() if hasattr(value, "to_tuple") else vars(value).values()
         for item in items:
-            yield from _flatten(item)
+            yield from tensors_in(item)
