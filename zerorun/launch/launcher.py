@@ -64,6 +64,8 @@ class PreparedJob:
     ssh_options: list[str]
     # What the config loader accepted without effect (DeepSpeed keys we ignore, "auto" values).
     notes: list[str] = field(default_factory=list)
+    # Seconds without progress before the job is ended as hung (0: never); Note [hang timeout].
+    hang_timeout_s: float = 0.0
 
     def node_commands(self) -> dict[str, list[str]]:
         """The agent command each host runs (what --dry-run shows; the supervisor builds the same)."""
@@ -195,7 +197,8 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ
     )
     config_json = json.dumps(to_dict(config), indent=2)
-    return PreparedJob(plan, token, config_json, options, ssh_options, notes=list(config.notes))
+    return PreparedJob(plan, token, config_json, options, ssh_options, notes=list(config.notes),
+                       hang_timeout_s=config.telemetry.hang_timeout_s)
 
 
 def dry_run_text(job: PreparedJob) -> str:
@@ -223,9 +226,10 @@ def execute(job: PreparedJob, view_factory=None):
     )
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
-        files={f"{job.plan.run_dir}/config.json": job.config_json},
+        files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
+        hang_timeout_s=job.hang_timeout_s,
     )
-    previous = {sig: signal.signal(sig, lambda *_: supervisor.interrupt()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return supervisor.run()
     finally:

@@ -146,6 +146,8 @@ def build_plan(
                 "ZERORUN_RUN_TOKEN": token,
                 "ZERORUN_HOST": host,
                 "PYTHONUNBUFFERED": "1",
+                # Stacks on SIGABRT: what the launcher shows for a hung job (Note [hang timeout]).
+                "PYTHONFAULTHANDLER": "1",
             }
             user_set_threads = "OMP_NUM_THREADS" in inherited_env or "OMP_NUM_THREADS" in (forwarded_env or {})
             if len(slots) > 1 and not user_set_threads:
