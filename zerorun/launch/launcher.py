@@ -26,7 +26,8 @@ from zerorun.launch.commands import (
     remote_shell_command,
     ssh_argv,
 )
-from zerorun.launch.hostfile import HostSlots, parse_hostfile, select_hosts, slurm_hosts
+from zerorun.config.sources import read_small_file
+from zerorun.launch.hostfile import MAX_SLOTS_PER_HOST, HostSlots, parse_hostfile, select_hosts, slurm_hosts
 from zerorun.launch.plan import LaunchPlan, Target, build_plan, describe_plan, is_local_host, plan_json
 
 DEFAULT_MASTER_PORT = 29500
@@ -103,13 +104,13 @@ def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counte
     for flag, value in (("--nproc", options.nproc), ("--gpus", options.gpus)):
         if value is not None and value < 1:
             raise LaunchError(f"{flag} must be at least 1, got {value}")
+        if value is not None and value > MAX_SLOTS_PER_HOST:
+            raise LaunchError(f"{flag} {value} is more than {MAX_SLOTS_PER_HOST} workers on one host")
     per_host = options.gpus or options.nproc
     on_this_machine = False
     if options.hostfile:
-        path = Path(options.hostfile)
-        if not path.is_file():
-            raise HostfileError(f"hostfile {options.hostfile} does not exist")
-        hosts = parse_hostfile(path.read_text(errors="replace"), source=options.hostfile)
+        text = read_small_file(options.hostfile, "hostfile", HostfileError)
+        hosts = parse_hostfile(text, source=options.hostfile)
     else:
         hosts = slurm_hosts(environ)
         if hosts is None:
@@ -162,10 +163,8 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     env_file_vars = {}
     env_file = options.env_file or (DEFAULT_ENV_FILE if os.path.isfile(os.path.join(cwd, DEFAULT_ENV_FILE)) else None)
     if env_file:
-        path = Path(cwd) / env_file
-        if not path.is_file():
-            raise LaunchError(f"env file {env_file} does not exist")
-        env_file_vars = parse_env_file(path.read_text(errors="replace"), source=env_file)
+        text = read_small_file(Path(cwd) / env_file, "env file", LaunchError)
+        env_file_vars = parse_env_file(text, source=env_file)
     ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
     first = next(iter(hosts))
     master_port = options.master_port
@@ -194,7 +193,8 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
 
     config_source = os.path.join(cwd, options.config) if options.config else None
     config = load_config(
-        config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ
+        config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
+        torch_in_child=True,
     )
     config_json = json.dumps(to_dict(config), indent=2)
     return PreparedJob(plan, token, config_json, options, ssh_options, notes=list(config.notes),
