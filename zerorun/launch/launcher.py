@@ -212,6 +212,52 @@ def write_run_dir(job: PreparedJob) -> None:
     (run_dir / "plan.json").write_text(plan_json(job.plan))
 
 
+class ForgivingStream:
+    """stdout for the view, which outlives the reader going away (``zerorun ... | head``).
+
+    The job is not the terminal's: when the reader closes the pipe the job runs on (its logs
+    get everything) and exits with its own status. Later writes are dropped, and fd 1 is
+    pointed at /dev/null so the interpreter's own flush at exit cannot fail either.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self.closed_by_reader = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, AttributeError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def execute(job: PreparedJob, view_factory=None):
     """Pre-flight, write the run dir, start and supervise; returns a JobResult."""
     from zerorun.launch.preflight import preflight
@@ -219,10 +265,14 @@ def execute(job: PreparedJob, view_factory=None):
 
     preflight(job.plan, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options)
     write_run_dir(job)
+    extra = {}
     if view_factory is None:
         from zerorun.ui.live import JobView as view_factory
+
+        extra["stream"] = ForgivingStream(sys.stdout)
     view = view_factory(
-        run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size, dashboard=job.options.dashboard
+        run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size, dashboard=job.options.dashboard,
+        **extra,
     )
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
