@@ -97,6 +97,14 @@ def count_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether the NVIDIA driver lists a GPU here, without importing torch (only for a note)."""
+    try:
+        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return False
+
+
 def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counter=count_gpus) -> HostSlots:
     """Hosts and slot ids from --hostfile, else Slurm, else this machine (--nproc/--gpus)."""
     if options.nproc is not None and options.gpus is not None:
@@ -188,6 +196,7 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         forwarded_env=forwarded_env(environ, env_file_vars) if any(not is_local_host(h, local_names) for h in hosts) else env_file_vars,
         inherited_env=environ,
         this_host_name=socket.gethostname(),
+        device_kind="cpu" if options.nproc is not None else "cuda" if options.gpus is not None else None,
     )
     from zerorun.config import load_config, to_dict
 
@@ -197,7 +206,11 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         torch_in_child=True,
     )
     config_json = json.dumps(to_dict(config), indent=2)
-    return PreparedJob(plan, token, config_json, options, ssh_options, notes=list(config.notes),
+    notes = list(config.notes)
+    if options.nproc is not None and has_nvidia_gpu():
+        notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
+                     "machine has GPUs; use --gpus N for GPU workers")
+    return PreparedJob(plan, token, config_json, options, ssh_options, notes=notes,
                        hang_timeout_s=config.telemetry.hang_timeout_s)
 
 
