@@ -133,11 +133,13 @@ def test_hang_timeout_ends_the_job_naming_the_stuck_rank_with_every_stack(tmp_pa
     run_dir = tmp_path / "run"
     started = time.monotonic()
     done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "6", "--run-dir", str(run_dir),
-                    "hanger.py", mode], tmp_path, timeout=90)
+                    "hanger.py", mode], tmp_path, timeout=90, env={"ZERORUN_HANG_AFTER_S": "2"})
     took = time.monotonic() - started
     assert done.returncode == 1, done.stderr
     assert took < 60
     err = done.stderr
+    # Warned once after ZERORUN_HANG_AFTER_S (outside zerorun's collectives too), then acted on.
+    assert "HANG? no rank has made progress for 2 s; the job is ended after 6 s" in done.stdout
     assert "HANG: no rank has made progress for 6 s" in done.stdout
     last = err.strip().splitlines()[-1]
     assert last.startswith("zerorun: error: rank 1 on host localhost failed: hung:"), err

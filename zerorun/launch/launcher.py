@@ -67,6 +67,8 @@ class PreparedJob:
     notes: list[str] = field(default_factory=list)
     # Seconds without progress before the job is ended as hung (0: never); Note [hang timeout].
     hang_timeout_s: float = 0.0
+    # A quiet spell this long gets one warning line (telemetry.hang_after_s / ZERORUN_HANG_AFTER_S).
+    hang_warn_s: float = 0.0
 
     def node_commands(self) -> dict[str, list[str]]:
         """The agent command each host runs (what --dry-run shows; the supervisor builds the same)."""
@@ -211,7 +213,15 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
                      "machine has GPUs; use --gpus N for GPU workers")
     return PreparedJob(plan, token, config_json, options, ssh_options, notes=notes,
-                       hang_timeout_s=config.telemetry.hang_timeout_s)
+                       hang_timeout_s=config.telemetry.hang_timeout_s,
+                       hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s))
+
+
+def hang_warning_after(environ: Mapping[str, str], configured: float) -> float:
+    """ZERORUN_HANG_AFTER_S (as the dashboard reads it) or the config's telemetry.hang_after_s."""
+    from zerorun.telemetry.settings import env_number
+
+    return env_number("ZERORUN_HANG_AFTER_S", float, configured, env=environ)
 
 
 def dry_run_text(job: PreparedJob) -> str:
@@ -290,7 +300,7 @@ def execute(job: PreparedJob, view_factory=None):
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
         files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
-        hang_timeout_s=job.hang_timeout_s,
+        hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s,
     )
     previous = {sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:

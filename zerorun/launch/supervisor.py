@@ -140,7 +140,8 @@ class OutputSink:
         self._closed = False
 
     def output(self, host: str, rank: int | None, line: str, more: bool = False) -> None:
-        self.last_output = time.monotonic()
+        if rank is not None:  # a worker's line is progress; the launcher's own notes are not
+            self.last_output = time.monotonic()
         log = self.logs.get(rank)
         if log is not None and not self._closed:
             try:
@@ -347,7 +348,7 @@ class AgentChannel:
 class Supervisor:
     def __init__(self, plan: LaunchPlan, view, *, grace_s: float = 3.0, ssh_port: int | None = None,
                  ssh_options: list[str] | None = None, files: dict[str, str] | None = None,
-                 token: str = "", hang_timeout_s: float = 0.0):
+                 token: str = "", hang_timeout_s: float = 0.0, hang_warn_s: float = 0.0):
         self.plan = plan
         self.view = view
         self.grace_s = grace_s
@@ -361,6 +362,9 @@ class Supervisor:
         self._tails = {w.rank: collections.deque(maxlen=TAIL_LINES) for w in plan.workers}
         self._host_of = {w.rank: w.host for w in plan.workers}
         self._watch = watchdog.ProgressWatch(hang_timeout_s, time.monotonic())
+        # One warning line per quiet spell, after hang_warn_s (telemetry.hang_after_s); 0 = none.
+        self._hang_warn_s = hang_warn_s
+        self._warned_at: float | None = None
         self._dumping_since: float | None = None
         self._lost_hosts: set[str] = set()
         self._signal: int | None = None
@@ -469,8 +473,15 @@ class Supervisor:
         if collector is not None:
             ranks = collector.snapshot(output_lines=0).ranks
             self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm)) for v in ranks}, now)
+        idle = self._watch.idle_s(now)
+        if self._warned_at is not None and self._watch.last_progress > self._warned_at:
+            self._warned_at = None  # progress resumed: a later quiet spell is warned about again
+        if 0 < self._hang_warn_s <= idle and self._warned_at is None and not self._watch.expired(now):
+            self._warned_at = now
+            ends = (f"; the job is ended after {self._watch.timeout_s:.0f} s (--hang-timeout)"
+                    if self._watch.timeout_s > 0 else "")
+            self._sink.output("launcher", None, f"HANG? no rank has made progress for {idle:.0f} s{ends}")
         if self._watch.expired(now):
-            idle = self._watch.idle_s(now)
             self._sink.output("launcher", None, f"HANG: no rank has made progress for {idle:.0f} s "
                               "(--hang-timeout); collecting every rank's Python stack and ending the job")
             self._hang_missing = self._collective_missing()
