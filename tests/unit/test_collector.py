@@ -209,3 +209,5 @@ def test_rates_go_blank_when_steps_stop_for_longer_than_a_hang():
     assert collector.snapshot().samples_per_s == 8.0
     clock.now += 31.0
     assert collector.snapshot().samples_per_s is None
+    collector.worker_exited(0, 0)  # the summary after the run shows what the rank did
+    assert collector.snapshot().samples_per_s == 8.0

@@ -276,9 +276,10 @@ class Collector:
 def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -> RankView:
     last = s.last_step or {}
     step_time = samples_rate = tokens_rate = None
-    # A rank with no step for longer than a hang takes has no current rate: showing the last
-    # one would tell a hung job's user it is still training.
-    stale = s.last_step_seen is not None and now - s.last_step_seen > stale_after_s
+    # A running rank with no step for longer than a hang takes has no current rate: showing
+    # the last one would tell a hung job's user it is still training. Once it has exited, its
+    # rate is history again (the end-of-run summary).
+    stale = s.exit_code is None and s.last_step_seen is not None and now - s.last_step_seen > stale_after_s
     if s.steps and not stale:
         total_time = sum(t for t, _, _ in s.steps)
         step_time = total_time / len(s.steps)
