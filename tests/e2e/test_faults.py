@@ -86,6 +86,7 @@ FLOOD = r'''
 import sys
 mb = int(sys.argv[1])
 out = sys.stdout.buffer
+out.write(b"not UTF-8: \xff\xfe, UTF-8: \xc3\xa9\n")
 block = (b"x" * 99 + b"\n") * 10_000            # 1,000,000 bytes of 100-byte lines
 for _ in range(mb):
     out.write(block)
@@ -117,9 +118,11 @@ def test_flooding_worker_leaves_launcher_memory_flat_and_the_log_whole(tmp_path)
     peak_mib = int(done.stderr.decode().rsplit("PEAK_KIB", 1)[1].split()[0]) / 1024
     assert peak_mib < 120, f"launcher peak RSS {peak_mib:.0f} MiB"
     log = run_dir / "logs" / "rank0.log"
-    assert log.stat().st_size == mb * 1_000_000 + mb * 250_000 + len("\nEND\n")
+    head = b"not UTF-8: \xff\xfe, UTF-8: \xc3\xa9\n"
+    assert log.stat().st_size == len(head) + mb * 1_000_000 + mb * 250_000 + len("\nEND\n")
     with open(log, "rb") as f:
-        f.seek(mb * 1_000_000 - 100)
+        assert f.read(len(head)) == head  # byte for byte, not "replaced"
+        f.seek(len(head) + mb * 1_000_000 - 100)
         assert f.read(101) == b"x" * 99 + b"\ny"
     assert log.read_bytes()[-5:] == b"\nEND\n"
 

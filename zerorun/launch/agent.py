@@ -223,7 +223,9 @@ class NodeAgent:
                     raw = raw[:-1]
             else:
                 event["more"] = True
-            event["line"] = raw.decode("utf-8", "replace")
+            # surrogateescape: bytes that are not UTF-8 (or a character cut at a piece boundary)
+            # travel as lone surrogates and become the same bytes again in the log file.
+            event["line"] = raw.decode("utf-8", "surrogateescape")
             self.emit(event)
         stream.close()
 

@@ -155,6 +155,10 @@ class OutputSink:
             self._continuing.discard(rank)
         if not first_piece:
             return
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 (see the agent): shown replaced
+            line = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         shown = printable(line, SHOWN_LINE_CHARS)
         if more and not shown.endswith("…"):
             shown += "…"
@@ -378,7 +382,9 @@ class Supervisor:
     def run(self) -> JobResult:
         log_dir = Path(self.plan.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        logs = {rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", buffering=1) for rank in self._tails}
+        # Line-buffered, so `tail -f` on a log follows the rank as it runs.
+        logs = {rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", errors="surrogateescape", buffering=1)
+                for rank in self._tails}
         self._sink = OutputSink(self.view, logs, self._tails)
         self._failure: Failure | None = None
         self._exit_codes: dict[int, int] = {}
