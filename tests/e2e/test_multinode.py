@@ -147,3 +147,22 @@ def test_sigkilled_remote_agent_leaves_no_worker_behind(sshd, tmp_path, workers)
     last = err.strip().splitlines()[-1]
     assert last.startswith("zerorun: error: host 127.0.0.2 failed: lost the ssh session to its agent"), err
     assert last.endswith(f"every worker was stopped (logs in {run_dir}/logs)"), err
+
+
+def test_hang_with_the_stuck_rank_on_the_remote_host_is_blamed_with_both_stacks(sshd, tmp_path):
+    (tmp_path / "hanger.py").write_text(HANGER)
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    run_dir = tmp_path / "run"
+    done = run_cli(
+        ["--hostfile", "hosts", "--ssh-port", str(sshd.port), "--no-dashboard", "--hang-timeout", "6",
+         "--run-dir", str(run_dir), "hanger.py", "script"],
+        tmp_path,
+        env=ssh_env(sshd),
+        timeout=90,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("zerorun: error: rank 1 on host 127.0.0.2 failed: hung:"), done.stderr
+    assert "rank 0: waiting in a collective; at " in done.stderr
+    assert "rank 1: not in a collective; at " in done.stderr and "hanger.py" in done.stderr
+    assert "in stuck_here" in done.stderr

@@ -163,3 +163,11 @@ def test_agent_stamps_telemetry_with_the_rank_and_host_it_knows():
     assert json.loads(stamp_telemetry(forged, 3, "node-b")) == {"v": 1, "rank": 3, "host": "node-b", "kind": "bye"}
     assert stamp_telemetry(b"[1, 2]\n", 3, "node-b") == "[1, 2]"  # not an object: the collector drops it
     assert stamp_telemetry(b"\xff{\n", 3, None) == "\ufffd{"
+
+
+def test_remote_agent_imports_the_same_zerorun_as_its_workers():
+    from zerorun.launch.commands import agent_argv
+
+    assert agent_argv("/py") == ["/py", "-m", "zerorun.launch.agent"]
+    assert agent_argv("/py", {"PYTHONPATH": "/src:/x y"}) == ["env", "PYTHONPATH=/src:/x y", "/py", "-m",
+                                                                "zerorun.launch.agent"]

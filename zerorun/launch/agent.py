@@ -398,4 +398,8 @@ def _serve() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve())
+    code = _serve()
+    sys.stdout.flush()
+    # Not sys.exit: the stdin watcher is a daemon thread blocked in a read of stdin, and the
+    # interpreter's shutdown would abort on that stream's lock ("could not acquire lock").
+    os._exit(code)

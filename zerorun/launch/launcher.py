@@ -77,7 +77,7 @@ class PreparedJob:
             if node.local
             else ssh_argv(
                 node.host,
-                remote_shell_command(self.plan.cwd, agent_argv(self.plan.python)),
+                remote_shell_command(self.plan.cwd, agent_argv(self.plan.python, self.plan.forwarded_env)),
                 ssh_port=self.options.ssh_port,
                 extra_options=self.ssh_options,
             )

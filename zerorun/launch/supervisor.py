@@ -221,7 +221,7 @@ class AgentChannel:
             self.cwd = None
             self.argv = ssh_argv(
                 node.host,
-                remote_shell_command(plan.cwd, agent_argv(plan.python)),
+                remote_shell_command(plan.cwd, agent_argv(plan.python, plan.forwarded_env)),
                 ssh_port=ssh_port,
                 extra_options=ssh_options,
             )
@@ -383,8 +383,10 @@ class Supervisor:
         log_dir = Path(self.plan.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Line-buffered, so `tail -f` on a log follows the rank as it runs.
-        logs = {rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", errors="surrogateescape", buffering=1)
-                for rank in self._tails}
+        logs = {
+            rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", errors="surrogateescape", buffering=1)
+            for rank in self._tails
+        }
         self._sink = OutputSink(self.view, logs, self._tails)
         self._failure: Failure | None = None
         self._exit_codes: dict[int, int] = {}
