@@ -294,15 +294,18 @@ def execute(job: PreparedJob, view_factory=None):
 
         extra["stream"] = ForgivingStream(sys.stdout)
     view = view_factory(
-        run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size, dashboard=job.options.dashboard,
-        **extra,
+        run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size,
+        dashboard=job.options.dashboard, **extra,
     )
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
         files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
         hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s,
     )
-    previous = {sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         return supervisor.run()
     finally:

@@ -370,6 +370,7 @@ class Supervisor:
         self._hang_warn_s = hang_warn_s
         self._warned_at: float | None = None
         self._dumping_since: float | None = None
+        self._hang_missing: tuple[int, ...] = ()
         self._lost_hosts: set[str] = set()
         self._signal: int | None = None
 
@@ -488,9 +489,9 @@ class Supervisor:
             self._warned_at = now
             ends = (f"; the job is ended after {self._watch.timeout_s:.0f} s (--hang-timeout)"
                     if self._watch.timeout_s > 0 else "")
-            self._sink.output("launcher", None, f"HANG? no rank has made progress for {idle:.0f} s{ends}")
+            self._sink.output("launcher", None, f"HANG? no rank has made progress for {self._hang_warn_s:g} s{ends}")
         if self._watch.expired(now):
-            self._sink.output("launcher", None, f"HANG: no rank has made progress for {idle:.0f} s "
+            self._sink.output("launcher", None, f"HANG: no rank has made progress for {self._watch.timeout_s:g} s "
                               "(--hang-timeout); collecting every rank's Python stack and ending the job")
             self._hang_missing = self._collective_missing()
             self._dumping_since = now
@@ -512,7 +513,7 @@ class Supervisor:
             rank: watchdog.main_stack(watchdog.parse_fault_stacks(list(tail))) for rank, tail in self._tails.items()
         }
         stacks = {rank: stack for rank, stack in stacks.items() if stack}
-        culprits = watchdog.blame(stacks, getattr(self, "_hang_missing", ()))
+        culprits = watchdog.blame(stacks, self._hang_missing)
         timeout = self._watch.timeout_s
         if culprits:
             others = sorted(set(stacks) - set(culprits))
@@ -521,11 +522,15 @@ class Supervisor:
                 names = "rank " + str(others[0]) if len(others) == 1 else "ranks " + ", ".join(map(str, others))
                 waiting = f"; {names} {'waits' if len(others) == 1 else 'wait'} for it in a collective"
             rank = culprits[0]
-            reason = f"hung: no rank made progress for {timeout:.0f} s and this rank is the one the others wait for{waiting}"
+            reason = (f"hung: no rank made progress for {timeout:g} s and this rank is the one the others "
+                      f"wait for{waiting}")
+            if len(culprits) > 1:
+                reason += f"; so are ranks {', '.join(map(str, culprits[1:]))}"
             failure = Failure(self._host_of[rank], rank, reason, stacks=stacks)
         else:
             hosts = sorted(set(self._host_of.values()))
-            reason = f"hung: no rank made progress for {timeout:.0f} s (every rank waits; see the stacks)"
+            reason = (f"hung: no rank made progress for {timeout:g} s; the stacks do not tell which rank the "
+                      "others wait for")
             failure = Failure(hosts[0] if len(hosts) == 1 else ", ".join(hosts), None, reason, stacks=stacks)
         self._dumping_since = None
         self._fail(failure)
