@@ -27,7 +27,9 @@ them: each worker asks the kernel for SIGKILL when its parent (the agent) dies
 (PR_SET_PDEATHSIG, set between fork and exec), and a guardian process in its own session
 holds a pipe from the agent; when that pipe closes without the agent's "done", the guardian
 ends every worker process group (which also reaches the workers' own children, which
-PDEATHSIG does not). The launcher then checks that no process of the run is left.
+PDEATHSIG does not). An agent that ends normally reaps every group first and then says "done",
+so the guardian never signals a process group id the kernel may have handed out again. The
+launcher then checks that no process of the run is left (processes.sweep_run).
 
 Note [bounded output]: everything a worker writes is read in chunks of at most
 MAX_OUTPUT_LINE bytes and written (blocking) to the agent's stdout, so a worker that prints
