@@ -94,9 +94,14 @@ out.write(b"y" * (mb * 250_000) + b"\nEND\n")    # and one line of mb/4 MB witho
 out.flush()
 '''
 
+# The launcher's own peak: VmHWM belongs to this process image. (ru_maxrss would not do: Linux
+# carries it across exec, so it would report the forking parent's size, here pytest's.)
 PEAK = r'''
-import atexit, resource, sys
-atexit.register(lambda: sys.stderr.write("PEAK_KIB %d\n" % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+import atexit, sys
+def peak_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+atexit.register(lambda: sys.stderr.write("PEAK_KIB %d\n" % peak_kib()))
 from zerorun.cli.main import main
 main(sys.argv[1:])
 '''
