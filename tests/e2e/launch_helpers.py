@@ -35,6 +35,40 @@ if rank == fail_rank and mode == "raise":
 time.sleep(120)
 '''
 
+# Ranks write their pid, then rank 1 waits forever at stuck_here() while rank 0 goes on into
+# a collective (argv[1]: "script" = the script's own dist.all_reduce, "engine" = zerorun's
+# collectives, "none" = rank 0 sleeps too). Lines are printed along the way so that a slow
+# start on a loaded machine is progress, not a hang.
+HANGER = r'''
+print("starting", flush=True)
+import os, sys, time
+import torch, torch.distributed as dist
+print("imported torch", flush=True)
+dist.init_process_group("gloo")
+rank, mode = dist.get_rank(), sys.argv[1]
+t = torch.ones(3)
+if mode == "engine":
+    from zerorun.telemetry import get_recorder
+    from zerorun.zero import collectives
+    get_recorder()
+    collectives.all_reduce(t, group=None)
+print("ready", flush=True)
+run_dir = os.environ["ZERORUN_RUN_DIR"]
+with open(os.path.join(run_dir, f"pid{rank}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(run_dir, f"pid{rank}.tmp"), os.path.join(run_dir, f"pid{rank}"))
+
+def stuck_here():
+    time.sleep(300)
+
+if rank == 1 or mode == "none":
+    stuck_here()
+if mode == "engine":
+    collectives.all_reduce(t, group=None)
+else:
+    dist.all_reduce(t)
+'''
+
 
 def cli_env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ZERORUN_"))}

@@ -14,7 +14,17 @@ import signal
 import time
 
 import pytest
-from launch_helpers import FAILER, assert_no_job_processes, kill_group, run_cli, start_cli, wait_for_files
+import psutil
+from launch_helpers import (
+    FAILER,
+    HANGER,
+    assert_no_job_processes,
+    job_processes,
+    kill_group,
+    run_cli,
+    start_cli,
+    wait_for_files,
+)
 from sshd_server import LoopbackSshd, sshd_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.ssh]
@@ -105,3 +115,54 @@ def test_preflight_reports_every_problem_at_once(sshd, tmp_path):
     assert "127.0.0.3: unreachable over ssh" in line
     assert "127.0.0.2: module no_such_module_here not found" in line
     assert not (tmp_path / "zerorun-runs").exists()
+
+
+@pytest.mark.parametrize("workers", ["idle", "blocked"])
+def test_sigkilled_remote_agent_leaves_no_worker_behind(sshd, tmp_path, workers):
+    """The agent on 127.0.0.2 dies: its worker goes with it and the launcher says what happened."""
+    (tmp_path / "job.py").write_text(FAILER if workers == "idle" else HANGER)
+    args = ["job.py", "sleep", "-1"] if workers == "idle" else ["job.py", "script"]
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    run_dir = tmp_path / "run"
+    proc = start_cli(
+        ["--hostfile", "hosts", "--ssh-port", str(sshd.port), "--no-dashboard", "--hang-timeout", "0",
+         "--run-dir", str(run_dir), *args],
+        tmp_path,
+        env=ssh_env(sshd),
+    )
+    try:
+        wait_for_files([run_dir / "pid0", run_dir / "pid1"], proc=proc)
+        pids = [int((run_dir / f"pid{r}").read_text()) for r in (0, 1)]
+        remote_agent = psutil.Process(pids[1]).ppid()
+        assert "zerorun.launch.agent" in " ".join(psutil.Process(remote_agent).cmdline())
+        os.kill(remote_agent, signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=40)
+        while job_processes(run_dir) and time.monotonic() - killed < 5.0:
+            time.sleep(0.1)
+        assert_no_job_processes(run_dir, pids)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 1
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("zerorun: error: host 127.0.0.2 failed: lost the ssh session to its agent"), err
+    assert last.endswith(f"every worker was stopped (logs in {run_dir}/logs)"), err
+
+
+def test_hang_with_the_stuck_rank_on_the_remote_host_is_blamed_with_both_stacks(sshd, tmp_path):
+    (tmp_path / "hanger.py").write_text(HANGER)
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    run_dir = tmp_path / "run"
+    done = run_cli(
+        ["--hostfile", "hosts", "--ssh-port", str(sshd.port), "--no-dashboard", "--hang-timeout", "6",
+         "--run-dir", str(run_dir), "hanger.py", "script"],
+        tmp_path,
+        env=ssh_env(sshd),
+        timeout=90,
+    )
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("zerorun: error: rank 1 on host 127.0.0.2 failed: hung:"), done.stderr
+    assert "rank 0: waiting in a collective; at " in done.stderr
+    assert "rank 1: not in a collective; at " in done.stderr and "hanger.py" in done.stderr
+    assert "in stuck_here" in done.stderr

@@ -183,3 +183,31 @@ def test_detect_hang_names_ranks_that_did_not_enter_the_collective():
     # Everyone entered but nobody finished: a hang with no one to blame.
     all_in = [view(0, entered=5, blocked=waiting), view(1, entered=5, blocked=waiting)]
     assert detect_hang(all_in, 30.0).missing == ()
+
+
+def test_control_characters_never_reach_the_state_or_the_file(tmp_path):
+    collector = Collector(token=TOKEN, world_size=1, run_dir=tmp_path)
+    record = msg("sample", mem={"rss": 1}, comm={"ev\x1b[2Jil\x9b1m\x07": [1, 8, 0.5]}, comm_seconds_total=0.5,
+                 entered_seq=0, blocked=None)
+    record["host"] = "h\x1b]0;title\x07ost"
+    assert collector.ingest("h", json.dumps(record))
+    view = collector.snapshot().ranks[0]
+    assert view.host == "host" and [c.op for c in view.comm] == ["evil"]
+    assert "\\u001b" not in (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_drops_counted_by_the_agent_show_with_the_rest():
+    collector = Collector(token=TOKEN, world_size=1)
+    collector.count_dropped("oversized", 2)
+    assert dict(collector.snapshot().dropped)["oversized"] == 2
+
+
+def test_rates_go_blank_when_steps_stop_for_longer_than_a_hang():
+    clock = FakeClock()
+    collector = Collector(token=TOKEN, world_size=1, hang_after_s=30.0, clock=clock)
+    collector.ingest("h", json.dumps(msg("step", step=1, step_time_s=0.5, samples=4)))
+    assert collector.snapshot().samples_per_s == 8.0
+    clock.now += 31.0
+    assert collector.snapshot().samples_per_s is None
+    collector.worker_exited(0, 0)  # the summary after the run shows what the rank did
+    assert collector.snapshot().samples_per_s == 8.0

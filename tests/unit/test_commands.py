@@ -152,3 +152,22 @@ launcher_opts = st.lists(
 def test_script_args_never_reach_the_launcher_parser(ours, script, args):
     assert split_argv([*ours, script, *args]) == (ours, [script, *args])
     assert split_argv([*ours, "-m", "pkg.mod", *args]) == ([*ours, "-m", "pkg.mod"], args)
+
+
+def test_agent_stamps_telemetry_with_the_rank_and_host_it_knows():
+    import json
+
+    from zerorun.launch.agent import stamp_telemetry
+
+    forged = json.dumps({"v": 1, "rank": 0, "host": "elsewhere", "kind": "bye"}).encode() + b"\n"
+    assert json.loads(stamp_telemetry(forged, 3, "node-b")) == {"v": 1, "rank": 3, "host": "node-b", "kind": "bye"}
+    assert stamp_telemetry(b"[1, 2]\n", 3, "node-b") == "[1, 2]"  # not an object: the collector drops it
+    assert stamp_telemetry(b"\xff{\n", 3, None) == "\ufffd{"
+
+
+def test_remote_agent_imports_the_same_zerorun_as_its_workers():
+    from zerorun.launch.commands import agent_argv
+
+    assert agent_argv("/py") == ["/py", "-m", "zerorun.launch.agent"]
+    assert agent_argv("/py", {"PYTHONPATH": "/src:/x y"}) == ["env", "PYTHONPATH=/src:/x y", "/py", "-m",
+                                                                "zerorun.launch.agent"]

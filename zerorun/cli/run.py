@@ -137,6 +137,11 @@ def register(app: typer.Typer) -> None:
         no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain prefixed output instead of the live dashboard."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (hosts, ranks, env, commands); start nothing."),
         grace: float = typer.Option(3.0, "--grace", help="Seconds between TERM and KILL when stopping workers."),
+        hang_timeout: Optional[float] = typer.Option(
+            None, "--hang-timeout", metavar="SECONDS",
+            help="End the job when no rank made progress this long, showing every rank's stack "
+                 "(config telemetry.hang_timeout_s, default 600; 0 = never).",
+        ),
     ) -> None:
         from zerorun.launch.launcher import LaunchOptions, dry_run_text, execute, prepare
         from zerorun.launch.plan import Target
@@ -150,11 +155,16 @@ def register(app: typer.Typer) -> None:
             job_target = Target(script=words[0], args=tuple(words[1:]))
         else:
             raise LaunchError("no script given", hint="zerorun --nproc 2 train.py [script args...]  or  zerorun -m package.module")
+        overrides = parse_settings(list(settings or []))
+        if hang_timeout is not None:
+            if not hang_timeout >= 0:
+                raise LaunchError(f"--hang-timeout must be 0 (never) or a number of seconds, got {hang_timeout}")
+            overrides["telemetry.hang_timeout_s"] = hang_timeout
         options = LaunchOptions(
             target=job_target, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
             ssh_options=list(ssh_opt or []), env_file=env_file, config=config,
-            config_overrides=parse_settings(list(settings or [])), run_dir=run_dir,
+            config_overrides=overrides, run_dir=run_dir,
             dashboard=not no_dashboard, grace_s=grace,
         )
         if dry_run and gpus is not None:
@@ -172,14 +182,30 @@ def register(app: typer.Typer) -> None:
         result = execute(job)
         logs = f"{result.run_dir}/logs"
         print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
+        stopped = stopped_clause(result.leftovers)
         if result.interrupted:
-            print(f"zerorun: interrupted; every worker was stopped (logs in {logs})", file=sys.stderr)
-            raise typer.Exit(130)
+            print(f"zerorun: interrupted; {stopped} (logs in {logs})", file=sys.stderr)
+            raise typer.Exit(interrupted_exit_code(result))
         if result.failure is not None:
             failure = result.failure
             show_root_cause(format_failure(failure))
             who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
-            raise JobFailed(f"{who} failed: {failure.reason}; every other worker was stopped (logs in {logs})")
+            if failure.rank is not None:
+                stopped = stopped.replace("every worker", "every other worker")
+            raise JobFailed(f"{who} failed: {failure.reason}; {stopped} (logs in {logs})")
+
+
+def stopped_clause(leftovers: dict[str, str]) -> str:
+    """What the launcher can truthfully say about the job's processes after teardown."""
+    if not leftovers:
+        return "every worker was stopped"
+    return "could not confirm that every worker stopped: " + "; ".join(
+        f"host {host}: {problem}" for host, problem in sorted(leftovers.items()))
+
+
+def interrupted_exit_code(result) -> int:
+    """128 + the signal that stopped us (130 for Ctrl-C, 143 for SIGTERM), as shells do."""
+    return 128 + (getattr(result, "signal", None) or 2)
 
 
 def show_root_cause(text: str) -> None:

@@ -7,7 +7,10 @@ every step are collected and raised together, each under the key path the user w
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -27,6 +30,7 @@ def load_config(
     world_size: int | None = None,
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    torch_in_child: bool = False,
 ) -> ZerorunConfig:
     """Load, translate, override and validate a config; raise ConfigError listing every problem.
 
@@ -37,6 +41,9 @@ def load_config(
     environ: where ZERORUN_<SECTION>__<KEY> variables are read; os.environ by default, {} to
         ignore the environment (a config the launcher already resolved). A ZerorunConfig source
         is already resolved, so by default the environment is not applied to it again.
+    torch_in_child: check optimizer/scheduler class names in a short-lived child process
+        unless torch is already imported here (the launcher: it never needs torch itself, and
+        importing it would multiply its resident memory for the whole job).
     """
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
@@ -45,7 +52,7 @@ def load_config(
         environ = {} if isinstance(source, ZerorunConfig) else os.environ
     label, data, notes = _read_source(source)
     try:
-        return _load(label, data, notes, world_size, overrides or {}, environ)
+        return _load(label, data, notes, world_size, overrides or {}, environ, torch_in_child)
     except RecursionError:
         raise ConfigError(f"invalid config {label}: nested too deeply to be a config") from None
 
@@ -68,7 +75,7 @@ def _read_source(source: Any) -> tuple[str, Any, list[str]]:
 
 
 def _load(label: str, data: Any, notes: list[str], world_size: int | None,
-          overrides: Mapping[str, Any], environ: Mapping[str, str]) -> ZerorunConfig:
+          overrides: Mapping[str, Any], environ: Mapping[str, str], torch_in_child: bool = False) -> ZerorunConfig:
     problems = Problems()
     aliases: dict[str, str] = {}
     if not isinstance(data, dict):
@@ -97,13 +104,44 @@ def _load(label: str, data: Any, notes: list[str], world_size: int | None,
     rules.check_ranges(config, problems)
     if not type_problems:  # combinations would judge those stand-in defaults: wait for a clean file
         rules.check_combinations(config, problems)
-        rules.check_torch_names(config, problems)
+        if torch_in_child and "torch" not in sys.modules:
+            _check_torch_names_in_child(config, problems)
+        else:
+            rules.check_torch_names(config, problems)
         if not any(p.path.startswith("batch.") for p in problems.items):
             config.batch = rules.resolve_batch(config.batch, world_size, problems)
     problems.items = [_as_written(problem, aliases) for problem in problems.items]
     problems.raise_if_any(label)
     config.notes = notes
     return config
+
+
+def _check_torch_names_in_child(config: ZerorunConfig, problems: Problems) -> None:
+    """``rules.check_torch_names`` run by a child Python, so this process never imports torch."""
+    if config.optimizer is None and config.scheduler is None:
+        return
+    sections = {key: typed.to_dict(config)[key] for key in ("optimizer", "scheduler")}
+    try:
+        done = subprocess.run([sys.executable, "-c", "from zerorun.config.loader import _torch_names_child; "
+                               "_torch_names_child()"], input=json.dumps(sections).encode(),
+                              capture_output=True, timeout=300)
+        found = json.loads(done.stdout.decode().strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return  # no torch to ask (or it failed): the workers check again when they load the config
+    for path, message, value in found:
+        problems.add(path, message, *([] if value == [] else [value]))
+
+
+def _torch_names_child() -> None:
+    """The child's side: read the optimizer/scheduler sections as JSON, print the problems as JSON."""
+    from zerorun.config.problems import _MISSING
+
+    sections = json.loads(sys.stdin.read())
+    config = typed.build(ZerorunConfig, sections, "", Problems())
+    found = Problems()
+    rules.check_torch_names(config, found)
+    print(json.dumps([[p.path, p.message, [] if p.value is _MISSING else p.value] for p in found.items],
+                     default=str))
 
 
 def _as_written(problem: Problem, aliases: dict[str, str]) -> Problem:

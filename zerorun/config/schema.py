@@ -105,6 +105,9 @@ class TelemetryConfig:
     total_steps: int | None = None
     # A collective not finished on every rank after this long is reported as a hang.
     hang_after_s: float = 30.0
+    # The launcher ends the job when no rank has made progress (output, steps, collectives) for
+    # this long, naming the rank the others wait for; 0 = never. CLI: --hang-timeout.
+    hang_timeout_s: float = 600.0
 
 
 @dataclass

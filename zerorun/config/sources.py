@@ -26,6 +26,52 @@ ENV_SEPARATOR = "__"
 ENV_TOP_LEVEL = {"ZERORUN_SEED": "seed", "ZERORUN_GRADIENT_CLIPPING": "gradient_clipping"}
 SUFFIXES = (".yaml", ".yml", ".json")
 MAX_FILE_BYTES = 1 << 20  # a config is a few KB; anything larger is surely the wrong file
+# Note [bounded YAML]: YAML aliases let 400 bytes stand for 10^8 values (each level of a
+# "billion laughs" file repeats the previous one ten times). Parsing builds them shared and
+# cheap; everything after (override copies, error messages) would expand them. The loader
+# therefore counts the values a document stands for, aliases expanded, before building any.
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 64
+
+
+def read_small_file(path: str | Path, what: str, error=ConfigError, limit: int = MAX_FILE_BYTES) -> str:
+    """The text of a regular file of at most ``limit`` bytes; one-line ``error`` otherwise.
+
+    Opened first and checked on the open file (no race with a swap), read with a bound: a
+    FIFO, ``/dev/zero`` or a symlink to either is refused without reading a byte of it.
+    """
+    import os
+    import stat
+
+    name = str(path)
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise error(f"{what} {name!r} does not exist") from None
+    except IsADirectoryError:
+        raise error(f"{what} {name!r} is a directory, not a file") from None
+    except OSError as err:
+        raise error(f"cannot read {what} {name!r}: {err.strerror or err}") from None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise error(f"{what} {name!r} is a directory, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"{what} {name!r} is not a regular file (a device, pipe or socket)")
+        if info.st_size > limit:
+            raise error(f"{what} {name!r} is larger than {limit >> 10} KiB; is it the right file?")
+        with os.fdopen(fd, "rb", closefd=False) as stream:
+            data = stream.read(limit + 1)
+    except OSError as err:
+        raise error(f"cannot read {what} {name!r}: {err.strerror or err}") from None
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew since fstat (a file still being written)
+        raise error(f"{what} {name!r} is larger than {limit >> 10} KiB; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"cannot read {what} {name!r}: not UTF-8 text (byte {err.start})") from None
 
 
 def read_file(path: str | Path) -> dict:
@@ -34,17 +80,57 @@ def read_file(path: str | Path) -> dict:
     if path.suffix.lower() not in SUFFIXES:
         raise ConfigError(f"config file {str(path)!r} must end in .yaml, .yml or .json",
                           hint="zerorun reads zerorun YAML and DeepSpeed JSON configs")
-    try:
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"config file {str(path)!r} is larger than 1 MiB; is it the right file?")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config path {str(path)!r} is a directory, not a file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {err}") from None
+    text = read_small_file(path, "config file")
     return parse_text(text, str(path), json_syntax=path.suffix.lower() == ".json")
+
+
+def _bounded_yaml(text: str, name: str):
+    """``yaml.safe_load`` that refuses documents standing for too many values (Note [bounded YAML])."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_size(node, name)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_yaml_size(root, name: str) -> None:
+    """Count the values ``root`` expands to, each shared (aliased) node counted per use."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    # Iterative post-order walk: (node, depth, children done?)
+    stack = [(root, 1, False)]
+    while stack:
+        node, depth, done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"config file {name!r} is nested more than {MAX_YAML_DEPTH} levels deep; "
+                              "a config is a few levels")
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            sizes[id(node)] = 1
+            continue
+        if done:
+            total = 1 + sum(sizes.get(id(child), 1) for child in children)
+            if total > MAX_YAML_VALUES:
+                raise ConfigError(f"config file {name!r} stands for more than {MAX_YAML_VALUES:,} values "
+                                  "once its aliases (*name) are expanded; a config is a few dozen",
+                                  hint="is it the right file? YAML anchors (&name) and aliases (*name) "
+                                       "repeat whole sections")
+            sizes[id(node)] = total
+        else:
+            stack.append((node, depth, True))
+            stack.extend((child, depth + 1, False) for child in children if id(child) not in sizes)
 
 
 def parse_text(text: str, name: str, *, json_syntax: bool) -> dict:
@@ -53,7 +139,7 @@ def parse_text(text: str, name: str, *, json_syntax: bool) -> dict:
     import yaml
 
     try:
-        data = json.loads(text) if json_syntax else yaml.safe_load(text)
+        data = json.loads(text) if json_syntax else _bounded_yaml(text, name)
     except json.JSONDecodeError as err:
         raise ConfigError(f"config file {name!r} is not valid JSON: {err.msg} at line {err.lineno} "
                           f"column {err.colno}") from None
@@ -135,10 +221,11 @@ def parse_scalar(raw: str) -> Any:
     Numbers PyYAML leaves as text ("3e-4": YAML 1.1 wants a dot) become numbers too, since a
     free-form value such as optimizer.params.lr is handed to torch as it is.
     """
-    import yaml
-
     try:
-        value = yaml.safe_load(raw)
+        value = _bounded_yaml(raw, "(value)")
+    except ConfigError:
+        raise ConfigError(f"the value {raw[:40]!r}... stands for too many values once its YAML aliases "
+                          "are expanded") from None
     except Exception:  # not YAML: the text itself (a path, a name)
         return raw
     if isinstance(value, str):

@@ -7,20 +7,40 @@ agent's stdin.
 
 Protocol (JSON lines). stdin: first line is the node's job ``{"host", "cwd", "env",
 "grace_s", "workers": [{"rank", "local_rank", "argv", "env"}]}``; afterwards ``stop`` ends
-every worker. EOF on stdin (the ssh session is gone) also ends every worker, so a launcher
-that dies cannot leave workers behind. stdout: events
+every worker and ``dump`` makes every worker print its Python stacks and end (SIGABRT with
+faulthandler on: the hang report). EOF on stdin (the ssh session is gone) also ends every
+worker, so a launcher that dies cannot leave workers behind. stdout: events
     {"t": "started", "rank", "pid"}      a worker is running
-    {"t": "out", "rank", "line"}         one line of its stdout/stderr
-    {"t": "tel", "rank", "line"}         one raw telemetry line it wrote to ZERORUN_TELEMETRY_FD
+    {"t": "out", "rank", "line"[, "more": true]}
+                                         a line of its stdout/stderr; "more": the line goes on
+                                         in the next event (cut at MAX_OUTPUT_LINE bytes)
+    {"t": "tel", "rank", "line"}         one telemetry line it wrote to ZERORUN_TELEMETRY_FD,
+                                         re-stamped with the rank and host the agent knows
+    {"t": "tel_dropped", "rank", "reason"}  a telemetry line the agent dropped (oversized)
     {"t": "exit", "rank", "rc"}          it ended (after its last output line)
     {"t": "done"}                        every worker has ended; the agent exits
 Telemetry rides this same stdout, so no port is opened on any host.
+
+Note [workers die with their agent]: the launcher learns of a dead agent from its closed
+stdout, but the workers would live on as children of PID 1. Two independent mechanisms end
+them: each worker asks the kernel for SIGKILL when its parent (the agent) dies
+(PR_SET_PDEATHSIG, set between fork and exec), and a guardian process in its own session
+holds a pipe from the agent; when that pipe closes without the agent's "done", the guardian
+ends every worker process group (which also reaches the workers' own children, which
+PDEATHSIG does not). An agent that ends normally reaps every group first and then says "done",
+so the guardian never signals a process group id the kernel may have handed out again. The
+launcher then checks that no process of the run is left (processes.sweep_run).
+
+Note [bounded output]: everything a worker writes is read in chunks of at most
+MAX_OUTPUT_LINE bytes and written (blocking) to the agent's stdout, so a worker that prints
+faster than the launcher reads is slowed by the full pipe instead of growing any buffer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -29,27 +49,118 @@ import time
 from collections.abc import Callable
 
 from zerorun.launch.processes import end_groups
+from zerorun.telemetry.events import MAX_LINE_BYTES
 
-# A telemetry line longer than this is dropped rather than buffered without bound.
-MAX_TELEMETRY_LINE = 1 << 20
+# Output lines longer than this reach the launcher in pieces (the log file joins them again).
+MAX_OUTPUT_LINE = 64 * 1024
+# The collector drops longer telemetry lines anyway: dropping them here saves the transfer.
+MAX_TELEMETRY_LINE = MAX_LINE_BYTES
 
 Emit = Callable[[dict], None]
+
+# Runs as ``python -c GUARDIAN_SOURCE`` (stdlib only). stdin: "+PGID" when a worker group
+# starts, "done" when the agent ends normally. EOF without "done" means the agent died.
+GUARDIAN_SOURCE = r"""
+import os, signal, sys, time
+groups = set()
+for line in sys.stdin:
+    word = line.strip()
+    if word == "done":
+        sys.exit(0)
+    if word.startswith("+"):
+        groups.add(int(word[1:]))
+def signal_all(sig):
+    for pgid in list(groups):
+        try:
+            os.killpg(pgid, sig)
+        except OSError:
+            groups.discard(pgid)
+signal_all(signal.SIGTERM)
+deadline = time.monotonic() + float(sys.argv[1])
+while groups and time.monotonic() < deadline:
+    time.sleep(0.05)
+    signal_all(0)
+signal_all(signal.SIGKILL)
+"""
+
+
+def _die_with_parent(parent_pid: int, prctl) -> Callable[[], None]:
+    """The preexec hook of every worker: SIGKILL when the agent dies (Note [workers die with their agent])."""
+
+    def hook() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the agent died before prctl took effect
+            os._exit(137)
+
+    return hook
+
+
+def _libc_prctl():
+    """libc's prctl on Linux (resolved once, in the parent: the fork child only calls it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+class Guardian:
+    """The process that ends the worker groups if the agent dies (Note [workers die with their agent])."""
+
+    def __init__(self, grace_s: float):
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", GUARDIAN_SOURCE, str(min(grace_s, 2.0))],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,  # a signal to the agent's group or session must not reach it
+            )
+        except OSError:
+            self.proc = None
+        self._lock = threading.Lock()
+
+    def tell(self, word: str) -> None:
+        if self.proc is None:
+            return
+        with self._lock:
+            try:
+                self.proc.stdin.write(f"{word}\n".encode())
+                self.proc.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+    def release(self) -> None:
+        """The agent ends normally: the guardian leaves without touching anything."""
+        self.tell("done")
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
 
 
 class NodeAgent:
     """Starts one host's workers, streams their output/telemetry/exits to ``emit``, ends them."""
 
     def __init__(self, workers: list[dict], *, emit: Emit, cwd: str | None = None,
-                 base_env: dict[str, str] | None = None, grace_s: float = 3.0):
+                 base_env: dict[str, str] | None = None, grace_s: float = 3.0, host: str | None = None,
+                 guardian: Guardian | None = None):
         self.workers = workers
         self.emit = emit
         self.cwd = cwd
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.grace_s = grace_s
+        self.host = host
+        self.guardian = guardian
         self._procs: dict[int, subprocess.Popen] = {}
         self._waiters: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._preexec = _die_with_parent(os.getpid(), _libc_prctl())
 
     # -- starting -----------------------------------------------------------------------
     def start(self) -> None:
@@ -73,14 +184,17 @@ class NodeAgent:
                 # reaches anything the worker forked, and a Ctrl-C typed at the launcher's
                 # terminal does not hit workers before the launcher decides what to do.
                 start_new_session=True,
+                preexec_fn=self._preexec,
             )
-        except OSError as err:
+        except (OSError, subprocess.SubprocessError) as err:
             os.close(read_fd)
             os.close(write_fd)
             self.emit({"t": "out", "rank": rank, "line": f"zerorun: cannot start {worker['argv'][0]}: {err}"})
             self.emit({"t": "exit", "rank": rank, "rc": 127})
             return
         os.close(write_fd)  # only the worker holds the write end: EOF when it is gone
+        if self.guardian is not None:
+            self.guardian.tell(f"+{proc.pid}")
         with self._stop_lock:
             self._procs[rank] = proc
             stopped = self._stopped
@@ -98,9 +212,24 @@ class NodeAgent:
 
     # -- reading ------------------------------------------------------------------------
     def _pump_output(self, rank: int, proc: subprocess.Popen) -> None:
-        for raw in proc.stdout:
-            self.emit({"t": "out", "rank": rank, "line": raw.decode("utf-8", "replace").rstrip("\r\n")})
-        proc.stdout.close()
+        """Note [bounded output]: a line without an end is sent in MAX_OUTPUT_LINE pieces."""
+        stream = proc.stdout
+        while True:
+            raw = stream.readline(MAX_OUTPUT_LINE)
+            if not raw:
+                break
+            event = {"t": "out", "rank": rank}
+            if raw.endswith(b"\n"):
+                raw = raw[:-1]
+                if raw.endswith(b"\r"):
+                    raw = raw[:-1]
+            else:
+                event["more"] = True
+            # surrogateescape: bytes that are not UTF-8 (or a character cut at a piece boundary)
+            # travel as lone surrogates and become the same bytes again in the log file.
+            event["line"] = raw.decode("utf-8", "surrogateescape")
+            self.emit(event)
+        stream.close()
 
     def _pump_telemetry(self, rank: int, read_fd: int) -> None:
         with os.fdopen(read_fd, "rb") as stream:
@@ -109,11 +238,12 @@ class NodeAgent:
                 if not raw:
                     return
                 if len(raw) > MAX_TELEMETRY_LINE:
-                    # Skip the rest of an oversized line.
+                    # Skip the rest of an oversized line; the launcher counts it as dropped.
                     while raw and not raw.endswith(b"\n"):
                         raw = stream.readline(MAX_TELEMETRY_LINE)
+                    self.emit({"t": "tel_dropped", "rank": rank, "reason": "oversized"})
                     continue
-                self.emit({"t": "tel", "rank": rank, "line": raw.decode("utf-8", "replace").rstrip("\n")})
+                self.emit({"t": "tel", "rank": rank, "line": stamp_telemetry(raw, rank, self.host)})
 
     def _await_exit(self, rank: int, proc: subprocess.Popen, readers: tuple[threading.Thread, ...]) -> None:
         rc = proc.wait()
@@ -133,6 +263,22 @@ class NodeAgent:
             pgids = [proc.pid for proc in self._procs.values()]
         end_groups(pgids, self.grace_s)
 
+    def dump_stacks(self) -> None:
+        """SIGABRT to every live worker: faulthandler (PYTHONFAULTHANDLER=1, set by the plan)
+        prints every thread's Python stack to the worker's output, and the worker ends."""
+        with self._stop_lock:
+            procs = [proc for proc in self._procs.values() if proc.poll() is None]
+        for proc in procs:
+            try:
+                # A stack, not a core file: SIGABRT would otherwise dump core where allowed.
+                resource.prlimit(proc.pid, resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+            except (OSError, AttributeError, ValueError):
+                pass
+            try:
+                os.kill(proc.pid, signal.SIGABRT)
+            except OSError:
+                pass
+
     def reap_leftovers(self) -> None:
         """KILL whatever is left in the worker groups (children a finished worker left behind)."""
         with self._stop_lock:
@@ -147,6 +293,26 @@ class NodeAgent:
         """
         for thread in list(self._waiters):
             thread.join()
+
+
+def stamp_telemetry(raw: bytes, rank: int, host: str | None) -> str:
+    """The line with ``rank`` (and ``host``) set to what the agent knows about its sender.
+
+    A worker can write anything to its telemetry pipe; it must not be able to speak for
+    another rank (its records would land under that rank in metrics.jsonl). A line that is
+    not a JSON object goes on as it is: the collector counts it as malformed.
+    """
+    text = raw.decode("utf-8", "replace").rstrip("\n")
+    try:
+        message = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if not isinstance(message, dict):
+        return text
+    message["rank"] = rank
+    if host is not None:
+        message["host"] = host
+    return json.dumps(message, separators=(",", ":"))
 
 
 def write_job_files(files: dict[str, str]) -> None:
@@ -188,12 +354,16 @@ def _serve() -> int:
         return 2
     job = json.loads(first)
     write_job_files(job.get("files", {}))
+    grace_s = float(job.get("grace_s", 3.0))
+    guardian = Guardian(grace_s)
     agent = NodeAgent(
         job["workers"],
         emit=emit,
         cwd=job.get("cwd"),
         base_env={**os.environ, **job.get("env", {})},
-        grace_s=float(job.get("grace_s", 3.0)),
+        grace_s=grace_s,
+        host=job.get("host"),
+        guardian=guardian,
     )
     stop_requested = threading.Event()
 
@@ -208,9 +378,15 @@ def _serve() -> int:
         signal.signal(sig, request_stop)
 
     def watch_stdin():
-        # Any line ("stop") or EOF (launcher or ssh session gone) ends the job on this host.
-        sys.stdin.buffer.readline()
-        request_stop()
+        # "dump" collects stacks; any other line ("stop") or EOF (launcher or ssh session
+        # gone) ends the job on this host.
+        while True:
+            line = sys.stdin.buffer.readline(64)
+            if line.strip() == b"dump":
+                agent.dump_stacks()
+                continue
+            request_stop()
+            return
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     agent.start()
@@ -218,9 +394,14 @@ def _serve() -> int:
     if broken.is_set():
         agent.stop()
     agent.reap_leftovers()
+    guardian.release()
     emit({"t": "done"})
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_serve())
+    code = _serve()
+    sys.stdout.flush()
+    # Not sys.exit: the stdin watcher is a daemon thread blocked in a read of stdin, and the
+    # interpreter's shutdown would abort on that stream's lock ("could not acquire lock").
+    os._exit(code)

@@ -85,8 +85,12 @@ def remote_shell_command(cwd: str, argv: Iterable[str]) -> str:
     return f"cd {shlex.quote(cwd)} && exec " + " ".join(shlex.quote(part) for part in argv)
 
 
-def agent_argv(python: str) -> list[str]:
-    return [python, "-m", "zerorun.launch.agent"]
+def agent_argv(python: str, forwarded: Mapping[str, str] | None = None) -> list[str]:
+    """The agent's command. A remote agent gets the forwarded PYTHONPATH on its command line:
+    it must import the same zerorun as the workers it starts (they get it in their env)."""
+    pythonpath = (forwarded or {}).get("PYTHONPATH")
+    head = ["env", f"PYTHONPATH={pythonpath}"] if pythonpath else []
+    return [*head, python, "-m", "zerorun.launch.agent"]
 
 
 def ssh_argv(

@@ -24,6 +24,12 @@ from zerorun.errors import HostfileError
 # Ordered host -> list of slot ids (slot ids are local device indices, 0..slots-1).
 HostSlots = dict[str, list[int]]
 
+# Bounds that no real cluster reaches, checked before anything is expanded: a typo such as
+# n[0-99999999999] must be one error line, not a MemoryError or the OOM killer.
+MAX_HOSTS = 100_000
+MAX_SLOTS_PER_HOST = 1024
+MAX_TOTAL_SLOTS = 1_000_000
+
 # Hostnames, IPv4 and bracket-less IPv6 literals; anything else (spaces, quotes, shell
 # metacharacters) is rejected early because the name ends up in an ssh command line.
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]%]+$")
@@ -53,9 +59,13 @@ def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
         count = fields[1][len("slots="):]
         if not count.isdigit() or int(count) < 1:
             raise HostfileError(f"{where}: slots must be a positive integer, got {count!r}")
+        if int(count) > MAX_SLOTS_PER_HOST:
+            raise HostfileError(f"{where}: slots={count} is more than {MAX_SLOTS_PER_HOST} workers on one host")
         if host in hosts:
             raise HostfileError(f"{where}: host {host!r} is listed twice")
         hosts[host] = int(count)
+        if len(hosts) > MAX_HOSTS:
+            raise HostfileError(f"{source} names more than {MAX_HOSTS:,} hosts")
     if not hosts:
         raise HostfileError(f"{source} names no hosts", hint="add lines like 'worker-0 slots=4'")
     return hosts
@@ -95,6 +105,8 @@ def select_hosts(
     """Apply --include / --exclude / --num-nodes to a hostfile; returns the chosen slot ids."""
     if include and exclude:
         raise HostfileError("--include and --exclude cannot be used together")
+    if sum(hosts.values()) > MAX_TOTAL_SLOTS:
+        raise HostfileError(f"the hosts have more than {MAX_TOTAL_SLOTS:,} slots in all")
     chosen: HostSlots = {host: list(range(count)) for host, count in hosts.items()}
     if include:
         wanted = parse_filter(include, "--include")
@@ -153,6 +165,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
             end = int(high) if dash else int(low)
             if end < int(low):
                 raise HostfileError(f"SLURM_JOB_NODELIST: range {part!r} runs backwards")
+            if len(names) + end - int(low) + 1 > MAX_HOSTS:
+                raise HostfileError(f"SLURM_JOB_NODELIST: {item!r} names more than {MAX_HOSTS:,} nodes")
             names += [f"{prefix}{n:0{width}d}{suffix}" for n in range(int(low), end + 1)]
     if not names:
         raise HostfileError("SLURM_JOB_NODELIST is empty")
@@ -189,7 +203,10 @@ def expand_tasks_per_node(value: str, node_count: int) -> list[int]:
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
             raise HostfileError(f"SLURM_TASKS_PER_NODE: cannot parse {part!r}")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
+        repeat = int(match.group(2) or 1)
+        if len(counts) + repeat > node_count:
+            raise HostfileError(f"SLURM_TASKS_PER_NODE gives more counts than the {node_count} nodes")
+        counts += [int(match.group(1))] * repeat
     if len(counts) != node_count:
         raise HostfileError(f"SLURM_TASKS_PER_NODE gives {len(counts)} counts for {node_count} nodes")
     return counts
@@ -215,6 +232,8 @@ def slurm_hosts(environ: Mapping[str, str]) -> dict[str, int] | None:
         counts = [1] * len(nodes)
     if any(count < 1 for count in counts):
         raise HostfileError("Slurm gives a node zero tasks")
+    if any(count > MAX_SLOTS_PER_HOST for count in counts):
+        raise HostfileError(f"Slurm gives a node more than {MAX_SLOTS_PER_HOST} tasks")
     if len(set(nodes)) != len(nodes):
         raise HostfileError(f"SLURM_JOB_NODELIST names a node twice: {nodelist!r}")
     return dict(zip(nodes, counts))

@@ -26,7 +26,8 @@ from zerorun.launch.commands import (
     remote_shell_command,
     ssh_argv,
 )
-from zerorun.launch.hostfile import HostSlots, parse_hostfile, select_hosts, slurm_hosts
+from zerorun.config.sources import read_small_file
+from zerorun.launch.hostfile import MAX_SLOTS_PER_HOST, HostSlots, parse_hostfile, select_hosts, slurm_hosts
 from zerorun.launch.plan import LaunchPlan, Target, build_plan, describe_plan, is_local_host, plan_json
 
 DEFAULT_MASTER_PORT = 29500
@@ -64,6 +65,10 @@ class PreparedJob:
     ssh_options: list[str]
     # What the config loader accepted without effect (DeepSpeed keys we ignore, "auto" values).
     notes: list[str] = field(default_factory=list)
+    # Seconds without progress before the job is ended as hung (0: never); Note [hang timeout].
+    hang_timeout_s: float = 0.0
+    # A quiet spell this long gets one warning line (telemetry.hang_after_s / ZERORUN_HANG_AFTER_S).
+    hang_warn_s: float = 0.0
 
     def node_commands(self) -> dict[str, list[str]]:
         """The agent command each host runs (what --dry-run shows; the supervisor builds the same)."""
@@ -72,7 +77,7 @@ class PreparedJob:
             if node.local
             else ssh_argv(
                 node.host,
-                remote_shell_command(self.plan.cwd, agent_argv(self.plan.python)),
+                remote_shell_command(self.plan.cwd, agent_argv(self.plan.python, self.plan.forwarded_env)),
                 ssh_port=self.options.ssh_port,
                 extra_options=self.ssh_options,
             )
@@ -94,6 +99,14 @@ def count_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether the NVIDIA driver lists a GPU here, without importing torch (only for a note)."""
+    try:
+        return bool(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return False
+
+
 def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counter=count_gpus) -> HostSlots:
     """Hosts and slot ids from --hostfile, else Slurm, else this machine (--nproc/--gpus)."""
     if options.nproc is not None and options.gpus is not None:
@@ -101,13 +114,13 @@ def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counte
     for flag, value in (("--nproc", options.nproc), ("--gpus", options.gpus)):
         if value is not None and value < 1:
             raise LaunchError(f"{flag} must be at least 1, got {value}")
+        if value is not None and value > MAX_SLOTS_PER_HOST:
+            raise LaunchError(f"{flag} {value} is more than {MAX_SLOTS_PER_HOST} workers on one host")
     per_host = options.gpus or options.nproc
     on_this_machine = False
     if options.hostfile:
-        path = Path(options.hostfile)
-        if not path.is_file():
-            raise HostfileError(f"hostfile {options.hostfile} does not exist")
-        hosts = parse_hostfile(path.read_text(errors="replace"), source=options.hostfile)
+        text = read_small_file(options.hostfile, "hostfile", HostfileError)
+        hosts = parse_hostfile(text, source=options.hostfile)
     else:
         hosts = slurm_hosts(environ)
         if hosts is None:
@@ -160,10 +173,8 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     env_file_vars = {}
     env_file = options.env_file or (DEFAULT_ENV_FILE if os.path.isfile(os.path.join(cwd, DEFAULT_ENV_FILE)) else None)
     if env_file:
-        path = Path(cwd) / env_file
-        if not path.is_file():
-            raise LaunchError(f"env file {env_file} does not exist")
-        env_file_vars = parse_env_file(path.read_text(errors="replace"), source=env_file)
+        text = read_small_file(Path(cwd) / env_file, "env file", LaunchError)
+        env_file_vars = parse_env_file(text, source=env_file)
     ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
     first = next(iter(hosts))
     master_port = options.master_port
@@ -187,15 +198,30 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         forwarded_env=forwarded_env(environ, env_file_vars) if any(not is_local_host(h, local_names) for h in hosts) else env_file_vars,
         inherited_env=environ,
         this_host_name=socket.gethostname(),
+        device_kind="cpu" if options.nproc is not None else "cuda" if options.gpus is not None else None,
     )
     from zerorun.config import load_config, to_dict
 
     config_source = os.path.join(cwd, options.config) if options.config else None
     config = load_config(
-        config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ
+        config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
+        torch_in_child=True,
     )
     config_json = json.dumps(to_dict(config), indent=2)
-    return PreparedJob(plan, token, config_json, options, ssh_options, notes=list(config.notes))
+    notes = list(config.notes)
+    if options.nproc is not None and has_nvidia_gpu():
+        notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
+                     "machine has GPUs; use --gpus N for GPU workers")
+    return PreparedJob(plan, token, config_json, options, ssh_options, notes=notes,
+                       hang_timeout_s=config.telemetry.hang_timeout_s,
+                       hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s))
+
+
+def hang_warning_after(environ: Mapping[str, str], configured: float) -> float:
+    """ZERORUN_HANG_AFTER_S (as the dashboard reads it) or the config's telemetry.hang_after_s."""
+    from zerorun.telemetry.settings import env_number
+
+    return env_number("ZERORUN_HANG_AFTER_S", float, configured, env=environ)
 
 
 def dry_run_text(job: PreparedJob) -> str:
@@ -209,6 +235,52 @@ def write_run_dir(job: PreparedJob) -> None:
     (run_dir / "plan.json").write_text(plan_json(job.plan))
 
 
+class ForgivingStream:
+    """stdout for the view, which outlives the reader going away (``zerorun ... | head``).
+
+    The job is not the terminal's: when the reader closes the pipe the job runs on (its logs
+    get everything) and exits with its own status. Later writes are dropped, and fd 1 is
+    pointed at /dev/null so the interpreter's own flush at exit cannot fail either.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self.closed_by_reader = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, AttributeError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        return bool(getattr(self._stream, "isatty", lambda: False)())
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def execute(job: PreparedJob, view_factory=None):
     """Pre-flight, write the run dir, start and supervise; returns a JobResult."""
     from zerorun.launch.preflight import preflight
@@ -216,16 +288,24 @@ def execute(job: PreparedJob, view_factory=None):
 
     preflight(job.plan, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options)
     write_run_dir(job)
+    extra = {}
     if view_factory is None:
         from zerorun.ui.live import JobView as view_factory
+
+        extra["stream"] = ForgivingStream(sys.stdout)
     view = view_factory(
-        run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size, dashboard=job.options.dashboard
+        run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size,
+        dashboard=job.options.dashboard, **extra,
     )
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
-        files={f"{job.plan.run_dir}/config.json": job.config_json},
+        files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
+        hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s,
     )
-    previous = {sig: signal.signal(sig, lambda *_: supervisor.interrupt()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         return supervisor.run()
     finally:

@@ -13,6 +13,8 @@ import shlex
 from dataclasses import asdict, dataclass, field
 
 from zerorun.errors import LaunchError
+from zerorun.launch.device import ENV_NAME as DEVICE_ENV
+from zerorun.launch.device import device_for_worker
 from zerorun.launch.hostfile import HostSlots
 
 # Hosts that always mean "this machine": never reached over ssh.
@@ -109,13 +111,15 @@ def build_plan(
     forwarded_env: dict[str, str] | None = None,
     inherited_env: dict[str, str] | None = None,
     this_host_name: str = "localhost",
+    device_kind: str | None = None,
 ) -> LaunchPlan:
     """Number ranks and compute every worker's environment.
 
     ``set_visible_devices``: when a filter picked a subset of a host's GPUs, pin the worker's
     CUDA_VISIBLE_DEVICES to exactly those slots so LOCAL_RANK indexes them (DeepSpeed does the
     same). ``inherited_env`` is only consulted for variables we set only when the user has not
-    (OMP_NUM_THREADS).
+    (OMP_NUM_THREADS). ``device_kind``: "cpu" (--nproc) or "cuda" (--gpus) sets each worker's
+    ZERORUN_DEVICE (Note [device contract] in device.py); None leaves the choice to the worker.
     """
     if not hosts:
         raise LaunchError("no hosts to run on")
@@ -146,11 +150,16 @@ def build_plan(
                 "ZERORUN_RUN_TOKEN": token,
                 "ZERORUN_HOST": host,
                 "PYTHONUNBUFFERED": "1",
+                # Stacks on SIGABRT: what the launcher shows for a hung job (Note [hang timeout]).
+                "PYTHONFAULTHANDLER": "1",
             }
             user_set_threads = "OMP_NUM_THREADS" in inherited_env or "OMP_NUM_THREADS" in (forwarded_env or {})
             if len(slots) > 1 and not user_set_threads:
                 # torchrun's choice: N workers each spinning up all-core thread pools thrash.
                 env["OMP_NUM_THREADS"] = "1"
+            device = device_for_worker(device_kind, local_rank)
+            if device is not None:
+                env[DEVICE_ENV] = device
             if set_visible_devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
             workers.append(WorkerSpec(rank, local_rank, host, node_rank, target.argv(python), env))

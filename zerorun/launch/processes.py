@@ -48,3 +48,51 @@ def end_groups(pgids: list[int], grace_s: float) -> None:
         live = [pgid for pgid in live if group_alive(pgid)]
     for pgid in live:
         signal_group(pgid, signal.SIGKILL)
+
+
+def sweep_run(token: str, wait_s: float) -> dict:
+    """Find this run's processes on this host (by the token in their environment) and end them.
+
+    Runs in the launcher for its own host and, shipped as source over ssh (stdlib only, so it
+    imports inside), on a host whose agent was lost. Waits up to ``wait_s`` for what is found to
+    go by itself (the agent's guardian is ending it), then KILLs the rest. Every worker carries
+    ZERORUN_RUN_TOKEN in its environment and so do its children, so this finds exactly the
+    job's processes, even one that left its process group. Returns {"found", "left"} counts.
+    """
+    import os
+    import signal
+    import time
+
+    needle = ("ZERORUN_RUN_TOKEN=" + token).encode()
+
+    def ours() -> list[int]:
+        pids = []
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(name))
+            except OSError:
+                continue
+        return pids
+
+    if not token or not os.path.isdir("/proc"):
+        return {"found": 0, "left": 0}
+    found = ours()
+    deadline = time.monotonic() + wait_s
+    live = found
+    while live and time.monotonic() < deadline:
+        time.sleep(0.05)
+        live = ours()
+    for pid in live:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 2.0
+    while live and time.monotonic() < deadline:
+        time.sleep(0.05)
+        live = ours()
+    return {"found": len(found), "left": len(live)}

@@ -1,11 +1,15 @@
 """Runs a LaunchPlan: one node agent per host, events to the JobView and per-rank logs.
 
 Every host is a *channel* to one agent process that delivers the agent protocol's events
-(see agent.py) into one queue: the local host's agent is a child process, remote hosts' run
-over ssh, so both are started, read and stopped by the same code. The
-supervisor is the only consumer, so ordering decisions ("which failure came first") are made
-in one place. The first worker to exit non-zero (or a host whose ssh session drops) is the
-root cause; every host is then told to stop (TERM, grace, KILL by process group).
+(see agent.py): the local host's agent is a child process, remote hosts' run over ssh, so both
+are started, read and stopped by the same code. Each channel's reader thread writes its
+ranks' output straight to their log files and to the view (Note [bounded output] in agent.py:
+nothing queues up in between, a slow reader slows the worker instead); only the few control
+events (started, exit, gone) go through one queue to the supervisor, so ordering decisions
+("which failure came first") are made in one place. The first worker to exit non-zero (or a
+host whose agent is lost) is the root cause; every host is then told to stop (TERM, grace,
+KILL by process group). A job in which nothing moves for the hang timeout is ended too, with
+every rank's stack (Note [hang timeout] in watchdog.py).
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerorun.launch import watchdog
 from zerorun.launch.commands import agent_argv, remote_shell_command, ssh_argv
 from zerorun.launch.plan import LaunchPlan, NodeSpec
-from zerorun.launch.processes import describe_exit
+from zerorun.launch.processes import describe_exit, sweep_run
+from zerorun.telemetry.sanitize import printable
 
-TAIL_LINES = 200
+TAIL_LINES = 400  # enough for a faulthandler dump of a few threads
+# A line is kept (tail) and shown (terminal) up to this many characters; the log has all of it.
+SHOWN_LINE_CHARS = 2000
+# The agent's events are JSON lines of at most ~6x MAX_OUTPUT_LINE (escapes); this bounds a
+# line that is not from the agent (a login banner) as well.
+MAX_EVENT_LINE = 1 << 20
 SHOWN_LOG_LINES = 10
 
 
@@ -35,10 +46,12 @@ class Failure:
     reason: str
     returncode: int | None = None
     log_tail: list[str] = field(default_factory=list)
+    # After a hang: every rank's main-thread stack, innermost frame first (Note [hang timeout]).
+    stacks: dict[int, list[watchdog.Frame]] = field(default_factory=dict)
 
     @property
     def traceback(self) -> list[str]:
-        return extract_traceback(self.log_tail)
+        return [] if self.stacks else extract_traceback(self.log_tail)
 
 
 @dataclass
@@ -47,6 +60,10 @@ class JobResult:
     interrupted: bool
     exit_codes: dict[int, int]
     run_dir: str
+    # Hosts where processes of the run could not be confirmed gone: host -> what is known.
+    leftovers: dict[str, str] = field(default_factory=dict)
+    # The signal that interrupted the launcher (SIGINT, SIGTERM), when interrupted.
+    signal: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -71,10 +88,22 @@ def extract_traceback(lines: list[str]) -> list[str]:
     return block
 
 
+SHOWN_FRAMES = 8
+
+
 def format_failure(failure: Failure) -> str:
-    """The root-cause panel text: host, rank, exit, last log lines, traceback."""
+    """The root-cause panel text: host, rank, exit, last log lines, traceback or stacks."""
     who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
     lines = [f"first failure: {who}: {failure.reason}"]
+    if failure.stacks:
+        lines.append("Python stacks when the hang was detected (innermost call first):")
+        for rank, stack in sorted(failure.stacks.items()):
+            at = watchdog.stuck_at(stack)
+            state = "waiting in a collective" if watchdog.in_collective(stack) else "not in a collective"
+            lines.append(f"  rank {rank}: {state}; at {at}" if at else f"  rank {rank}: no stack")
+            frames = [frame for frame in stack if not frame.file.startswith("<frozen")]
+            lines += [f"  |   {frame}" for frame in frames[:SHOWN_FRAMES]]
+        return "\n".join(lines)
     traceback = failure.traceback
     # Lines already shown in the traceback section are not repeated above it.
     shown = [
@@ -87,6 +116,71 @@ def format_failure(failure: Failure) -> str:
         lines.append("traceback:")
         lines += [f"  | {line}" for line in traceback]
     return "\n".join(lines)
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+class OutputSink:
+    """Where the channels' reader threads put worker output and telemetry, as it arrives.
+
+    Each rank is read by exactly one thread (its host's channel), so its log file and tail need
+    no lock. The log gets every byte; the tail and the view get each line cut to
+    SHOWN_LINE_CHARS with control characters removed (sanitize.py), once per line however
+    many pieces the agent sent it in.
+    """
+
+    def __init__(self, view, logs: dict, tails: dict[int, collections.deque]):
+        self.view = view
+        self.logs = logs
+        self.tails = tails
+        self.last_output = time.monotonic()
+        self._continuing: set[int] = set()
+        self._collector = getattr(view, "collector", None)
+        self._closed = False
+
+    def output(self, host: str, rank: int | None, line: str, more: bool = False) -> None:
+        if rank is not None:  # a worker's line is progress; the launcher's own notes are not
+            self.last_output = time.monotonic()
+        log = self.logs.get(rank)
+        if log is not None and not self._closed:
+            try:
+                log.write(line if more else line + "\n")
+            except (OSError, ValueError):
+                pass
+        first_piece = rank not in self._continuing
+        if more:
+            self._continuing.add(rank)
+        else:
+            self._continuing.discard(rank)
+        if not first_piece:
+            return
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 (see the agent): shown replaced
+            line = line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        shown = printable(line, SHOWN_LINE_CHARS)
+        if more and not shown.endswith("…"):
+            shown += "…"
+        if rank in self.tails:
+            self.tails[rank].append(shown)
+        try:
+            self.view.on_output(host, rank if rank is not None else -1, shown)
+        except (BrokenPipeError, OSError):
+            pass  # the terminal (a pipe to head, say) is gone; the logs still get everything
+
+    def telemetry(self, host: str, line: str) -> None:
+        self.view.on_telemetry(host, line.encode("utf-8", "surrogateescape"))
+
+    def telemetry_dropped(self, reason: str) -> None:
+        count = getattr(self._collector, "count_dropped", None)
+        if count is not None:
+            count(reason)
+
+    def close(self) -> None:
+        self._closed = True
+        for log in self.logs.values():
+            log.close()
 
 
 # --- channels -----------------------------------------------------------------------------
@@ -114,8 +208,11 @@ class AgentChannel:
     def __init__(self, node: NodeSpec, plan: LaunchPlan, events: queue.Queue, grace_s: float,
                  ssh_port: int | None, ssh_options: list[str], files: dict[str, str] | None = None):
         self.host = node.host
+        self.local = node.local
         self.events = events
         self.grace_s = grace_s
+        self.sink: OutputSink | None = None
+        self.ssh_port, self.ssh_options = ssh_port, ssh_options
         # The run's files (config.json) travel with the job: hosts need not share a filesystem.
         self.job = _job_line(node, plan, grace_s, files)
         if node.local:
@@ -124,16 +221,19 @@ class AgentChannel:
             self.cwd = None
             self.argv = ssh_argv(
                 node.host,
-                remote_shell_command(plan.cwd, agent_argv(plan.python)),
+                remote_shell_command(plan.cwd, agent_argv(plan.python, plan.forwarded_env)),
                 ssh_port=ssh_port,
                 extra_options=ssh_options,
             )
         self.proc: subprocess.Popen | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
+        self.done = False  # the agent said "done": it ended and reaped every worker itself
+        self.killed = False  # finish() had to kill it: its workers' fate is unknown
         self._stdin_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> None:
+    def start(self, sink: OutputSink) -> None:
+        self.sink = sink
         self.proc = subprocess.Popen(
             self.argv,
             cwd=self.cwd,
@@ -157,23 +257,52 @@ class AgentChannel:
                 pass
 
     def _pump_events(self) -> None:
-        for raw in self.proc.stdout:
+        stream = self.proc.stdout
+        while True:
+            raw = stream.readline(MAX_EVENT_LINE)
+            if not raw:
+                break
+            if not raw.endswith(b"\n"):  # not an agent event: skip the rest of it
+                while raw and not raw.endswith(b"\n"):
+                    raw = stream.readline(MAX_EVENT_LINE)
+                continue
             try:
                 event = json.loads(raw)
+                if not isinstance(event, dict):
+                    raise ValueError
             except ValueError:
                 # Not from the agent (a login banner, a shell message): keep it visible.
                 event = {"t": "out", "rank": None, "line": raw.decode("utf-8", "replace").rstrip("\n")}
-            self.events.put((self.host, event))
+            self._deliver(event)
         self._stderr_reader.join(timeout=1.0)  # ssh's own last words explain a lost session
         rc = self.proc.wait()
         self.events.put((self.host, {"t": "gone", "rc": rc, "stderr": list(self.stderr_tail)}))
 
+    def _deliver(self, event: dict) -> None:
+        kind, rank = event.get("t"), event.get("rank")
+        if kind == "out":
+            self.sink.output(self.host, rank, str(event.get("line", "")), bool(event.get("more")))
+        elif kind == "tel":
+            self.sink.telemetry(self.host, str(event.get("line", "")))
+        elif kind == "tel_dropped":
+            self.sink.telemetry_dropped(str(event.get("reason", "oversized")))
+        else:
+            if kind == "done":
+                self.done = True
+            self.events.put((self.host, event))
+
     def _pump_stderr(self) -> None:
-        for raw in self.proc.stderr:
-            self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip("\n"))
+        while True:
+            raw = self.proc.stderr.readline(4096)
+            if not raw:
+                return
+            self.stderr_tail.append(printable(raw.decode("utf-8", "replace"), 500))
 
     def stop(self) -> None:
         self._send("stop")
+
+    def dump_stacks(self) -> None:
+        self._send("dump")
 
     def finish(self) -> None:
         """Wait for the agent to end its workers; if it does not, close the session (EOF ends them)."""
@@ -183,10 +312,38 @@ class AgentChannel:
         try:
             self.proc.wait(timeout=self.grace_s + 5.0)
         except subprocess.TimeoutExpired:
+            self.killed = True
             self.proc.kill()
             self.proc.wait()
         for thread in self._threads:
             thread.join(timeout=2.0)
+
+    def sweep(self, token: str, wait_s: float) -> str | None:
+        """Make sure no process of the run is left on this host; None when confirmed, else why not."""
+        if self.local:
+            result = sweep_run(token, wait_s)
+        else:
+            result = self._sweep_remote(token, wait_s)
+            if isinstance(result, str):
+                return result
+        if result["left"]:
+            return f"{result['left']} process(es) of the run could not be ended"
+        return None
+
+    def _sweep_remote(self, token: str, wait_s: float) -> dict | str:
+        import inspect
+
+        source = inspect.getsource(sweep_run) + (
+            "\nimport json, sys\nprint(json.dumps(sweep_run(sys.stdin.readline().strip(), float(sys.argv[1]))))\n"
+        )
+        python = self.job["workers"][0]["argv"][0] if self.job["workers"] else "python3"
+        command = ssh_argv(self.host, remote_shell_command("/", [python, "-c", source, str(wait_s)]),
+                           ssh_port=self.ssh_port, extra_options=self.ssh_options)
+        try:
+            done = subprocess.run(command, input=(token + "\n").encode(), capture_output=True, timeout=wait_s + 30)
+            return json.loads(done.stdout.decode().strip().splitlines()[-1])
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+            return "unreachable over ssh to check that its workers ended"
 
 
 # --- the supervisor -------------------------------------------------------------------------
@@ -194,10 +351,12 @@ class AgentChannel:
 
 class Supervisor:
     def __init__(self, plan: LaunchPlan, view, *, grace_s: float = 3.0, ssh_port: int | None = None,
-                 ssh_options: list[str] | None = None, files: dict[str, str] | None = None):
+                 ssh_options: list[str] | None = None, files: dict[str, str] | None = None,
+                 token: str = "", hang_timeout_s: float = 0.0, hang_warn_s: float = 0.0):
         self.plan = plan
         self.view = view
         self.grace_s = grace_s
+        self.token = token
         self.events: queue.Queue = queue.Queue()
         self.channels = [
             AgentChannel(node, plan, self.events, grace_s, ssh_port, list(ssh_options or []), files)
@@ -206,65 +365,87 @@ class Supervisor:
         self._interrupt = threading.Event()
         self._tails = {w.rank: collections.deque(maxlen=TAIL_LINES) for w in plan.workers}
         self._host_of = {w.rank: w.host for w in plan.workers}
+        self._watch = watchdog.ProgressWatch(hang_timeout_s, time.monotonic())
+        # One warning line per quiet spell, after hang_warn_s (telemetry.hang_after_s); 0 = none.
+        self._hang_warn_s = hang_warn_s
+        self._warned_at: float | None = None
+        self._dumping_since: float | None = None
+        self._hang_missing: tuple[int, ...] = ()
+        self._lost_hosts: set[str] = set()
+        self._signal: int | None = None
 
-    def interrupt(self) -> None:
+    def interrupt(self, signum: int = 2) -> None:
         """Ctrl-C / SIGTERM: safe to call from a signal handler."""
+        if not self._interrupt.is_set():
+            self._signal = signum
         self._interrupt.set()
 
     def run(self) -> JobResult:
         log_dir = Path(self.plan.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self._logs = {rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", buffering=1) for rank in self._tails}
+        # Line-buffered, so `tail -f` on a log follows the rank as it runs.
+        logs = {
+            rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", errors="surrogateescape", buffering=1)
+            for rank in self._tails
+        }
+        self._sink = OutputSink(self.view, logs, self._tails)
         self._failure: Failure | None = None
         self._exit_codes: dict[int, int] = {}
         self._running = set(self._tails)
         self._stopping_since: float | None = None
+        leftovers: dict[str, str] = {}
         self.view.start()
         try:
             for channel in self.channels:
-                channel.start()
+                channel.start(self._sink)
+            next_check = 0.0
             while self._running:
-                if self._interrupt.is_set() and self._stopping_since is None:
+                now = time.monotonic()
+                if self._interrupt.is_set() and self._stopping_since is None and self._dumping_since is None:
                     self._stop_all()
-                if self._stopping_since is not None and time.monotonic() - self._stopping_since > self.grace_s + 8.0:
+                if self._stopping_since is not None and now - self._stopping_since > self.grace_s + 8.0:
                     break  # hosts that do not answer: finish() below closes their sessions
+                if now >= next_check:
+                    next_check = now + 0.5
+                    self._check_progress(now)
                 try:
                     self._handle(*self.events.get(timeout=0.1))
                 except queue.Empty:
                     continue
+            if self._dumping_since is not None and self._failure is None:
+                self._blame_hang()
         finally:
             for channel in self.channels:
                 channel.finish()
             self._drain()
-            for log in self._logs.values():
-                log.close()
+            leftovers = self._confirm_ended()
+            self._sink.close()
             self.view.stop(self._failure is not None or self._interrupt.is_set())
-        return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir)
+        return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
+                         self._signal if self._interrupt.is_set() else None)
 
     def _handle(self, host: str, event: dict) -> None:
         kind, rank = event.get("t"), event.get("rank")
-        if kind == "out":
-            line = event.get("line", "")
-            if rank in self._logs:
-                self._logs[rank].write(line + "\n")
-                self._tails[rank].append(line)
-            self.view.on_output(host, rank if rank is not None else -1, line)
-        elif kind == "tel":
-            self.view.on_telemetry(host, event.get("line", "").encode())
-        elif kind == "exit" and rank in self._running:
+        if kind == "exit" and rank in self._running:
             rc = int(event["rc"])
             self._running.discard(rank)
             self._exit_codes[rank] = rc
             self.view.on_worker_exit(host, rank, rc)
-            if rc != 0:
+            if rc != 0 and self._dumping_since is None:
                 # Only the first failure is the root cause: ranks that die after we began
                 # stopping are its consequences (or our own TERM).
                 self._fail(Failure(host, rank, describe_exit(rc), rc, list(self._tails[rank])))
         elif kind == "gone":
             lost = {r for r in self._running if self._host_of[r] == host}
             if lost:
-                detail = "; ".join(event.get("stderr", [])[-3:]) or f"agent exit code {event.get('rc')}"
-                self._fail(Failure(host, None, f"lost the connection to the host's agent ({detail})"))
+                self._lost_hosts.add(host)
+                channel = next(c for c in self.channels if c.host == host)
+                if channel.local:
+                    reason = f"its agent process died ({describe_exit(event.get('rc') or 0)})"
+                else:
+                    detail = "; ".join(event.get("stderr", [])[-3:]) or f"ssh exit code {event.get('rc')}"
+                    reason = f"lost the ssh session to its agent ({detail})"
+                self._fail(Failure(host, None, reason))
             self._running -= lost
 
     def _fail(self, failure: Failure) -> None:
@@ -273,16 +454,100 @@ class Supervisor:
             self._stop_all()
 
     def _drain(self) -> None:
-        """Log the output and telemetry that arrived after the last exit event."""
+        """Apply the exits that arrived after the loop ended (their logs are already written)."""
         while True:
             try:
                 host, event = self.events.get_nowait()
             except queue.Empty:
                 return
-            if event.get("t") in ("out", "tel"):
+            if event.get("t") == "exit":
                 self._handle(host, event)
 
     def _stop_all(self) -> None:
         self._stopping_since = time.monotonic()
         for channel in self.channels:
             channel.stop()
+
+    # --- hangs (Note [hang timeout] in watchdog.py) -----------------------------------------
+    def _check_progress(self, now: float) -> None:
+        if self._stopping_since is not None:
+            return
+        if self._dumping_since is not None:
+            # Stacks asked for: every worker ends on SIGABRT; give a stuck one a few seconds.
+            if now - self._dumping_since > 3.0:
+                self._blame_hang()
+            return
+        self._watch.progress(self._sink.last_output)
+        collector = getattr(self.view, "collector", None)
+        if collector is not None:
+            ranks = collector.snapshot(output_lines=0).ranks
+            self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm)) for v in ranks}, now)
+        idle = self._watch.idle_s(now)
+        if self._warned_at is not None and self._watch.last_progress > self._warned_at:
+            self._warned_at = None  # progress resumed: a later quiet spell is warned about again
+        if 0 < self._hang_warn_s <= idle and self._warned_at is None and not self._watch.expired(now):
+            self._warned_at = now
+            ends = (f"; the job is ended after {self._watch.timeout_s:.0f} s (--hang-timeout)"
+                    if self._watch.timeout_s > 0 else "")
+            self._sink.output("launcher", None, f"HANG? no rank has made progress for {self._hang_warn_s:g} s{ends}")
+        if self._watch.expired(now):
+            self._sink.output("launcher", None, f"HANG: no rank has made progress for {self._watch.timeout_s:g} s "
+                              "(--hang-timeout); collecting every rank's Python stack and ending the job")
+            self._hang_missing = self._collective_missing()
+            self._dumping_since = now
+            for channel in self.channels:
+                channel.dump_stacks()
+
+    def _collective_missing(self) -> tuple[int, ...]:
+        """Ranks that have not entered the zerorun collective others are blocked in, if any."""
+        collector = getattr(self.view, "collector", None)
+        if collector is None:
+            return ()
+        from zerorun.telemetry.collector import detect_hang
+
+        hang = detect_hang(list(collector.snapshot(output_lines=0).ranks), 0.0)
+        return hang.missing if hang is not None else ()
+
+    def _blame_hang(self) -> None:
+        stacks = {
+            rank: watchdog.main_stack(watchdog.parse_fault_stacks(list(tail))) for rank, tail in self._tails.items()
+        }
+        stacks = {rank: stack for rank, stack in stacks.items() if stack}
+        culprits = watchdog.blame(stacks, self._hang_missing)
+        timeout = self._watch.timeout_s
+        if culprits:
+            others = sorted(set(stacks) - set(culprits))
+            waiting = ""
+            if others:
+                names = "rank " + str(others[0]) if len(others) == 1 else "ranks " + ", ".join(map(str, others))
+                waiting = f"; {names} {'waits' if len(others) == 1 else 'wait'} for it in a collective"
+            rank = culprits[0]
+            reason = (f"hung: no rank made progress for {timeout:g} s and this rank is the one the others "
+                      f"wait for{waiting}")
+            if len(culprits) > 1:
+                reason += f"; so are ranks {', '.join(map(str, culprits[1:]))}"
+            failure = Failure(self._host_of[rank], rank, reason, stacks=stacks)
+        else:
+            hosts = sorted(set(self._host_of.values()))
+            reason = (f"hung: no rank made progress for {timeout:g} s; the stacks do not tell which rank the "
+                      "others wait for")
+            failure = Failure(hosts[0] if len(hosts) == 1 else ", ".join(hosts), None, reason, stacks=stacks)
+        self._dumping_since = None
+        self._fail(failure)
+
+    # --- teardown check (Note [workers die with their agent] in agent.py) ---------------------
+    def _confirm_ended(self) -> dict[str, str]:
+        """Host -> problem, for hosts where processes of the run may be left.
+
+        This host is always swept (cheap, and it also catches a process that left its group).
+        A remote host is checked over ssh only when its agent did not end cleanly.
+        """
+        leftovers = {}
+        for channel in self.channels:
+            clean = channel.done and not channel.killed and channel.host not in self._lost_hosts
+            if clean and not channel.local:
+                continue
+            problem = channel.sweep(self.token, wait_s=0.0 if clean else 3.0)
+            if problem:
+                leftovers[channel.host] = problem
+        return leftovers

@@ -3,8 +3,11 @@
 ``Collector.ingest(host, raw_line)`` is the only door in. A line is accepted only if it is at
 most 64 KiB, UTF-8 JSON (never pickle: nothing here can execute what a peer sends), carries
 this run's token (compared in constant time) and follows events.py's schema. Anything else is
-counted under a reason and dropped; the run goes on. Accepted messages update the per-rank
-state and are appended to RUN_DIR/metrics.jsonl without the token.
+counted under a reason and dropped; the run goes on. Accepted messages have every string
+stripped of control characters (sanitize.py: op names and hosts reach the terminal), update
+the per-rank state and are appended to RUN_DIR/metrics.jsonl without the token. The rank a
+message names has been stamped by the host's agent, which knows which pipe it came from
+(agent.stamp_telemetry), so a worker cannot write records for another rank.
 
 ``Collector.snapshot()`` returns frozen plain data that ui/render.py draws. The judgements the
 dashboard shows (stragglers, hangs, throughput) are pure functions at the bottom of this file.
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerorun.telemetry import events
+from zerorun.telemetry.sanitize import clean_strings
 
 DROP_REASONS = ("oversized", "malformed", "unauthenticated", "schema")
 # How many recent steps / samples the rates are computed over: long enough to smooth noise,
@@ -117,6 +121,7 @@ class _RankState:
     comm_window: deque = field(default_factory=lambda: deque(maxlen=_SAMPLE_WINDOW))  # (t, comm_s)
     steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW))
     last_step: dict | None = None
+    last_step_seen: float | None = None  # collector's clock, when the last step arrived
     entered_seq: int | None = None
     blocked: dict | None = None
     blocked_seen: float | None = None
@@ -164,6 +169,7 @@ class Collector:
         except (events.SchemaError, ValueError, TypeError, OverflowError):
             return self._drop("schema")
         del message["token"]  # the token never reaches the disk
+        message = clean_strings(message)
         with self._lock:
             try:
                 self._apply(message)
@@ -193,6 +199,11 @@ class Collector:
                 self._metrics_file.close()
                 self._metrics_file = None
 
+    def count_dropped(self, reason: str, count: int = 1) -> None:
+        """Lines dropped before they reached ``ingest`` (by the agent: oversized)."""
+        with self._lock:
+            self._dropped[reason if reason in self._dropped else "malformed"] += count
+
     def _drop(self, reason: str) -> bool:
         with self._lock:
             self._dropped[reason] += 1
@@ -218,6 +229,7 @@ class Collector:
             state.device_total = m.get("device_total_bytes")
         elif kind == "step":
             state.last_step = m
+            state.last_step_seen = now
             state.steps.append((m["step_time_s"], m.get("samples"), m.get("tokens")))
         elif kind == "sample":
             state.mem = m["mem"]
@@ -239,7 +251,7 @@ class Collector:
     def snapshot(self, output_lines: int = 20) -> Snapshot:
         with self._lock:
             now = self._clock()
-            views = [_rank_view(s, now) for s in self._ranks.values()]
+            views = [_rank_view(s, now, self.hang_after_s) for s in self._ranks.values()]
             hang = detect_hang(views, self.hang_after_s)
             stragglers = find_stragglers(views) | set(hang.missing if hang else ())
             # A rank that has exited holds nobody back any more (its exit code tells its story).
@@ -261,10 +273,14 @@ class Collector:
             )
 
 
-def _rank_view(s: _RankState, now: float) -> RankView:
+def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -> RankView:
     last = s.last_step or {}
     step_time = samples_rate = tokens_rate = None
-    if s.steps:
+    # A running rank with no step for longer than a hang takes has no current rate: showing
+    # the last one would tell a hung job's user it is still training. Once it has exited, its
+    # rate is history again (the end-of-run summary).
+    stale = s.exit_code is None and s.last_step_seen is not None and now - s.last_step_seen > stale_after_s
+    if s.steps and not stale:
         total_time = sum(t for t, _, _ in s.steps)
         step_time = total_time / len(s.steps)
         samples_rate = _rate([n for _, n, _ in s.steps], total_time)

@@ -232,7 +232,7 @@ def sample_memory() -> dict:
     # The kernel updates its high-water mark lazily, so it can trail the current RSS a little.
     mem["rss_peak"] = max(mem["rss"], peak if sys.platform == "darwin" else peak * 1024)
     torch = sys.modules.get("torch")  # never import torch just to look at it
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch is not None and _may_use_cuda() and torch.cuda.is_initialized():
         mem["cuda_allocated"] = torch.cuda.memory_allocated()
         mem["cuda_reserved"] = torch.cuda.memory_reserved()
         mem["cuda_peak"] = torch.cuda.max_memory_allocated()
@@ -245,15 +245,39 @@ def sample_memory() -> dict:
     return mem
 
 
-def _device_info() -> dict:
+def _may_use_cuda(environ=os.environ) -> bool:
+    """False for a worker the launcher made a CPU worker: it never touches torch.cuda
+    (Note [device contract] in zerorun/launch/device.py)."""
+    from zerorun.launch.device import uses_cuda, worker_device
+
+    return uses_cuda(worker_device(environ))
+
+
+def _device_info(environ=os.environ) -> dict:
     import psutil
 
+    from zerorun.launch.device import AUTO, worker_device
+
     info = {"device": "cpu", "host_total_bytes": psutil.virtual_memory().total}
+    device = worker_device(environ)
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cpu" or torch is None:
+        return info
+    try:
+        if not torch.cuda.is_available():
+            return info
+        if torch.cuda.is_initialized():
+            index = torch.cuda.current_device()
+        elif device != AUTO:
+            index = int(device.split(":")[1])
+        else:
+            index = int(environ.get("LOCAL_RANK", 0))
+        if index >= torch.cuda.device_count():
+            return info  # not a GPU this worker has: say cpu rather than fail the worker
         info["device"] = f"cuda:{index}"
         info["device_total_bytes"] = torch.cuda.get_device_properties(index).total_memory
+    except Exception:  # noqa: BLE001 - telemetry must never break training
+        pass
     return info
 
 

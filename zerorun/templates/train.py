@@ -16,6 +16,7 @@ import torch
 
 import zerorun
 from zerorun.config import load_config
+from zerorun.launch.device import worker_device
 
 
 def main() -> None:
@@ -31,8 +32,13 @@ def main() -> None:
     else:
         config = load_config("zerorun.yaml", world_size=world_size)
     torch.manual_seed(config.seed or 0)  # the same initial weights on every rank
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    # The launcher decides each worker's device (ZERORUN_DEVICE: cpu for --nproc, cuda:N for
+    # --gpus); run by hand, the first GPU per local rank if there is one.
+    device = worker_device(os.environ)
+    if device == "auto":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -1,0 +1,112 @@
+"""Hang handling (pure): is the job still making progress, whose stack shows it is the one stuck.
+
+Note [hang timeout]: zerorun's own collectives tell the dashboard which rank a collective is
+waiting for, but a rank can just as well hang in the script's own ``dist.all_reduce`` or
+before ``initialize``, where zerorun sees no collective at all. The watchdog therefore asks
+only whether *anything* moves: a line of output from any rank, a new step, a collective
+entered or finished. When nothing has moved for ``--hang-timeout`` seconds, the launcher has
+every worker print its Python stacks (faulthandler, on SIGABRT) and ends the job. The stacks
+name the cause: ranks waiting for the others sit inside a collective (torch.distributed or
+zerorun.zero.collectives); the rank that is elsewhere is the one they wait for.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Frames in these files mean "waiting in a collective" (or in the rendezvous, which is one).
+COLLECTIVE_FILES = ("torch/distributed/", "zerorun/zero/collectives.py", "zerorun/zero/process_group.py")
+# Frames in these files are machinery; the first frame outside them is "the line it is stuck on".
+LIBRARY_FILES = ("<frozen", "/site-packages/", "/dist-packages/", "/lib/python3", "zerorun/zero/", "zerorun/telemetry/")
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+
+
+class ProgressWatch:
+    """When did anything last move? ``timeout_s`` 0 means never time out."""
+
+    def __init__(self, timeout_s: float, now: float):
+        self.timeout_s = timeout_s
+        self.last_progress = now
+        self._marks: dict = {}
+
+    def progress(self, now: float) -> None:
+        self.last_progress = max(self.last_progress, now)
+
+    def observe(self, marks: dict, now: float) -> None:
+        """``marks``: per rank, anything that changes when the rank moves (step, collective seq)."""
+        if marks != self._marks:
+            self._marks = dict(marks)
+            self.progress(now)
+
+    def idle_s(self, now: float) -> float:
+        return now - self.last_progress
+
+    def expired(self, now: float) -> bool:
+        return self.timeout_s > 0 and self.idle_s(now) >= self.timeout_s
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.func}"
+
+
+def parse_fault_stacks(lines: list[str]) -> list[list[Frame]]:
+    """The threads of the last faulthandler dump in ``lines``, each innermost frame first."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")]
+    if not starts:
+        return []
+    threads: list[list[Frame]] = []
+    current: list[Frame] | None = None
+    for line in lines[starts[-1]:]:
+        if _THREAD.match(line.strip()):
+            current = []
+            threads.append(current)
+            continue
+        match = _FRAME.match(line)
+        if match and current is not None:
+            current.append(Frame(match["file"], int(match["line"]), match["func"]))
+        elif line.strip() and current is not None:
+            current = None  # "Extension modules: ..." or the next output: the dump has ended
+    return [thread for thread in threads if thread]
+
+
+def main_stack(threads: list[list[Frame]]) -> list[Frame]:
+    """The main thread's stack: the one whose outermost frame is a module's top level."""
+    for thread in threads:
+        if thread[-1].func == "<module>":
+            return thread
+    return threads[0] if threads else []
+
+
+def in_collective(stack: list[Frame]) -> bool:
+    return any(any(part in frame.file for part in COLLECTIVE_FILES) for frame in stack)
+
+
+def stuck_at(stack: list[Frame]) -> Frame | None:
+    """The innermost frame of the user's own code (else the innermost frame)."""
+    for frame in stack:
+        if not any(part in frame.file for part in LIBRARY_FILES):
+            return frame
+    return stack[0] if stack else None
+
+
+def blame(stacks: dict[int, list[Frame]], missing: tuple[int, ...] = ()) -> list[int]:
+    """The ranks the others wait for.
+
+    ``missing``: ranks zerorun's collectives know have not entered the collective the others
+    wait in (the most precise answer, when there is one). Otherwise the ranks whose stack is
+    not inside a collective while some other rank's is. Empty when nothing tells them apart.
+    """
+    if missing:
+        return sorted(missing)
+    waiting = {rank for rank, stack in stacks.items() if stack and in_collective(stack)}
+    elsewhere = sorted(rank for rank, stack in stacks.items() if stack and rank not in waiting)
+    return elsewhere if waiting and elsewhere else []
