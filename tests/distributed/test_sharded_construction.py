@@ -185,3 +185,11 @@ def test_meta_construction_bounds_setup_memory_at_stage3(tmp_path):
               f"meta {meta['growth'] / 2**20:.0f} MiB, ratio {ratio:.2f}")
         assert ratio <= 0.6
         assert meta["losses"] == eager["losses"]
+
+
+def test_meta_model_goes_where_the_launcher_says(monkeypatch):
+    monkeypatch.setenv("ZERORUN_DEVICE", "cpu")
+    with torch.device("meta"):
+        model = nn.Linear(4, 3)
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+    assert model.weight.device.type == "cpu" and engine.pg.device.type == "cpu"

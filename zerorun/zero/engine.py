@@ -20,6 +20,7 @@ from torch import nn
 
 from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError
+from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero import collectives
 from zerorun.zero.checkpointing import apply_from_config
@@ -119,8 +120,9 @@ def _compute_device(model_device: torch.device) -> torch.device:
     (ZERORUN_DEVICE, docs/launch.md), else this rank's GPU when there is one, else the CPU."""
     if model_device.type != "meta":
         return model_device
-    if os.environ.get("ZERORUN_DEVICE"):
-        return torch.device(os.environ["ZERORUN_DEVICE"])
+    decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
+    if decided != AUTO:
+        return torch.device(decided)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
     return torch.device("cpu")
