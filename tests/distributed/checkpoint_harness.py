@@ -112,7 +112,7 @@ def run_steps(engine, case: ResumeCase, rank: int, steps: range) -> dict:
             loss = engine(*dropnet_batch(step, micro, rank))
             engine.backward(loss)
             engine.step()
-            window += float(loss)
+            window += float(loss.detach())
         losses.append(window)
         draws.append((random.random(), float(numpy.random.rand())))
     return {"losses": losses, "draws": draws}

@@ -16,7 +16,7 @@ from zerorun.errors import ZerorunError
 
 
 def build_app() -> typer.Typer:
-    from zerorun.cli import estimate, init, report, run
+    from zerorun.cli import consolidate, estimate, init, report, run
 
     app = typer.Typer(
         add_completion=False,
@@ -24,12 +24,12 @@ def build_app() -> typer.Typer:
         help="ZeRO sharded data-parallel training, launched and watched from one command.",
         pretty_exceptions_enable=False,
     )
-    for module in (run, estimate, init, report):
+    for module in (run, estimate, init, report, consolidate):
         module.register(app)
     return app
 
 
-SUBCOMMANDS = ("run", "estimate", "init", "report")
+SUBCOMMANDS = ("run", "estimate", "init", "report", "consolidate")
 
 
 def route(argv: list[str]) -> list[str]:

@@ -19,7 +19,7 @@ import typer
 from zerorun.errors import JobFailed, LaunchError
 
 # Our options that take no value; every other option takes one (unless written --opt=value).
-FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h"})
+FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume"})
 MODULE_OPTIONS = ("-m", "--module")
 
 
@@ -73,6 +73,7 @@ def register(app: typer.Typer) -> None:
         no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain prefixed output instead of the live dashboard."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (hosts, ranks, env, commands); start nothing."),
         grace: float = typer.Option(3.0, "--grace", help="Seconds between TERM and KILL when stopping workers."),
+        resume: bool = typer.Option(False, "--resume", help="Load the latest checkpoint of checkpoint.dir on start (= --set checkpoint.resume=true)."),
     ) -> None:
         from zerorun.launch.launcher import LaunchOptions, dry_run_text, execute, prepare
         from zerorun.launch.plan import Target
@@ -90,7 +91,7 @@ def register(app: typer.Typer) -> None:
             target=job_target, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
             ssh_options=list(ssh_opt or []), env_file=env_file, config=config,
-            config_overrides=parse_settings(list(settings or [])), run_dir=run_dir,
+            config_overrides=parse_settings(list(settings or []) + (["checkpoint.resume=true"] if resume else [])), run_dir=run_dir,
             dashboard=not no_dashboard, grace_s=grace,
         )
         job = prepare(options)

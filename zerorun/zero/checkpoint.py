@@ -101,7 +101,7 @@ def model_table(module: torch.nn.Module) -> dict:
             aliases[name] = first[id(param)]
         else:
             first[id(param)] = name
-    params = {name: {"shape": list(p.shape), "trainable": p.requires_grad}
+    params = {name: {"shape": list(p.shape), "trainable": p.requires_grad, "dtype": DTYPE_NAMES[p.dtype]}
               for name, p in module.named_parameters()}
     buffers = {name: {"shape": list(b.shape), "dtype": DTYPE_NAMES.get(b.dtype, str(b.dtype))}
                for name, b in persistent_buffers(module)}
