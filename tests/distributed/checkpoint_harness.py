@@ -256,3 +256,36 @@ def spawn(body, world: int, tmp: str) -> dict[int, dict]:
     mp.start_processes(_rank_entry, args=(body, world, tmp), nprocs=world, start_method="spawn", join=True)
     return {r: torch.load(Path(tmp) / f"{body.__name__}-rank{r}.pt", weights_only=False) for r in range(world)}
 
+
+
+# -- a rank killed in the middle of a save ------------------------------------------------------
+def crash_world(rank: int, world: int, tmp: str) -> dict:
+    """Save global_step2, record the full state, train 2 more steps, then start saving
+    global_step4: rank 1 SIGKILLs itself after writing its first tensor of the new file."""
+    import os
+    import signal
+
+    import zerorun
+    from zerorun.zero import tensor_files
+
+    model = build_dropnet()
+    case = ResumeCase("crash", 3)
+    engine = zerorun.initialize(model, optimizer_for(model), case.config())
+    run_steps(engine, case, rank, range(2))
+    engine.save_checkpoint(Path(tmp) / "ckpt")
+    full = engine.full_state_dict()
+    if rank == 0:
+        torch.save(full, Path(tmp) / "at_step2.pt")
+    run_steps(engine, case, rank, range(2, 4))
+    if rank == 1:
+        original = tensor_files.TensorFileWriter.write
+
+        def write_then_die(self, key, tensor):
+            original(self, key, tensor)
+            self._out._handle.flush()
+            (Path(tmp) / "killed").write_text(key)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        tensor_files.TensorFileWriter.write = write_then_die
+    engine.save_checkpoint(Path(tmp) / "ckpt")
+    return {}
