@@ -51,3 +51,36 @@ def test_resume_is_exact(worlds, name):
     for key, value in final.items():
         assert torch.equal(value, resumed[key]), f"{key} differs after resume"
     assert float(resumed["seen"]) == h.STEPS * h.resume_cases("/unused")[CASES.index(name)].accumulation
+
+
+@pytest.mark.parametrize("dtype,stage,zero", [("bf16", 2, {}), ("fp16", 3, {"offload_optimizer": {"device": "cpu"}}),
+                                              ("bf16", 1, {"offload_optimizer": "nvme"}),
+                                              ("fp32", 3, {"offload_optimizer": {"device": "cpu"},
+                                                           "offload_param": {"device": "cpu"}})])
+def test_mixed_precision_resumes_exactly_at_world_1(tmp_path, dtype, stage, zero):
+    """World 1, in this process: bf16/fp16 masters, the loss scaler, offloaded optimizer state
+    and stage-3 parameter offload resume bitwise (the model-dtype parameters are recomputed from the saved fp32 masters)."""
+    import zerorun
+
+    if zero.get("offload_optimizer") == "nvme":
+        zero = {"offload_optimizer": h.nvme(str(tmp_path))}
+    case = h.ResumeCase("p", stage, zero)
+    config = {**case.config(), "precision": {"dtype": dtype, "initial_scale_power": 8}}
+
+    def engine_for(seed):
+        model = h.build_dropnet()
+        h.seed_rank(seed)
+        return zerorun.initialize(model, h.optimizer_for(model), config)
+
+    straight = engine_for(0)
+    want = h.run_steps(straight, case, 0, range(6))
+    first = engine_for(0)
+    h.run_steps(first, case, 0, range(3))
+    first.save_checkpoint(tmp_path / "ckpt")
+    resumed = engine_for(5)
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    got = h.run_steps(resumed, case, 0, range(3, 6))
+    assert got["losses"] == want["losses"][3:] and got["draws"] == want["draws"][3:]
+    assert resumed.loss_scale == straight.loss_scale
+    a, b = straight.full_state_dict(), resumed.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
