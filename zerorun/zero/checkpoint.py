@@ -5,7 +5,8 @@
     engine.save_checkpoint(dir, tag=None, client_state=None)        # every rank
     path, client_state = engine.load_checkpoint(dir, tag=None)      # every rank, any world/stage
 
-One checkpoint is a directory:
+One checkpoint is a directory (file names and reading: checkpoint_format.py; the pieces'
+keys and the re-partitioning math: reshard.py; the streamed safetensors files: tensor_files.py):
 
     DIR/latest                   the newest complete tag; moved last (Note [commit order])
     DIR/TAG/manifest.json        layout, world size, stage, versions, a checksum per file, and per
@@ -59,54 +60,15 @@ import zerorun
 from zerorun.errors import CheckpointError, RuntimeConfigError
 from zerorun.zero import collectives
 from zerorun.zero.offload import OnFile
-from zerorun.zero.reshard import (BUFFER, FROZEN, MASTER, RNG, Piece, Uncovered, bad_tag, first_mismatch,
-                                  index_pieces, micro_steps_after_load, piece_key, plan_reads, state_family,
-                                  step_tag, tags_to_delete, whole_key)
+from zerorun.zero.checkpoint_format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, Reader,
+                                           master_index, model_table, persistent_buffers, rank_file, read_manifest,
+                                           resolve)
+from zerorun.zero.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncovered, bad_tag, first_mismatch, index_pieces,
+                                  micro_steps_after_load, piece_key, plan_reads, state_family, step_tag,
+                                  tags_to_delete, whole_key)
 from zerorun.zero.sharding import Segment
-from zerorun.zero.tensor_files import (TensorFile, TensorFileWriter, fsync_dir, verify, write_bytes_atomically,
-                                       DTYPE_NAMES, DTYPES)
+from zerorun.zero.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
 from zerorun.zero.units import ParamState
-
-FORMAT = "zerorun-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-LATEST = "latest"
-ENGINE_FILE = "engine.pt"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank}.safetensors"
-
-
-# -- what the model holds -------------------------------------------------------------------
-def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(state-dict name, tensor) of each persistent buffer, each tensor once."""
-    seen, found = set(), []
-    for prefix, mod in module.named_modules():
-        for name, buf in mod._buffers.items():
-            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            found.append((f"{prefix}.{name}" if prefix else name, buf))
-    return found
-
-
-def model_table(module: torch.nn.Module) -> dict:
-    """Parameters (each once, model order), their aliases (tied names) and buffers, as the
-    manifest records them."""
-    first: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-    params = {name: {"shape": list(p.shape), "trainable": p.requires_grad, "dtype": DTYPE_NAMES[p.dtype]}
-              for name, p in module.named_parameters()}
-    buffers = {name: {"shape": list(b.shape), "dtype": DTYPE_NAMES.get(b.dtype, str(b.dtype))}
-               for name, b in persistent_buffers(module)}
-    return {"parameters": params, "aliases": aliases, "buffers": buffers}
-
 
 # -- scalars as JSON ------------------------------------------------------------------------
 def _encode_scalar(value):
@@ -169,7 +131,7 @@ def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
     return elementwise, scalars
 
 
-def _rank_entries(engine, table: dict) -> tuple[list, dict]:
+def _rank_entries(engine) -> tuple[list, dict]:
     """(key, dtype, shape) of everything this rank writes, and the scalars of its names."""
     entries, scalars = [], {}
     if _writes_records(engine):
@@ -194,8 +156,8 @@ def _frozen_and_buffers(engine) -> list[tuple[str, torch.Tensor]]:
     return frozen + [(whole_key(BUFFER, n), b) for n, b in persistent_buffers(engine.module)]
 
 
-def _write_rank_file(engine, staging: Path, table: dict) -> dict:
-    entries, scalars = _rank_entries(engine, table)
+def _write_rank_file(engine, staging: Path) -> dict:
+    entries, scalars = _rank_entries(engine)
     path = staging / rank_file(engine.rank)
     try:
         writer = TensorFileWriter(path, entries, metadata={"format": "pt"})
@@ -274,7 +236,7 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
                                   hint="checkpoint.dir must be a writable directory shared by every rank") from None
     collectives.barrier(group=engine.group)
     table = model_table(engine.module)
-    entry = _write_rank_file(engine, staging, table)
+    entry = _write_rank_file(engine, staging)
     write_bytes_atomically(staging / f"rank{engine.rank}.json", json.dumps(entry).encode())
     if engine.rank == 0:
         buffer = io.BytesIO()
@@ -340,107 +302,6 @@ def _delete_old(root: Path, keep_last: int, just_saved: str) -> None:
 
 
 # -- load -----------------------------------------------------------------------------------
-def latest_tag(root: Path) -> str | None:
-    try:
-        return (Path(root) / LATEST).read_text().strip() or None
-    except FileNotFoundError:
-        return None
-
-
-def tag_directory(root: Path, tag: str) -> Path:
-    """``root/tag``, or the copy a crash left moved aside (Note [commit order])."""
-    final = Path(root) / tag
-    if (final / MANIFEST).is_file():
-        return final
-    aside = sorted(Path(root).glob(f"{tag}.replaced-*"))
-    for candidate in reversed(aside):
-        if (candidate / MANIFEST).is_file():
-            return candidate
-    if final.is_dir():
-        raise CheckpointError(f"checkpoint {str(final)!r} has no {MANIFEST}: its save did not finish",
-                              hint="load an earlier tag")
-    raise CheckpointError(f"there is no checkpoint {str(final)!r}")
-
-
-def read_manifest(directory: Path) -> dict:
-    path = Path(directory) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{str(path)!r} does not exist: not a complete zerorun checkpoint") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{str(path)!r} is unreadable ({exc})", hint="the checkpoint is damaged; load an earlier tag") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{str(path)!r} is not a zerorun checkpoint of format version {FORMAT_VERSION}")
-    return manifest
-
-
-def resolve(path, tag: str | None = None) -> Path | None:
-    """The checkpoint directory for ``path`` (a checkpoint root or a tag directory) and ``tag``;
-    None when the root has no ``latest`` yet."""
-    path = Path(path)
-    if tag is None and (path / MANIFEST).is_file():
-        return path
-    if tag is None:
-        tag = latest_tag(path)
-        if tag is None:
-            if not path.is_dir():
-                raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
-            return None
-    return tag_directory(path, tag)
-
-
-class Reader:
-    """The saved files one rank opens, each checked once before its first read."""
-
-    def __init__(self, directory: Path, manifest: dict):
-        self.directory, self.manifest = directory, manifest
-        self._open: dict[str, TensorFile] = {}
-        self._checked: set[str] = set()
-
-    def check(self, name: str) -> Path:
-        """Verify file ``name`` against the manifest (once); its path."""
-        if name not in self._checked:
-            expected = self.manifest["files"].get(name)
-            if expected is None:
-                raise CheckpointError(f"checkpoint {str(self.directory)!r}: the manifest lists no file {name!r}")
-            verify(self.directory / name, expected)
-            self._checked.add(name)
-        return self.directory / name
-
-    def file(self, name: str) -> TensorFile:
-        if name not in self._open:
-            self._open[name] = TensorFile(self.check(name))
-        return self._open[name]
-
-    def fill(self, reads, target: torch.Tensor) -> None:
-        """Run reshard reads into the 1-D ``target`` (any dtype; cast when the file's differs)."""
-        for read in reads:
-            source = self.file(read.file)
-            span = target[read.target_offset: read.target_offset + read.length]
-            if source.info(read.key)[0] == target.dtype and span.device.type == "cpu":
-                source.read_into(read.key, read.offset, span)
-            else:
-                span.copy_(source.read(read.key, read.offset, read.length))
-
-    def close(self) -> None:
-        for handle in self._open.values():
-            handle.close()
-
-
-def _master_index(manifest: dict) -> tuple[dict, dict]:
-    files = {rank_file(r): entry["keys"] for r, entry in enumerate(manifest["ranks"])}
-    index = index_pieces(files, MASTER)
-    # A parameter frozen when saved and trainable now: its whole saved value is one piece.
-    for name, info in manifest["parameters"].items():
-        if not info["trainable"] and name not in index:
-            numel = 1
-            for size in info["shape"]:
-                numel *= size
-            index[name] = [Piece(name, 0, numel, rank_file(0), whole_key(FROZEN, name))]
-    return index, files
-
-
 def _check_fits(engine, manifest: dict, directory: Path) -> None:
     table = model_table(engine.module)
     shapes = lambda section: {n: i["shape"] for n, i in section.items()}  # noqa: E731
@@ -485,7 +346,7 @@ def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
         for key, tensor in _frozen_and_buffers(engine):
             name = key.split("/", 1)[1]
             if key.startswith(FROZEN) and manifest["parameters"][name]["trainable"]:
-                index = index or _master_index(manifest)[0]
+                index = index or master_index(manifest)[0]
                 whole = torch.empty(tensor.numel(), dtype=torch.float32)
                 reader.fill(plan_reads([Segment(name, 0, 0, tensor.numel())], index), whole)
                 tensor.copy_(whole.view(tensor.shape))
@@ -494,7 +355,7 @@ def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
 
 
 def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: bool) -> None:
-    index, files = _master_index(manifest)
+    index, files = master_index(manifest)
     families = sorted({key.split("/", 1)[0] for keys in files.values() for key in keys if key.startswith("state.")})
     state_index = {family: index_pieces(files, family) for family in families}
     scalars: dict[str, dict] = {}

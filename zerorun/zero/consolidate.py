@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint import Reader, _master_index, read_manifest, resolve
+from zerorun.zero.checkpoint_format import Reader, master_index, rank_file, read_manifest, resolve
 from zerorun.zero.reshard import BUFFER, FROZEN, plan_reads, whole_key
 from zerorun.zero.sharding import Segment
 from zerorun.zero.tensor_files import DTYPES, TensorFileWriter
@@ -85,7 +85,7 @@ class Assembler:
         self.directory = Path(directory)
         self.manifest = read_manifest(self.directory)
         self.reader = Reader(self.directory, self.manifest)
-        self.index, _ = _master_index(self.manifest)
+        self.index, _ = master_index(self.manifest)
 
     def verify_all(self) -> None:
         """Check every file's size and checksum before anything is written."""
@@ -93,8 +93,6 @@ class Assembler:
             self.reader.check(name)
 
     def tensor(self, entry: Entry) -> torch.Tensor:
-        from zerorun.zero.checkpoint import rank_file
-
         if entry.kind == "buffer":
             return self.reader.file(rank_file(0)).read(whole_key(BUFFER, entry.name)).to(entry.dtype)
         if not self.manifest["parameters"][entry.name]["trainable"]:
