@@ -35,13 +35,18 @@ def runs(tmp_path_factory):
     return saved, loaded, references
 
 
-def _check(losses, final, reference, steps):
+def _check(losses, final, reference, steps) -> tuple[float, float]:
+    """Largest relative loss difference and largest parameter difference (printed with -s)."""
+    worst_loss = worst_param = 0.0
     for step, got in zip(steps, losses):
         want = reference["losses"][step]
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: loss {got!r} vs reference {want!r}"
+        worst_loss = max(worst_loss, abs(got - want) / abs(want))
     for name, want in reference["final"].items():
         diff = (final[name] - want).abs().max().item()
         assert diff <= PARAM_ATOL, f"{name}: max difference {diff:.2e}"
+        worst_param = max(worst_param, diff)
+    return worst_loss, worst_param
 
 
 LOADS = [(saved, f"{saved}->w{world}-s{case.stage}") for world in (3, 1) for saved, case in h.reshard_loads("/unused", world)]
@@ -54,4 +59,5 @@ def test_load_at_another_world_size_or_stage(runs, saved, key):
     reference = references[saved]
     for step, got in enumerate(before[saved]):
         assert abs(got - reference["losses"][step]) <= LOSS_RTOL * abs(reference["losses"][step])
-    _check(loaded[key]["losses"], loaded[key]["final"], reference, range(h.HALF, h.STEPS))
+    worst_loss, worst_param = _check(loaded[key]["losses"], loaded[key]["final"], reference, range(h.HALF, h.STEPS))
+    print(f"\n{key}: loss rel diff <= {worst_loss:.1e}, param diff <= {worst_param:.1e}")
