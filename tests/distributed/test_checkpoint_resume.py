@@ -84,3 +84,29 @@ def test_mixed_precision_resumes_exactly_at_world_1(tmp_path, dtype, stage, zero
     assert resumed.loss_scale == straight.loss_scale
     a, b = straight.full_state_dict(), resumed.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_full_state_dict_gathers_one_unit_at_a_time(monkeypatch):
+    """Stage 3: at most one partitioned unit is gathered at any moment of full_state_dict (it
+    used to gather the whole model on every rank at once)."""
+    import zerorun
+    from zerorun.zero.units import FlatUnit, ParamState
+
+    model = h.build_dropnet()
+    engine = zerorun.initialize(model, h.optimizer_for(model), {"zero": {"stage": 3, "param_persistence_threshold": 0,
+                                                                          "allgather_bucket_size": 10}})
+    h.run_steps(engine, h.ResumeCase("g", 3), 0, range(1))
+    units = [u for u in engine.partition.units if u.partitioned]
+    assert len(units) >= 4
+    most = []
+    real_gather = FlatUnit.gather
+
+    def counting_gather(self, group):
+        real_gather(self, group)
+        most.append(sum(u.state is not ParamState.SHARDED for u in units))
+
+    monkeypatch.setattr(FlatUnit, "gather", counting_gather)
+    state = engine.full_state_dict()
+    assert max(most) == 1 and len(most) >= len(units)
+    assert all(u.state is ParamState.SHARDED for u in units)
+    assert torch.equal(state["head.weight"], state["embed.weight"])
