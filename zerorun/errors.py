@@ -46,3 +46,8 @@ class PlannerError(ZerorunError):
 
 class RuntimeConfigError(ZerorunError):
     """The engine was given a model/optimizer/config combination it cannot run."""
+
+
+class CheckpointError(ZerorunError):
+    """A checkpoint cannot be written or read: missing, damaged (the message names the file),
+    from an incompatible model (it names the first mismatching parameter), or a bad tag."""

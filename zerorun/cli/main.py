@@ -18,7 +18,7 @@ from zerorun.errors import LaunchError, ZerorunError
 
 
 def build_app() -> typer.Typer:
-    from zerorun.cli import env, estimate, init, report, run
+    from zerorun.cli import consolidate, env, estimate, init, report, run
 
     app = typer.Typer(
         add_completion=False,
@@ -27,12 +27,12 @@ def build_app() -> typer.Typer:
              "zerorun --version prints the version.",
         pretty_exceptions_enable=False,
     )
-    for module in (run, estimate, init, report, env):
+    for module in (run, estimate, init, report, env, consolidate):
         module.register(app)
     return app
 
 
-SUBCOMMANDS = ("run", "estimate", "init", "report", "env")
+SUBCOMMANDS = ("run", "estimate", "init", "report", "env", "consolidate")
 
 
 def route(argv: list[str]) -> list[str]:

@@ -24,7 +24,7 @@ import typer
 from zerorun.errors import JobFailed, LaunchError
 
 # Our options that take no value; every other option takes one (unless written --opt=value).
-FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h"})
+FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume"})
 MODULE_OPTIONS = ("-m", "--module")
 
 
@@ -142,6 +142,7 @@ def register(app: typer.Typer) -> None:
             help="End the job when no rank made progress this long, showing every rank's stack "
                  "(config telemetry.hang_timeout_s, default 600; 0 = never).",
         ),
+        resume: bool = typer.Option(False, "--resume", help="Load the latest checkpoint of checkpoint.dir on start (= --set checkpoint.resume=true)."),
     ) -> None:
         from zerorun.launch.launcher import LaunchOptions, dry_run_text, execute, prepare
         from zerorun.launch.plan import Target
@@ -155,7 +156,7 @@ def register(app: typer.Typer) -> None:
             job_target = Target(script=words[0], args=tuple(words[1:]))
         else:
             raise LaunchError("no script given", hint="zerorun --nproc 2 train.py [script args...]  or  zerorun -m package.module")
-        overrides = parse_settings(list(settings or []))
+        overrides = parse_settings(list(settings or []) + (["checkpoint.resume=true"] if resume else []))
         if hang_timeout is not None:
             if not hang_timeout >= 0:
                 raise LaunchError(f"--hang-timeout must be 0 (never) or a number of seconds, got {hang_timeout}")

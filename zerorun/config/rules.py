@@ -100,6 +100,9 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
     if ckpt.interval_steps > 0 and not ckpt.dir:
         problems.add("checkpoint.dir", f"checkpoint.interval_steps is {ckpt.interval_steps} but "
                      "there is no directory to write to; set checkpoint.dir", ckpt.dir)
+    if ckpt.resume and not ckpt.dir:
+        problems.add("checkpoint.dir", "checkpoint.resume (--resume) is set but there is no directory "
+                     "to resume from; set checkpoint.dir", ckpt.dir)
 
 
 def check_torch_names(config: ZerorunConfig, problems: Problems) -> None:

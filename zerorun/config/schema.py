@@ -117,6 +117,8 @@ class CheckpointConfig:
     dir: str | None = None
     interval_steps: int = 0
     keep_last: int = 2
+    # Load the latest checkpoint of ``dir`` when the engine starts (``zerorun --resume``).
+    resume: bool = False
 
 
 @dataclass

@@ -22,7 +22,7 @@ from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError
 from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
-from zerorun.zero import collectives
+from zerorun.zero import checkpoint, collectives
 from zerorun.zero.checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
@@ -201,6 +201,7 @@ class Engine:
         self._recorder = get_recorder()
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
+        checkpoint.resume_from_config(self)  # checkpoint.resume (zero/checkpoint.py)
 
     def _scheduler_from_config(self):
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
@@ -290,6 +291,7 @@ class Engine:
             )
             self._recorder.set_memory_breakdown(self.memory_breakdown())
         self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
+        checkpoint.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint.py)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -332,16 +334,22 @@ class Engine:
         return breakdown
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The whole, unsharded model state dict (every rank must call this)."""
-        if self.gatherer is not None:
-            self.gatherer.gather_all()
-        try:
-            keep = not rank0_only or self.rank == 0
-            state = {k: v.detach().clone().cpu() for k, v in self.module.state_dict().items()} if keep else {}
-        finally:
-            if self.gatherer is not None:
-                self.gatherer.release_all()
-        return state
+        """The whole, unsharded model state dict (every rank must call this); stage 3 gathers
+        one unit at a time (zero/checkpoint.py)."""
+        return checkpoint.full_state_dict(self, rank0_only)
+
+    # -- checkpoints (zero/checkpoint.py) ---------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+        """Write a sharded checkpoint to ``save_dir/tag`` (default ``global_step{N}``); every rank."""
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Load ``load_dir/tag`` (default: the ``latest`` one) at any world size, stage or offload;
+        returns (path, client_state), (None, None) when there is no checkpoint yet."""
+        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
 
     def set_total_steps(self, n: int) -> None:
         """Tell the dashboard how many optimizer steps the run will take (progress bar and ETA)."""

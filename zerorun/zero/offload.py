@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -172,9 +173,11 @@ class OnFile(OnHost):
     def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int,
                  pin_memory: bool = True, slots: int = 3):
         super().__init__(pin_memory)
-        self.directory = Path(nvme_path) / f"zerorun-rank{rank}-{os.getpid()}"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            Path(nvme_path).mkdir(parents=True, exist_ok=True)
+            # One directory per placement, not per process: two engines of one process (a
+            # checkpoint loaded into a fresh engine) must not share, or delete, each other's files.
+            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-rank{rank}-{os.getpid()}-", dir=nvme_path))
         except OSError as exc:
             raise RuntimeConfigError(f"zero.offload_optimizer.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
                                      hint="point nvme_path at a directory on a local disk you can write") from None

@@ -1,0 +1,183 @@
+"""One full model from a sharded checkpoint, tensor by tensor.
+
+``zerorun consolidate CKPT OUT`` (zerorun/cli/consolidate.py) runs it; tests:
+tests/e2e/test_consolidate.py.
+
+Note [bounded consolidation]: DeepSpeed's zero_to_fp32 loads every rank's optimizer file and
+then builds the whole model, so consolidating a model needs several times its size in host
+memory. Here the output's header is computed from the manifest alone (names, shapes, dtypes),
+then each parameter is assembled from its saved pieces (reshard.plan_reads, ranged reads with no
+file mapping: tensor_files.py), cast, written and dropped before the next. Resident memory
+stays near the largest tensor (and its cast copy), whatever the model's size. Only the torch
+format holds everything at once (``torch.save`` takes a whole dict); it says so.
+
+Tied parameters are written once, under their first name (Hugging Face's ``from_pretrained``
+ties them again; safetensors refuses shared tensors anyway); the torch format also lists each
+alias, sharing the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerorun.errors import CheckpointError
+from zerorun.zero.checkpoint_format import Reader, master_index, rank_file, read_manifest, resolve
+from zerorun.zero.reshard import BUFFER, FROZEN, plan_reads, whole_key
+from zerorun.zero.sharding import Segment
+from zerorun.zero.tensor_files import DTYPES, TensorFileWriter
+
+DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One output tensor: where it comes from and what it becomes."""
+
+    out_name: str
+    name: str  # the saved name
+    kind: str  # "param" (master pieces, or a whole frozen tensor) or "buffer"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        total = 1
+        for size in self.shape:
+            total *= size
+        return total
+
+
+def plan_entries(manifest: dict, dtype: torch.dtype | None, strip_prefix: str = "") -> list[Entry]:
+    """The output tensors in model order (pure: from the manifest only). Trainable parameters
+    become ``dtype`` (default: the training dtype); frozen parameters and buffers keep theirs
+    unless ``dtype`` is given and they are floating point."""
+    model_dtype = DTYPES[manifest["dtype"]]
+
+    def out(name: str) -> str:
+        return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
+
+    entries = []
+    for name, info in manifest["parameters"].items():
+        saved = model_dtype if info["trainable"] else DTYPES.get(info.get("dtype", manifest["dtype"]), model_dtype)
+        entries.append(Entry(out(name), name, "param", tuple(info["shape"]), _cast(saved, dtype, info["trainable"])))
+    for name, info in manifest["buffers"].items():
+        saved = DTYPES.get(info["dtype"], torch.float32)
+        entries.append(Entry(out(name), name, "buffer", tuple(info["shape"]), _cast(saved, dtype, False)))
+    return entries
+
+
+def _cast(saved: torch.dtype, wanted: torch.dtype | None, trainable: bool) -> torch.dtype:
+    if wanted is None:
+        return saved
+    return wanted if (trainable or saved.is_floating_point) else saved
+
+
+class Assembler:
+    """Reads whole tensors out of a checkpoint, one at a time (Note [bounded consolidation])."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        self.reader = Reader(self.directory, self.manifest)
+        self.index, _ = master_index(self.manifest)
+
+    def verify_all(self) -> None:
+        """Check every file's size and checksum before anything is written."""
+        for name in self.manifest["files"]:
+            self.reader.check(name)
+
+    def tensor(self, entry: Entry) -> torch.Tensor:
+        if entry.kind == "buffer":
+            return self.reader.file(rank_file(0)).read(whole_key(BUFFER, entry.name)).to(entry.dtype)
+        if not self.manifest["parameters"][entry.name]["trainable"]:
+            return self.reader.file(rank_file(0)).read(whole_key(FROZEN, entry.name)).to(entry.dtype)
+        whole = torch.empty(entry.numel, dtype=torch.float32)
+        self.reader.fill(plan_reads([Segment(entry.name, 0, 0, entry.numel)], self.index), whole)
+        return whole.to(entry.dtype).view(entry.shape)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetensors", dtype: str | None = None,
+                hf_config=None, like=None, strip_prefix: str = "") -> dict:
+    """Write the full model of ``checkpoint`` (a checkpoint root or one tag's directory) to
+    ``out``: a file, or with ``hf_config``/``like`` a Hugging Face model directory."""
+    directory = resolve(checkpoint, tag)
+    if directory is None:
+        raise CheckpointError(f"{str(checkpoint)!r} holds no checkpoint yet (no 'latest' file)",
+                              hint="pass a tag directory, or --tag")
+    if fmt not in ("safetensors", "torch"):
+        raise CheckpointError(f"--format {fmt!r} is not one of safetensors, torch")
+    if dtype is not None and dtype not in DTYPE_CHOICES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    hf = hf_config is not None or like is not None
+    if hf and fmt != "safetensors":
+        raise CheckpointError("a Hugging Face directory is written as safetensors", hint="drop --format torch")
+    assembler = Assembler(directory)
+    try:
+        assembler.verify_all()
+        entries = plan_entries(assembler.manifest, DTYPE_CHOICES.get(dtype), strip_prefix)
+        out = Path(out)
+        target = out
+        if hf:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_hf_files(out, hf_config, like)
+            target = out / "model.safetensors"
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "torch":
+            written = _write_torch(assembler, entries, target, strip_prefix)
+        else:
+            written = _write_safetensors(assembler, entries, target)
+    finally:
+        assembler.close()
+    return {"source": str(directory), "out": str(target), "tensors": len(entries), "bytes": written,
+            "global_step": assembler.manifest["global_step"]}
+
+
+def _write_safetensors(assembler: Assembler, entries: list[Entry], target: Path) -> int:
+    writer = TensorFileWriter(target, [(e.out_name, e.dtype, e.shape) for e in entries], metadata={"format": "pt"})
+    try:
+        for entry in entries:
+            writer.write(entry.out_name, assembler.tensor(entry))
+        return writer.commit()["bytes"]
+    except BaseException:
+        writer.abandon()
+        raise
+
+
+def _write_torch(assembler: Assembler, entries: list[Entry], target: Path, strip_prefix: str) -> int:
+    def strip(name: str) -> str:
+        return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
+
+    state = {entry.out_name: assembler.tensor(entry) for entry in entries}
+    for alias, name in assembler.manifest["aliases"].items():
+        state[strip(alias)] = state[strip(name)]
+    temporary = target.with_name(target.name + ".tmp")
+    torch.save(state, temporary)
+    temporary.replace(target)
+    return target.stat().st_size
+
+
+def _write_hf_files(out: Path, hf_config, like) -> None:
+    """config.json from ``hf_config``, or every non-weight file of the directory ``like``."""
+    if like is not None:
+        like = Path(like)
+        if not (like / "config.json").is_file():
+            raise CheckpointError(f"--like {str(like)!r} has no config.json", hint="point it at a Hugging Face model directory")
+        for path in like.iterdir():
+            if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and not path.name.endswith(".index.json"):
+                shutil.copyfile(path, out / path.name)
+    if hf_config is not None:
+        try:
+            json.loads(Path(hf_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"--hf-config {str(hf_config)!r} is not a readable JSON file ({exc})") from None
+        shutil.copyfile(hf_config, out / "config.json")

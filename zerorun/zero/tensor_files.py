@@ -1,0 +1,225 @@
+"""Streaming safetensors files, checksums and atomic renames for checkpoints.
+
+Used by zerorun/zero/checkpoint.py and zerorun/zero/consolidate.py (tests: tests/distributed/
+test_checkpoint.py); no command of its own.
+
+Note [streaming safetensors]: ``safetensors.torch.save_file`` takes a dict of every tensor and
+serialises them together, and reading through ``safe_open`` maps the file, so every page read
+counts in the reader's resident memory until the file is closed. A checkpoint of a large model
+must do neither: the writer here writes the standard header first (every key's dtype, shape
+and offsets are known before any data, since shapes come from the layout) and then each tensor
+as it is produced, updating the checksum on the way; the reader parses the header and reads
+element ranges with plain ``readinto`` calls into tensors it allocates. The files are ordinary
+safetensors files (the safetensors library loads them; tested), and resident memory stays at
+the one tensor in hand.
+
+Note [atomic save]: every file is written under a temporary name, fsynced, then renamed into
+place, and its directory fsynced, so after a crash a name either holds the complete file or
+does not exist. checkpoint.py builds its commit order on this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from zerorun.errors import CheckpointError
+
+CHECKSUM = "crc32"
+_BLOCK = 16 << 20
+
+DTYPE_NAMES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, on the host and contiguous (a copy only when it is not already)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checksummed:
+    """A file opened for writing that counts bytes and keeps a running checksum."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.temporary = self.path.with_name(self.path.name + ".tmp")
+        self._handle = open(self.temporary, "wb")
+        self.nbytes = 0
+        self.checksum = 0
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._handle.write(view)
+        self.checksum = zlib.crc32(view, self.checksum)
+        self.nbytes += len(view)
+
+    def commit(self) -> dict:
+        """fsync and rename into place (Note [atomic save]); the directory is fsynced by the caller."""
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        os.replace(self.temporary, self.path)
+        return {"bytes": self.nbytes, CHECKSUM: f"{self.checksum:08x}"}
+
+    def abandon(self) -> None:
+        self._handle.close()
+        self.temporary.unlink(missing_ok=True)
+
+
+def write_bytes_atomically(path: Path, data: bytes) -> dict:
+    out = Checksummed(path)
+    try:
+        out.write(data)
+    except BaseException:
+        out.abandon()
+        raise
+    return out.commit()
+
+
+class TensorFileWriter:
+    """A safetensors file written key by key, in the order of ``entries`` (Note [streaming
+    safetensors]). ``entries``: (key, dtype, shape); ``write`` must follow that order."""
+
+    def __init__(self, path: Path, entries: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {}
+        self._order: list[tuple[str, int]] = []
+        offset = 0
+        for key, dtype, shape in entries:
+            numel = 1
+            for size in shape:
+                numel *= size
+            nbytes = numel * _itemsize(dtype)
+            header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._order.append((key, nbytes))
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # data starts 8-byte aligned, as the format recommends
+        self._out = Checksummed(path)
+        self._out.write(struct.pack("<Q", len(text)) + text)
+        self._next = 0
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        expected, nbytes = self._order[self._next]
+        data = _bytes(tensor)
+        if key != expected or len(data) != nbytes:
+            raise AssertionError(f"tensor file: wrote {key!r} ({len(data)} bytes), header expects {expected!r} ({nbytes})")
+        self._out.write(data)
+        self._next += 1
+
+    def commit(self) -> dict:
+        if self._next != len(self._order):
+            raise AssertionError(f"tensor file: {len(self._order) - self._next} tensors never written")
+        return self._out.commit()
+
+    def abandon(self) -> None:
+        self._out.abandon()
+
+
+class TensorFile:
+    """Ranged reads from a safetensors file without mapping it (Note [streaming safetensors])."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            self._handle = open(self.path, "rb")
+            (length,) = struct.unpack("<Q", self._handle.read(8))
+            if length > 1 << 30:
+                raise ValueError("header length")
+            self.header = json.loads(self._handle.read(length))
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {str(self.path)!r} is missing") from None
+        except (OSError, ValueError, struct.error) as exc:
+            raise CheckpointError(f"checkpoint file {str(self.path)!r} is not a readable safetensors file ({exc})",
+                                  hint="the checkpoint is damaged; load an earlier tag") from None
+        self.metadata = self.header.pop("__metadata__", {}) or {}
+        self._base = 8 + length
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def info(self, key: str) -> tuple[torch.dtype, list[int]]:
+        entry = self.header[key]
+        return DTYPES[entry["dtype"]], entry["shape"]
+
+    def read(self, key: str, start: int = 0, length: int | None = None) -> torch.Tensor:
+        """Elements [start, start+length) of the flattened tensor ``key`` (all of it by default,
+        in its shape)."""
+        entry = self.header.get(key)
+        if entry is None:
+            raise CheckpointError(f"checkpoint file {str(self.path)!r} has no tensor {key!r}",
+                                  hint="the checkpoint is damaged or from another zerorun version")
+        dtype = DTYPES[entry["dtype"]]
+        size = _itemsize(dtype)
+        begin, end = entry["data_offsets"]
+        whole = length is None
+        if whole:
+            length = (end - begin) // size
+        out = torch.empty(length, dtype=dtype)
+        self.read_into(key, start, out)
+        return out.view(entry["shape"]) if whole else out
+
+    def read_into(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Fill the contiguous CPU tensor ``out`` from elements ``start`` on of ``key``."""
+        entry = self.header[key]
+        size = _itemsize(DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        lo = begin + start * size
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        if lo + len(view) > end:
+            raise CheckpointError(f"checkpoint file {str(self.path)!r}: read past tensor {key!r}")
+        self._handle.seek(self._base + lo)
+        got = self._handle.readinto(view)
+        if got != len(view):
+            raise CheckpointError(f"checkpoint file {str(self.path)!r} is truncated (tensor {key!r})",
+                                  hint="the checkpoint is damaged; load an earlier tag")
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def verify(path: Path, expected: dict) -> None:
+    """Raise CheckpointError, naming the file, unless its size and checksum are as recorded."""
+    path = Path(path)
+    hint = "the file was truncated or changed after the save; load an earlier tag (or re-save)"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is missing", hint=hint) from None
+    if size != expected["bytes"]:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is {size} bytes, the manifest says "
+                              f"{expected['bytes']}: it is truncated or damaged", hint=hint)
+    checksum = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(_BLOCK):
+            checksum = zlib.crc32(block, checksum)
+    if f"{checksum:08x}" != expected[CHECKSUM]:
+        raise CheckpointError(f"checkpoint file {str(path)!r} fails its {CHECKSUM} checksum "
+                              f"({checksum:08x}, the manifest says {expected[CHECKSUM]}): it is damaged", hint=hint)
