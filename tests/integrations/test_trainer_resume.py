@@ -7,9 +7,6 @@ state) every 3; a second trainer resumes from checkpoint-3 and must log the same
 learning rates for steps 4-6 (1e-4 relative). The best model is chosen by the *highest* eval
 loss, so it is the earlier checkpoint and loading it is visible: evaluating after training gives
 that checkpoint's eval loss, not the last one's.
-
-Needs the engine's save_checkpoint/load_checkpoint (DeepSpeed's names), which the runtime is
-gaining in parallel: until then these tests are expected to fail (xfail, not strict).
 """
 
 from __future__ import annotations
@@ -22,12 +19,6 @@ from hf_world import WORLD, TokenDataset, build_model, join_world, spawn, write_
 
 transformers = pytest.importorskip("transformers", minversion="5.23", reason="ZerorunTrainer needs transformers 5.23")
 pytest.importorskip("accelerate", reason="accelerate is in the `test` extra")
-
-from zerorun.zero.engine import Engine  # noqa: E402
-
-NEEDS_CHECKPOINTS = pytest.mark.xfail(
-    not (hasattr(Engine, "save_checkpoint") and hasattr(Engine, "load_checkpoint")),
-    reason="needs engine.save_checkpoint/load_checkpoint", strict=False)
 
 CONFIG = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "gradient_clipping": "auto", "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -83,7 +74,6 @@ def results(tmp_path_factory) -> dict:
     return spawn(worker, tmp_path_factory.mktemp("trainer_resume"))
 
 
-@NEEDS_CHECKPOINTS
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_resumed_run_matches_uninterrupted_run(results):
@@ -97,7 +87,6 @@ def test_resumed_run_matches_uninterrupted_run(results):
             assert resumed[step] == pytest.approx(whole[step], rel=1e-4), f"rank {rank} step {step}"
 
 
-@NEEDS_CHECKPOINTS
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_load_best_model_at_end_loads_the_best_checkpoint(results):

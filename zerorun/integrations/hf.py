@@ -36,7 +36,6 @@ with a transformers that lacks them is an ImportError.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from transformers import Trainer, TrainingArguments
@@ -60,7 +59,6 @@ if not all(hasattr(Trainer, name) for name in _OVERRIDDEN):
     raise ImportError(f"zerorun.integrations.hf needs transformers>=5.23 (this is {transformers.__version__}): "
                       "pip install 'zerorun[hf]'")
 
-logger = logging.getLogger(__name__)
 ENGINE_CHECKPOINT_TAG = "zerorun_step{step}"
 CLIENT_SCHEDULER_KEY = "trainer_lr_scheduler"
 
@@ -104,9 +102,7 @@ class _EngineScheduler:
     def get_last_lr(self) -> list[float]:
         if self.router.update_lrs is not None:
             return list(self.router.update_lrs)
-        if hasattr(self.engine, "get_lr"):
-            return list(self.engine.get_lr())
-        return [group["lr"] for group in self.engine.optimizer.param_groups]
+        return list(self.engine.get_lr())
 
     def state_dict(self) -> dict:
         return {}  # inside the engine's checkpoint
@@ -125,7 +121,6 @@ class ZerorunTrainer(Trainer):
                                      hint="ZerorunTrainingArguments(..., zerorun='ds_config.json')")
         self.engine = None
         self._router: EngineRouter | None = None
-        self._warned: set[str] = set()
 
     # -- setting up --------------------------------------------------------------------------
     def zerorun_config_for(self, num_training_steps: int) -> dict:
@@ -192,9 +187,7 @@ class ZerorunTrainer(Trainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        engine = self._require_engine("save_checkpoint", "saving a resumable checkpoint", None)
-        if engine is None:
-            return
+        engine = self._require_engine("saving a resumable checkpoint")
         client_state = {}
         if not isinstance(self.lr_scheduler, _EngineScheduler) and self.lr_scheduler is not None:
             client_state[CLIENT_SCHEDULER_KEY] = self.lr_scheduler.state_dict()
@@ -204,11 +197,8 @@ class ZerorunTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        engine = self._require_engine("load_checkpoint", "resuming from a checkpoint",
-                                      "train from the saved model instead (from_pretrained)")
-        client_state = engine.load_checkpoint(checkpoint)
-        if isinstance(client_state, tuple):  # DeepSpeed's shape: (path, client_state)
-            client_state = client_state[1]
+        engine = self._require_engine("resuming from a checkpoint")
+        _path, client_state = engine.load_checkpoint(checkpoint)  # DeepSpeed's shape
         client_state = client_state or {}
         if CLIENT_SCHEDULER_KEY in client_state and not isinstance(self.lr_scheduler, _EngineScheduler):
             self.lr_scheduler.load_state_dict(client_state[CLIENT_SCHEDULER_KEY])
@@ -218,24 +208,13 @@ class ZerorunTrainer(Trainer):
         optimizer (in _prepare_for_training), as DeepSpeed's does."""
 
     def _load_best_model(self) -> None:
-        engine = self._require_engine("load_checkpoint", "load_best_model_at_end",
-                                      "reload the best checkpoint's model with from_pretrained")
+        engine = self._require_engine("load_best_model_at_end")
         engine.load_checkpoint(self.state.best_model_checkpoint)
 
-    def _require_engine(self, method: str, what: str, otherwise: str | None):
-        """The engine, when it has ``method``. Without it: an error saying what needs it, or, for
-        ``otherwise`` None, a warning (once) and None, so the caller goes on without it."""
+    def _require_engine(self, what: str):
         if self.engine is None:
             raise RuntimeConfigError(f"{what} needs a zerorun engine; call train() first")
-        if hasattr(self.engine, method):
-            return self.engine
-        message = f"{what} needs engine.{method}(), which this zerorun runtime lacks"
-        if otherwise is not None:
-            raise RuntimeConfigError(message, hint=otherwise)
-        if method not in self._warned:
-            self._warned.add(method)
-            logger.warning("%s: checkpoints hold the model only and cannot be resumed from", message)
-        return None
+        return self.engine
 
 
 __all__ = ["ZerorunTrainer", "ZerorunTrainingArguments"]
