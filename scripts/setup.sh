@@ -2,8 +2,11 @@
 # bash scripts/setup.sh [--test]
 #
 # Creates .venv beside this repo and installs zerorun into it (editable). torch: kept if the
-# venv already has one (GPU users install their own CUDA build first); otherwise the pinned
-# CPU build, because an unpinned torch pulls a multi-GB CUDA build. --test also installs the
+# venv already has one (GPU users install their own CUDA build first); otherwise pip installs
+# torch==2.13.0 from the configured package index: from PyPI on Linux x86_64 that is the CUDA
+# build with its NVIDIA libraries (several GB; it runs on CPU too), where a local CPU wheel is
+# offered first (our CI machine's pip has one) it is the CPU build. ZERORUN_TORCH_INDEX=URL
+# passes --index-url for torch alone (e.g. PyTorch's CPU wheel index). --test also installs the
 # test extras and, when run as root with apt, the OpenSSH server the multi-node tests use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +14,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-    .venv/bin/python -m pip install -q "torch==${ZERORUN_TORCH_VERSION:-2.13.0}"
+    .venv/bin/python -m pip install -q ${ZERORUN_TORCH_INDEX:+--index-url "$ZERORUN_TORCH_INDEX"} "torch==${ZERORUN_TORCH_VERSION:-2.13.0}"
 fi
 if [ "${1:-}" = "--test" ]; then
     .venv/bin/python -m pip install -q -e ".[test]"
