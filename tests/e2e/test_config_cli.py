@@ -81,3 +81,23 @@ def test_init_template_trains_for_real_on_two_cpu_ranks(tmp_path):
                      tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "step 2/2  loss" in result.stdout
+
+
+def test_offload_combinations_that_cannot_work_are_refused_before_anything_starts(workdir):
+    (workdir / "blocker").write_text("a file where a directory should be\n")
+    cases = [
+        (["--set", "zero.stage=2", "--set", "zero.offload_param.device=cpu"], "zero.offload_param.device"),
+        (["--set", "zero.stage=3", "--set", "zero.offload_param.device=nvme", "--set", "zero.offload_param.nvme_path=/tmp"],
+         "not yet to NVMe"),
+        (["--set", "zero.stage=2", "--set", "zero.offload_optimizer.device=nvme"], "zero.offload_optimizer.nvme_path"),
+        (["--set", "zero.stage=2", "--set", "zero.offload_optimizer.device=nvme",
+          "--set", "zero.offload_optimizer.nvme_path=blocker/sub"], "is not a directory"),
+    ]
+    for settings, message in cases:
+        result = zerorun(["--dry-run", "--nproc", "2", *settings, "train.py"], workdir)
+        assert result.returncode == 2, (settings, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr
+        assert "world size" not in result.stdout
+    ok = zerorun(["--dry-run", "--nproc", "2", "--set", "zero.stage=2", "--set", "zero.offload_optimizer.device=nvme",
+                  "--set", "zero.offload_optimizer.nvme_path=scratch/nvme", "train.py"], workdir)
+    assert ok.returncode == 0, ok.stderr
