@@ -56,14 +56,14 @@ def test_resume_is_exact(worlds, name):
 @pytest.mark.parametrize("dtype,stage,zero", [("bf16", 2, {}), ("fp16", 3, {"offload_optimizer": {"device": "cpu"}}),
                                               ("bf16", 1, {"offload_optimizer": "nvme"}),
                                               ("fp32", 3, {"offload_optimizer": {"device": "cpu"},
-                                                           "offload_param": {"device": "cpu"}})])
+                                                           "offload_param": {"device": "cpu"}}),
+                                              ("fp32", 3, {"offload_optimizer": "nvme", "offload_param": "nvme"})])
 def test_mixed_precision_resumes_exactly_at_world_1(tmp_path, dtype, stage, zero):
     """World 1, in this process: bf16/fp16 masters, the loss scaler, offloaded optimizer state
     and stage-3 parameter offload resume bitwise (the model-dtype parameters are recomputed from the saved fp32 masters)."""
     import zerorun
 
-    if zero.get("offload_optimizer") == "nvme":
-        zero = {"offload_optimizer": h.nvme(str(tmp_path))}
+    zero = {key: h.nvme(str(tmp_path)) if value == "nvme" else value for key, value in zero.items()}
     case = h.ResumeCase("p", stage, zero)
     config = {**case.config(), "precision": {"dtype": dtype, "initial_scale_power": 8}}
 

@@ -126,7 +126,7 @@ NVME = {"device": "nvme", "nvme_path": str(Path(tempfile.gettempdir()) / "zeroru
 
 
 def offload_cases() -> list[Case]:
-    """Optimizer offload (cpu, nvme) at stages 1-3 and parameter offload at stage 3; each has a
+    """Optimizer offload (cpu, nvme) at stages 1-3 and parameter offload (cpu, nvme) at stage 3; each has a
     twin without offload among cases() (same name less the suffix) that it must match exactly.
     With clipping the update waits for the norm; without it the worker thread updates each unit
     during backward (Note [update while backward runs] in zerorun/zero/update.py)."""
@@ -144,6 +144,9 @@ def offload_cases() -> list[Case]:
         Case("s3-adamw-fp32+cpu+params", 3, extra={"zero": {"offload_optimizer": CPU, "offload_param": CPU}}),
         Case("s3-sgd-accum-clip-fp32+cpu+params", 3, "sgd", accumulation=2, clipping=0.3,
              extra={"zero": {"offload_optimizer": CPU, "offload_param": CPU}}),
+        Case("s3-adamw-fp32+nvme+params", 3, extra={"zero": {"offload_optimizer": NVME, "offload_param": NVME}}),
+        Case("s3-sgd-accum-clip-fp32+nvme+params", 3, "sgd", accumulation=2, clipping=0.3,
+             extra={"zero": {"offload_optimizer": NVME, "offload_param": NVME}}),
         Case("s3-adamw-fp16-accum-clip+cpu", 3, dtype="fp16", accumulation=2, clipping=0.5,
              extra={"precision": {"initial_scale_power": 8}, "zero": {"offload_optimizer": CPU}}),
         Case("s2-adamw-bf16+nvme", 2, dtype="bf16", extra={"zero": {"offload_optimizer": NVME}}),

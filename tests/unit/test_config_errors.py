@@ -89,10 +89,11 @@ def test_nvme_offload_without_a_path():
     ]
 
 
-def test_parameter_offload_to_nvme_is_refused_before_anything_starts():
-    found = problems({"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}})
-    assert found == ["zero.offload_param.device = 'nvme': parameters can be offloaded to host memory (cpu) "
-                     "but not yet to NVMe; set offload_param.device: cpu (optimizer state can go to nvme)"]
+def test_parameter_offload_to_nvme_needs_a_path_and_stage_3():
+    load_config({"zero": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, environ={})
+    assert problems({"zero": {"stage": 3, "offload_param": {"device": "nvme"}}}) == [
+        "zero.offload_param.nvme_path = null: NVMe offload needs a directory on a fast local "
+        "disk; set zero.offload_param.nvme_path"]
 
 
 def test_checkpoint_interval_without_a_directory():

@@ -202,7 +202,7 @@ def valid_configs(draw) -> ZerorunConfig:
                         overlap_comm=draw(st.booleans()), prefetch_bucket_size=draw(_positive),
                         param_persistence_threshold=draw(st.integers(0, 2**40)),
                         offload_optimizer=offload(offload_choices),
-                        offload_param=offload(["none", "cpu"] if stage == 3 else ["none"])),
+                        offload_param=offload(offload_choices if stage == 3 else ["none"])),
         precision=PrecisionConfig(dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
                                   loss_scale=draw(st.sampled_from([0.0, 1024.0])),
                                   initial_scale_power=draw(st.integers(0, 63)),

@@ -87,9 +87,11 @@ def test_param_offload_moves_the_parameter_shard_and_nvme_the_optimizer_state():
     cpu = estimate(SEVEN_B, job, Training(stage=3, offload="cpu-optimizer+params"))
     nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_elements=10**8))
     assert cpu.params == 0 and cpu.host_per_rank > base.optimizer + base.params
-    assert nvme.params == base.params and nvme.optimizer == 0  # parameters stay (param NVMe: refused)
+    assert nvme.params == base.params and nvme.optimizer == 0  # parameters stay unless asked
     assert nvme.nvme_per_rank == base.optimizer
     assert nvme.host_per_rank == 4 * 10**8  # the configured buffers, whatever the model's size
+    both = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_elements=10**8, nvme_params=True))
+    assert both.params == cpu.params == 0 and both.nvme_per_rank == base.optimizer + base.params
 
 
 def test_offloaded_fp32_master_is_counted_beside_the_adam_state():

@@ -184,6 +184,7 @@ def _training_from_config(path: Path):
         prefetch_bucket_size=int(zero.prefetch_bucket_size),
         param_persistence_threshold=int(zero.param_persistence_threshold),
         nvme_buffer_elements=int(zero.offload_optimizer.buffer_count * zero.offload_optimizer.buffer_size),
+        nvme_params=param_device == "nvme",
     )
     activation = {
         "micro_batch": cfg.batch.micro_batch_size,

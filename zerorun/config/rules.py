@@ -87,10 +87,6 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
             "zero.offload_optimizer.device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage "
             "is 0); raise zero.stage or set offload_optimizer.device: none",
             zero.offload_optimizer.device)
-    if zero.offload_param.device == "nvme":
-        problems.add("zero.offload_param.device", "parameters can be offloaded to host memory (cpu) "
-                     "but not yet to NVMe; set offload_param.device: cpu (optimizer state can go to nvme)",
-                     zero.offload_param.device)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

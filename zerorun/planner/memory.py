@@ -75,6 +75,8 @@ class Training:
     # NVMe offload: the host buffers master and state stream through (buffer_count x buffer_size
     # fp32 elements of zero.offload_optimizer; the config's defaults).
     nvme_buffer_elements: int = 4 * 100_000_000
+    # Stage 3: parameter chunks in memory-mapped files (zero.offload_param.device: nvme).
+    nvme_params: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -179,10 +181,13 @@ def estimate(model: ModelSpec, job: Job, training: Training,
             nvme, host = offloaded, _offload_staging_bytes(model, job, training)
         else:
             host = offloaded + _offload_staging_bytes(model, job, training)
-    if training.offload == "cpu-optimizer+params":
+    if stage == 3 and (training.offload == "cpu-optimizer+params" or training.nvme_params):
         moved = p * shard(sharded, n)
         params -= moved
-        host += moved
+        if training.nvme_params:
+            nvme += moved
+        else:
+            host += moved
     return MemoryEstimate(
         stage=stage,
         offload=training.offload,

@@ -31,7 +31,7 @@ from zerorun.zero.param_gather import ParamGatherer, tensors_in
 from zerorun.zero.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.process_group import resolve_process_group
-from zerorun.zero.offload import placement_from_config
+from zerorun.zero.offload import ParamFiles, param_home_from_config, placement_from_config
 from zerorun.zero.unit_record import UnitRecord, chunk_segments
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero.unit_plan import STAGE3_UNIT_CAP
@@ -156,12 +156,13 @@ class Engine:
         self.checkpointed_modules = apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
         self.stage = cfg.zero.stage
+        self.param_home = param_home_from_config(cfg.zero.offload_param, rank=self.pg.rank)
         self.partition = build_partition(
             model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
             bucket_numel=cfg.zero.reduce_bucket_size,
             persistence_threshold=cfg.zero.param_persistence_threshold,
             min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
-            offload_params=cfg.zero.offload_param.device != "none",
+            shard_home=self.param_home,
             before_unit=materializer.ensure if materializer else None,
         )
         if materializer is not None:
@@ -320,17 +321,18 @@ class Engine:
         if self.gatherer is not None:
             transient += self.gatherer.pool_nbytes()
         placed = self.updater.placed_nbytes()
-        host_parameters = sum(u.param_nbytes() for u in self.partition.units if u.shard_offloaded)
+        offloaded_parameters = sum(u.param_nbytes() for u in self.partition.units if u.shard_offloaded)
+        parameters_in_files = isinstance(self.param_home, ParamFiles)
         breakdown = {
-            "parameters": parameters - host_parameters,
+            "parameters": parameters - offloaded_parameters,
             "gradients": gradients,
             "optimizer_state": placed["device"],
             "communication_buffers": transient,
         }
         breakdown["total"] = sum(breakdown.values())
         # Offloaded state (offload.py): host memory and NVMe files, outside the device total.
-        breakdown["offloaded_host"] = placed["host"] + host_parameters
-        breakdown["offloaded_nvme"] = placed["nvme"]
+        breakdown["offloaded_host"] = placed["host"] + (0 if parameters_in_files else offloaded_parameters)
+        breakdown["offloaded_nvme"] = placed["nvme"] + (offloaded_parameters if parameters_in_files else 0)
         return breakdown
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -285,6 +285,46 @@ class OnFile(OnHost):
         self._writer.shutdown()
 
 
+def host_shard(chunk: torch.Tensor, index: int) -> torch.Tensor:
+    """Parameter offload to host memory: the chunk's own host copy (pinned with CUDA)."""
+    return _pin(chunk.to(HOST, copy=True), chunk.device, True)
+
+
+class ParamFiles:
+    """Parameter offload to NVMe: each stage-3 chunk lives in a file of its own, memory-mapped
+    (``torch.from_file(shared=True)``), so the chunk is read from the file when a gather stages
+    it and an update's publish writes through to it. Which pages stay in memory is the kernel's
+    page cache's choice: clean pages of idle units can be dropped under memory pressure, so the
+    host keeps only what recent gathers and updates touched. No O_DIRECT, no buffers of ours."""
+
+    def __init__(self, nvme_path: str, rank: int):
+        try:
+            os.makedirs(nvme_path, exist_ok=True)
+            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-params-rank{rank}-{os.getpid()}-", dir=nvme_path))
+        except OSError as exc:
+            raise RuntimeConfigError(f"zero.offload_param.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
+                                     hint="point nvme_path at a directory on a local disk you can write") from None
+        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+
+    def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        path = self.directory / f"unit{index}.bin"
+        host = chunk.detach().to(HOST).contiguous()
+        path.write_bytes(host.view(torch.uint8).numpy().tobytes())
+        return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.directory.glob("unit*.bin"))
+
+
+def param_home_from_config(offload, *, rank: int):
+    """Where stage-3 parameter chunks live (``zero.offload_param``): None keeps them on the device."""
+    if offload.device == "cpu":
+        return host_shard
+    if offload.device == "nvme":
+        return ParamFiles(offload.nvme_path, rank)
+    return None
+
+
 def placement_from_config(offload, *, rank: int):
     """The placement for ``zero.offload_optimizer`` (an OffloadConfig)."""
     if offload.device == "cpu":

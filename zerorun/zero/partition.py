@@ -69,7 +69,7 @@ def build_partition(
     persistence_threshold: int,
     min_unit_numel: int = 0,
     alignment: int = 1,
-    offload_params: bool = False,
+    shard_home=None,
     before_unit: Callable[[list[nn.Parameter]], None] | None = None,
 ) -> Partition:
     """``before_unit(params)`` runs just before each unit copies its parameters in (sharded
@@ -87,7 +87,7 @@ def build_partition(
         if before_unit is not None:
             before_unit([p for _, p in members])
         unit = FlatUnit(len(units), group_index, members, shard_world, shard_rank,
-                        partition_params=partitioned, alignment=alignment, offload_shard=offload_params)
+                        partition_params=partitioned, alignment=alignment, shard_home=shard_home)
         units.append(unit)
         return unit
 

@@ -20,9 +20,9 @@ pool holds at most what was gathered at once (the running module, the prefetched
 unit kept for reuse), reported as communication buffers. On CUDA the caching allocator already
 reuses memory, so units resize their storage as before; so does a torch without the swap.
 
-Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device: cpu``) the
-owned chunk is kept in host memory (pinned when the model is on CUDA) and copied onto the
-device right before its all-gather; the staged copy lives until the gather is waited for (the
+Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
+chunk is kept in host memory (cpu: pinned when the model is on CUDA; nvme: a memory-mapped file,
+offload.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged copy lives until the gather is waited for (the
 collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
@@ -63,11 +63,6 @@ _ALLOWED = {
 }
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    host = tensor.to("cpu", copy=True)
-    return host.pin_memory() if tensor.is_cuda else host
-
-
 class GatherPool:
     """Released gather buffers, by byte size (Note [gather pool])."""
 
@@ -106,7 +101,7 @@ class FlatUnit:
         *,
         partition_params: bool,
         alignment: int = 1,
-        offload_shard: bool = False,
+        shard_home=None,
     ):
         self.index = index
         self.group_index = group_index
@@ -122,7 +117,8 @@ class FlatUnit:
         self.partitioned = partition_params
         # Stage-3 parameter offload: the owned chunk lives in host memory and is staged onto
         # the device for each gather (Note [host shards]).
-        self.shard_offloaded = partition_params and offload_shard
+        # ``shard_home(chunk, index)`` (offload.py) returns the chunk's off-device copy.
+        self.shard_offloaded = partition_params and shard_home is not None
         if partition_params:
             # Note [chunk-only construction]: a partitioned unit never holds its whole buffer
             # while it is built: ``full`` gets its shape with no memory, and each parameter's
@@ -140,7 +136,7 @@ class FlatUnit:
             self._full_nbytes = self.full.untyped_storage().nbytes()
             self.full.untyped_storage().resize_(0)
             if self.shard_offloaded:
-                self.shard = _host_copy(self.shard)
+                self.shard = shard_home(self.shard, index)
             self.state = ParamState.SHARDED
         else:
             self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
