@@ -401,3 +401,16 @@ def test_stage3_parameters_offloaded_to_nvme_live_in_files(tmp_path):
     on_disk = torch.from_file(str(files[0]), size=files[0].stat().st_size // 4, dtype=torch.float32)
     assert torch.equal(on_disk, next(u.shard for u in engine.partition.units if u.index == int(files[0].stem[4:])))
     assert not torch.equal(before, engine.full_state_dict()["0.weight"])  # the update wrote through
+
+
+def test_offloaded_update_uses_fused_host_kernels_unless_the_user_chose_one():
+    model = _model()
+    optimizer = torch.optim.AdamW([{"params": model[0].parameters()},
+                                   {"params": model[2].parameters(), "foreach": True}], lr=1e-3)
+    zerorun.initialize(model, optimizer, {"zero": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert optimizer.param_groups[0]["fused"] is True
+    assert optimizer.param_groups[1]["foreach"] is True and not optimizer.param_groups[1]["fused"]
+    plain = _model()
+    kept = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    zerorun.initialize(plain, kept, {"zero": {"stage": 2}})
+    assert kept.param_groups[0]["fused"] is None  # without offload the user's defaults stand

@@ -62,6 +62,7 @@ class OnDevice:
     name = "none"
     overlaps_backward = False
     update_batch: int | None = None  # every unit in one optimizer call (the multi-tensor path)
+    host_kernels = False  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
         if unit.dtype == torch.float32:
@@ -100,6 +101,12 @@ class OnHost(OnDevice):
     name = "cpu"
     overlaps_backward = True
     update_batch = 1  # one unit's gradient staged on the host at a time
+    # Note [host optimizer kernels]: the host update is what an offloaded step waits for, and
+    # torch's fused CPU kernels (Adam, AdamW, SGD, Adagrad) run it 6x faster than the
+    # per-tensor path the CPU otherwise defaults to (8M fp32 elements of AdamW: 4.4 against
+    # 28.6 ms here), agreeing with it to float rounding (1.5e-8 after 10 steps). So a group
+    # that left ``fused`` unset is switched to it; one that chose foreach or fused keeps it.
+    host_kernels = True
 
     def __init__(self, pin_memory: bool = True):
         self.pin_memory = pin_memory

@@ -63,6 +63,15 @@ def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord])
     optimizer.state.clear()  # state is per master from now on; nothing stepped the originals
 
 
+def prefer_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """Note [host optimizer kernels] in offload.py: fused, where the class has it and the user
+    chose no kernel."""
+    for group in optimizer.param_groups:
+        chosen = group.get("foreach") or group.get("differentiable") or group.get("capturable")
+        if "fused" in group and group["fused"] is None and not chosen:
+            group["fused"] = True
+
+
 class UnitUpdater:
     def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], placement, group, *,
                  data_parallel_world: int, shard_world: int):
@@ -73,6 +82,8 @@ class UnitUpdater:
         self.data_parallel_world = data_parallel_world
         self.shard_world = shard_world
         install_masters(optimizer, records)
+        if placement.host_kernels:
+            prefer_fused_kernels(optimizer)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if placement.overlaps_backward else None
         self._window: _Window | None = None
         self._squares: dict[int, torch.Tensor] = {}
