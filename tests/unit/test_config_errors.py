@@ -268,3 +268,17 @@ def test_file_errors(tmp_path):
     (tmp_path / "d.yaml").mkdir()
     with pytest.raises(ConfigError, match="is a directory, not a file"):
         load_config(tmp_path / "d.yaml")
+
+
+def test_a_huge_value_is_shown_without_rendering_it_whole():
+    import time
+
+    from zerorun.config.problems import show
+
+    nested = [list(range(10))] * 10
+    for _ in range(6):
+        nested = [nested] * 10  # 10^8 leaves, as an alias bomb would expand to
+    started = time.perf_counter()
+    text = show(nested)
+    assert time.perf_counter() - started < 0.5 and len(text) <= 60 and text.startswith("[[[[")
+    assert show({"a": 1}) == "{'a': 1}" and show((1, 2)) == "(1, 2)" and show("x" * 100).endswith("...")

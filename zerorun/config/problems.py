@@ -7,6 +7,8 @@ file was DeepSpeed JSON), the offending value, and what to do instead.
 
 from __future__ import annotations
 
+import itertools
+
 import difflib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -71,8 +73,26 @@ def show(value: Any, limit: int = 60) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    text = repr(value)
+    text = repr(_head(value, limit))
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _head(value: Any, limit: int, budget: list[int] | None = None) -> Any:
+    """``value`` cut to about ``limit`` leaves, before anything is rendered: a huge (or
+    alias-expanded) list or mapping is never turned into text whole."""
+    budget = [limit] if budget is None else budget
+    if isinstance(value, (list, tuple, dict)):
+        items = itertools.islice(value.items() if isinstance(value, dict) else value, limit)
+        kept = []
+        for item in items:
+            if budget[0] <= 0:
+                break
+            budget[0] -= 1
+            kept.append((item[0], _head(item[1], limit, budget)) if isinstance(value, dict) else _head(item, limit, budget))
+        return dict(kept) if isinstance(value, dict) else type(value)(kept)
+    if isinstance(value, str):
+        return value[: limit + 1]
+    return value
 
 
 def did_you_mean(word: Any, choices: Iterable[str]) -> str:
