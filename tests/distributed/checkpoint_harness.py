@@ -197,22 +197,7 @@ def reshard_loads(tmp: str, world: int) -> list[tuple[str, parity.Case]]:
 
 def train_parity(engine, case: parity.Case, rank: int, world: int, steps: range) -> list[float]:
     """The parity harness's loop over ``steps`` of the global batch: mean loss per step."""
-    rows_per_micro = parity.GLOBAL_BATCH // (world * case.accumulation)
-    losses = []
-    for step in steps:
-        tokens, targets = parity.global_batch(step)
-        window = torch.zeros(1)
-        for micro in range(case.accumulation):
-            start = (micro * world + rank) * rows_per_micro
-            rows = slice(start, start + rows_per_micro)
-            loss = engine(tokens[rows], targets[rows])
-            engine.backward(loss)
-            engine.step()
-            window += loss.detach().float()
-        if world > 1:
-            dist.all_reduce(window)
-        losses.append(float(window) / (world * case.accumulation))
-    return losses
+    return [parity.train_step(engine, case, rank, world, step) for step in steps]
 
 
 def reshard_save_world(rank: int, world: int, tmp: str) -> dict:

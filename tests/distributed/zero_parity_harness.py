@@ -154,6 +154,23 @@ def offload_cases() -> list[Case]:
     return found
 
 
+def train_step(engine, case: Case, rank: int, world: int, step: int) -> float:
+    """One optimizer step on this rank's rows of the global batch; the mean loss over ranks."""
+    rows_per_micro = GLOBAL_BATCH // (world * case.accumulation)
+    tokens, targets = global_batch(step)
+    window = torch.zeros(1)
+    for micro in range(case.accumulation):
+        start = (micro * world + rank) * rows_per_micro
+        rows = slice(start, start + rows_per_micro)
+        loss = engine(tokens[rows], targets[rows])
+        engine.backward(loss)
+        engine.step()
+        window += loss.detach().float()
+    if world > 1:
+        dist.all_reduce(window)
+    return float(window) / (world * case.accumulation)
+
+
 def train_engine(case: Case, rank: int, world: int) -> dict:
     """Train 10 steps on this rank's rows of each global batch; return what rank 0 reports."""
     import zerorun
@@ -161,21 +178,9 @@ def train_engine(case: Case, rank: int, world: int) -> dict:
     model = build_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     engine = zerorun.initialize(model, build_optimizer(model, case.optimizer), case.config())
-    rows_per_micro = GLOBAL_BATCH // (world * case.accumulation)
     losses, scales, skipped = [], [], []
     for step in range(STEPS):
-        tokens, targets = global_batch(step)
-        window = torch.zeros(1)
-        for micro in range(case.accumulation):
-            start = (micro * world + rank) * rows_per_micro
-            rows = slice(start, start + rows_per_micro)
-            loss = engine(tokens[rows], targets[rows])
-            engine.backward(loss)
-            engine.step()
-            window += loss.detach().float()
-        if world > 1:
-            dist.all_reduce(window)
-        losses.append(float(window) / (world * case.accumulation))
+        losses.append(train_step(engine, case, rank, world, step))
         scales.append(engine.loss_scale)
         skipped.append(engine.skipped_steps)
     skips = torch.tensor([engine.skipped_steps, -engine.skipped_steps])
