@@ -2,8 +2,8 @@
 
 Two gloo ranks train the 8.4M-parameter MLP of planner_mlp.py (fp32, AdamW, stage 2, one layer
 per unit) three steps each with the optimizer on the device, on the host (cpu) and in files
-(nvme, one host buffer of 1.6M elements: the optimizer state, 50 MB per rank, is 7.9x the
-buffer). Each must:
+(nvme, one host buffer of at most 1.6M elements, sized down to the 1.58M the largest unit
+needs: the optimizer state, 50 MB per rank, is 8x the buffer). Each must:
 - train exactly like the run without offload (losses equal to 1e-6 relative);
 - report in memory_breakdown() host bytes per parameter no more than fp32 master + Adam state +
   the configured buffers, and NVMe bytes equal to master + state;
@@ -25,7 +25,7 @@ from gloo_world import spawn_and_collect  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-BUFFER = 1_600_000  # >= 3 x the largest chunk (a 1024x1024 layer over 2 ranks: 524,288)
+BUFFER = 1_600_000  # >= master + two Adam moments of the largest chunk (a 1024x1024 layer over 2 ranks)
 MODES = {
     "none": {"device": "none"},
     "cpu": {"device": "cpu"},
@@ -87,7 +87,7 @@ def _planner(offload: str):
 
     spec = spec_from_factory(f"{Path(__file__).with_name('planner_mlp.py')}:build")
     return estimate(spec, Job(2), Training(stage=2, precision="fp32", offload=offload, reduce_bucket_size=1_100_000,
-                                           device="cpu", nvme_buffer_elements=BUFFER))
+                                           device="cpu", nvme_buffer_count=1, nvme_buffer_size=BUFFER))
 
 
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
@@ -113,7 +113,7 @@ def test_host_and_nvme_bytes_are_bounded_and_match_the_planner(runs, mode, plann
         assert b["offloaded_host"] == pytest.approx(plan.host_per_rank, rel=0.10)
         assert b["offloaded_nvme"] == pytest.approx(plan.nvme_per_rank, rel=0.10)
         if mode == "nvme":
-            assert b["offloaded_host"] == 4 * BUFFER
+            assert b["offloaded_host"] <= 4 * BUFFER
             assert b["offloaded_nvme"] >= 4 * b["offloaded_host"]  # the state is >= 4x the buffers
 
 

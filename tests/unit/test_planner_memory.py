@@ -85,12 +85,13 @@ def test_param_offload_moves_the_parameter_shard_and_nvme_the_optimizer_state():
     job = Job(8)
     base = estimate(SEVEN_B, job, Training(stage=3))
     cpu = estimate(SEVEN_B, job, Training(stage=3, offload="cpu-optimizer+params"))
-    nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_elements=10**8))
+    nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_count=1, nvme_buffer_size=10**6))
     assert cpu.params == 0 and cpu.host_per_rank > base.optimizer + base.params
     assert nvme.params == base.params and nvme.optimizer == 0  # parameters stay unless asked
     assert nvme.nvme_per_rank == base.optimizer
-    assert nvme.host_per_rank == 4 * 10**8  # the configured buffers, whatever the model's size
-    both = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_elements=10**8, nvme_params=True))
+    assert nvme.host_per_rank == 4 * 10**6  # the configured buffer, whatever the model's size
+    both = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_count=1, nvme_buffer_size=10**6,
+                                        nvme_params=True))
     assert both.params == cpu.params == 0 and both.nvme_per_rank == base.optimizer + base.params
 
 

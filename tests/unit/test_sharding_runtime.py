@@ -414,3 +414,12 @@ def test_offloaded_update_uses_fused_host_kernels_unless_the_user_chose_one():
     kept = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     zerorun.initialize(plain, kept, {"zero": {"stage": 2}})
     assert kept.param_groups[0]["fused"] is None  # without offload the user's defaults stand
+
+
+def test_nvme_buffers_are_no_larger_than_the_largest_unit_needs(tmp_path):
+    model = nn.Sequential(nn.Linear(64, 64))
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {
+        "zero": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}})  # default 4 x 1e8
+    engine.backward(engine(torch.randn(2, 64)).sum())
+    engine.step()
+    assert engine.memory_breakdown()["offloaded_host"] == 4 * 3 * (64 * 64 + 64) * 4  # not 1.6 GB

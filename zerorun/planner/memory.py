@@ -72,9 +72,10 @@ class Training:
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     device: Literal["cuda", "cpu"] = "cuda"  # where the step runs: decides Adam's temporaries
-    # NVMe offload: the host buffers master and state stream through (buffer_count x buffer_size
-    # fp32 elements of zero.offload_optimizer; the config's defaults).
-    nvme_buffer_elements: int = 4 * 100_000_000
+    # NVMe offload: the host buffers master and state stream through (zero.offload_optimizer's
+    # buffer_count buffers of buffer_size fp32 elements, or of what the largest unit needs).
+    nvme_buffer_count: int = 4
+    nvme_buffer_size: int = 100_000_000
     # Stage 3: parameter chunks in memory-mapped files (zero.offload_param.device: nvme).
     nvme_params: bool = False
 
@@ -349,10 +350,11 @@ def _offload_staging_bytes(model: ModelSpec, job: Job, training: Training) -> in
     configured buffers that master and state are read into (nvme: Note [file buffers])."""
     if training.offload == "none":
         return 0
-    if training.offload == "nvme":
-        return 4 * training.nvme_buffer_elements
     unit = model.largest_layer_params if training.stage == 3 and model.largest_layer_params else bucket_elements(model, training)
-    return 4 * shard(unit, job.world_size)
+    chunk = shard(unit, job.world_size)
+    if training.offload == "nvme":  # a master and Adam's two moments per buffer
+        return 4 * training.nvme_buffer_count * min(training.nvme_buffer_size, 3 * chunk)
+    return 4 * chunk
 
 
 def _activations(model: ModelSpec, training: Training, job: ActivationJob | None) -> float | None:

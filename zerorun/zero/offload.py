@@ -192,6 +192,9 @@ class OnFile(OnHost):
         weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
         self.buffer_count, self.buffer_size, self.slots = buffer_count, buffer_size, slots
         self._reserved = 0  # bytes the files will need once every unit has its state
+        self._largest = 0  # elements of the largest unit's master + state
+        self._model_device = torch.device("cpu")
+        self._pool_lock = threading.Lock()
         self.pool: BufferPool | None = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-write")
@@ -217,8 +220,8 @@ class OnFile(OnHost):
                 f"zero.offload_optimizer.nvme_path {str(self.directory.parent)!r} has {free / 2**30:.1f} GiB free, "
                 f"less than the optimizer state needs (at least {self._reserved / 2**30:.1f} GiB)",
                 hint="free space there or point nvme_path at a larger disk")
-        if self.pool is None:
-            self.pool = BufferPool(self.buffer_count, self.buffer_size, unit.device, self.pin_memory)
+        self._largest = max(self._largest, need)
+        self._model_device = unit.device
         master = unit.shard.detach().to(HOST, dtype=torch.float32, copy=True)
         path = self.directory / f"unit{unit.index}.bin"
         with open(path, "wb") as handle:
@@ -226,8 +229,18 @@ class OnFile(OnHost):
         master.data = torch.empty(0, dtype=torch.float32)
         return master
 
+    def _buffer_pool(self) -> BufferPool:
+        """The pool, made at the first read, when every unit is known: buffers no larger than
+        the largest unit needs (a small model does not pin buffer_size elements it never uses)."""
+        with self._pool_lock:
+            if self.pool is None:
+                size = min(self.buffer_size, self._largest)
+                self.pool = BufferPool(self.buffer_count, size, self._model_device, self.pin_memory)
+            return self.pool
+
     def prefetch(self, record: UnitRecord) -> None:
         """Start reading ``record``'s file into a pool buffer (read-ahead)."""
+        self._buffer_pool()
         if record.index not in self._reads:
             self._reads[record.index] = self._reader.submit(self._read, record)
 
@@ -284,7 +297,7 @@ class OnFile(OnHost):
 
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
         on_disk = sum(r.unit.layout.chunk_numel * (1 + len(self._state_names.get(r.index, ()))) * 4 for r in records)
-        return {"device": 0, "host": self.pool.nbytes() if self.pool else 0, "nvme": on_disk}
+        return {"device": 0, "host": self._buffer_pool().nbytes() if self._largest else 0, "nvme": on_disk}
 
     def close(self) -> None:
         self.flush()
