@@ -193,3 +193,24 @@ def test_meta_model_goes_where_the_launcher_says(monkeypatch):
         model = nn.Linear(4, 3)
     engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
     assert model.weight.device.type == "cpu" and engine.pg.device.type == "cpu"
+
+
+def _partial_weights_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from zerorun.zero.process_group import leaving_together
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    with leaving_together():
+        torch.manual_seed(100 + rank)  # eager models that disagree across ranks
+        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4))
+        engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 2}},
+                                    weights={"0.weight": torch.ones(5, 6)})  # the rest is not in the weights
+        state = {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(state))
+
+
+def test_eager_model_with_partial_weights_agrees_across_ranks(tmp_path):
+    ranks = spawn_and_collect(_partial_weights_worker, tmp_path, world=2)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["0.weight"] == [[1.0] * 6] * 5

@@ -17,7 +17,8 @@ optimizer built on the meta model's parameters still names them.
 Note [same values on every rank]: nothing is broadcast for a materialized model. Every rank
 builds the units in the same order and initializes modules under the same seed
 (``config.seed``, else 0) in a forked RNG, so random initialization yields identical values
-everywhere; weights come from the same file on every rank.
+everywhere; weights come from the same file on every rank. An eager model given ``weights=``
+is broadcast from rank 0 first as usual, so what the weights lack agrees across ranks too.
 """
 
 from __future__ import annotations
@@ -115,10 +116,6 @@ class Materializer:
         self._rng = torch.Generator().manual_seed(seed)
         self.initialized: list[str] = []  # parameters the source lacked, initialized instead
         self.loaded = 0
-
-    @staticmethod
-    def needed(model: nn.Module, weights) -> bool:
-        return weights is not None or any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
     def ensure(self, params: list[nn.Parameter]) -> None:
         """Give ``params`` their values before a unit copies them (Note [materialize per unit])."""

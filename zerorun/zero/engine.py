@@ -137,10 +137,11 @@ class Engine:
             raise RuntimeConfigError("the model has no parameters to train")
         self.pg = resolve_process_group(_compute_device(first.device))
         materializer = None
-        if Materializer.needed(model, weights):  # Note [materialize per unit] in construct.py
+        on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+        if on_meta or weights is not None:  # Note [materialize per unit] in construct.py
             materializer = Materializer(model, self.pg.device, weights=weights, param_init_fn=param_init_fn,
                                         seed=cfg.seed if cfg.seed is not None else 0)
-        if self.pg.device != first.device and not first.is_meta:
+        if self.pg.device != first.device and not on_meta:
             model.to(self.pg.device)
         self.group = self.pg.group
         self.dtype = model_dtype(cfg.precision)
@@ -150,8 +151,8 @@ class Engine:
             optimizer = _optimizer_from_config(model, cfg)
         if cfg.zero.stage == 3 and self.pg.device.type == "cpu":
             return_large_frees_to_os()  # opt-in (ZERORUN_HOST_MALLOC_TUNING=1), see host_memory.py
-        if materializer is None:  # Note [same values on every rank] in construct.py
-            _broadcast_state(model, self.group)
+        if not on_meta:  # a meta model: Note [same values on every rank] in construct.py
+            _broadcast_state(model, self.group)  # (with weights=, the loaded tensors then overwrite)
         # Before any hook or partition: they must see the final module classes.
         self.checkpointed_modules = apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
