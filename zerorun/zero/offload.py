@@ -91,9 +91,6 @@ class OnDevice:
         state = sum(t.numel() * t.element_size() for r in records for t in r.state_tensors(optimizer).values())
         return {"device": own + state, "host": 0, "nvme": 0}
 
-    def close(self) -> None:
-        pass
-
 
 class OnHost(OnDevice):
     """ZeRO-Offload: fp32 master and optimizer state in host memory, updated by the host."""
@@ -291,7 +288,7 @@ class OnFile(OnHost):
             self.pool.give_back(buffer)
 
     def flush(self) -> None:
-        """Wait for every write behind (before a checkpoint reads the files, or at exit)."""
+        """Wait for every write behind (before a checkpoint reads the files)."""
         for write in list(self._writes.values()):
             write.result()
 
@@ -299,15 +296,15 @@ class OnFile(OnHost):
         on_disk = sum(r.unit.layout.chunk_numel * (1 + len(self._state_names.get(r.index, ()))) * 4 for r in records)
         return {"device": 0, "host": self._buffer_pool().nbytes() if self._largest else 0, "nvme": on_disk}
 
-    def close(self) -> None:
-        self.flush()
-        self._reader.shutdown()
-        self._writer.shutdown()
 
+class HostShards:
+    """Parameter offload to host memory: each chunk's own host copy (pinned with CUDA)."""
 
-def host_shard(chunk: torch.Tensor, index: int) -> torch.Tensor:
-    """Parameter offload to host memory: the chunk's own host copy (pinned with CUDA)."""
-    return _pin(chunk.to(HOST, copy=True), chunk.device, True)
+    def __init__(self, pin_memory: bool = True):
+        self.pin_memory = pin_memory
+
+    def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        return _pin(chunk.to(HOST, copy=True), chunk.device, self.pin_memory)
 
 
 class ParamFiles:
@@ -339,7 +336,7 @@ class ParamFiles:
 def param_home_from_config(offload, *, rank: int):
     """Where stage-3 parameter chunks live (``zero.offload_param``): None keeps them on the device."""
     if offload.device == "cpu":
-        return host_shard
+        return HostShards(offload.pin_memory)
     if offload.device == "nvme":
         return ParamFiles(offload.nvme_path, rank)
     return None

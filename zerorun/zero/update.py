@@ -53,7 +53,6 @@ class _Window:
 
     inverse: float
     needs_norm: bool
-    clip: float
 
 
 def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord]) -> None:
@@ -96,7 +95,6 @@ class UnitUpdater:
         self._window = _Window(
             inverse=1.0 / (self.data_parallel_world * loss_scaler.scale),
             needs_norm=clip > 0 or loss_scaler.dynamic or loss_scaler.scale != 1.0,
-            clip=clip,
         )
 
     def unit_reduced(self, record: UnitRecord) -> None:
@@ -191,8 +189,3 @@ class UnitUpdater:
     # -- inspection ----------------------------------------------------------------------
     def placed_nbytes(self) -> dict[str, int]:
         return self.placement.nbytes(self.records, self.optimizer)
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-        self.placement.close()
