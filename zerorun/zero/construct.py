@@ -75,9 +75,6 @@ class WeightSource:
             for name in handle.keys():
                 self._file_of[name] = path
 
-    def names(self) -> set[str]:
-        return set(self._state) if self._state is not None else set(self._file_of)
-
     def get(self, names: list[str]) -> torch.Tensor | None:
         """The tensor stored under the first of ``names`` present (tied weights have several)."""
         for name in names:
@@ -115,7 +112,6 @@ class Materializer:
                 self.owners.setdefault(id(tensor), []).append(module)
         self._rng = torch.Generator().manual_seed(seed)
         self.initialized: list[str] = []  # parameters the source lacked, initialized instead
-        self.loaded = 0
 
     def ensure(self, params: list[nn.Parameter]) -> None:
         """Give ``params`` their values before a unit copies them (Note [materialize per unit])."""
@@ -124,7 +120,6 @@ class Materializer:
             if value is not None:
                 self._check_shape(param, value)
                 self._assign(param, value)
-                self.loaded += 1
             elif param.is_meta:
                 self._initialize_owner(param)
         if self.device.type == "cpu":

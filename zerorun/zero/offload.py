@@ -329,9 +329,6 @@ class ParamFiles:
         path.write_bytes(host.view(torch.uint8).numpy().tobytes())
         return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
 
-    def nbytes(self) -> int:
-        return sum(f.stat().st_size for f in self.directory.glob("unit*.bin"))
-
 
 def param_home_from_config(offload, *, rank: int):
     """Where stage-3 parameter chunks live (``zero.offload_param``): None keeps them on the device."""

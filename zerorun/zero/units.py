@@ -22,8 +22,8 @@ reuses memory, so units resize their storage as before; so does a torch without 
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
 chunk is kept in host memory (cpu: pinned when the model is on CUDA; nvme: a memory-mapped file,
-offload.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged copy lives until the gather is waited for (the
-collective reads it), then is dropped, so the device holds only gathered units. The optimizer
+offload.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged
+copy lives until the gather is waited for (the collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
 """
