@@ -4,7 +4,7 @@ Checkpoint save and load against the peer, in one run: the GPT of examples/gpt.p
 "bench": 33.7M parameters), fp32, AdamW after one training step (so Adam's moments exist),
 2 gloo ranks on CPU. In the same world, and on the same disk:
 
-  zerorun   engine.save_checkpoint / a fresh engine's load_checkpoint (zerorun/zero/checkpoint.py:
+  zerorun   engine.save_checkpoint / a fresh engine's load_checkpoint (zerorun/zero/checkpoint/engine_state.py:
             fsynced files, checksums, manifest, atomic commit)
   dcp       torch.distributed.checkpoint.save / load of an FSDP2 model of the same size
             (fully_shard per Block and the root, as scripts/bench_systems.py sets it up), with
@@ -156,7 +156,7 @@ def rank_entry(rank: int, world: int, options: dict, workdir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world)

@@ -62,7 +62,7 @@ def rank_main(rank: int, world: int, system: str, options: dict, init_file: str)
     import torch.distributed as dist
     from llama import PRESETS, Llama, LlamaBlock
 
-    from zerorun.zero.checkpointing import apply_activation_checkpointing
+    from zerorun.zero.activation_checkpointing import apply_activation_checkpointing
 
     use_cuda = options["device"] == "cuda"
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")

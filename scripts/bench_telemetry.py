@@ -6,7 +6,7 @@ It launches itself through the real CLI (``zerorun --nproc 2 --no-dashboard``) s
 path is measured: worker recorder, pipe, node agent, launcher-side collector and metrics file.
 Each worker trains a small MLP through ``zerorun.initialize`` (ZeRO stage 2 by default; the
 engine calls record_step itself), or with ``--plain`` all-reduces every gradient separately
-through zerorun.zero.collectives (many small collectives per step: the worst case for
+through zerorun.zero.comm.collectives (many small collectives per step: the worst case for
 per-collective overhead). Blocks of steps alternate OFF / ON (ABAB..., so machine noise hits both alike); an
 ON block routes collectives (observer) and steps (record_step) to a Recorder, an OFF block to a
 NullRecorder with no observer; the recorder's 1 s sampling thread runs throughout and its cost
@@ -49,7 +49,7 @@ def worker(args) -> None:
 
     from zerorun.telemetry import NullRecorder
     from zerorun.telemetry.recorder import recorder_from_env
-    from zerorun.zero import collectives
+    from zerorun.zero.comm import collectives
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

@@ -18,8 +18,8 @@ def initialize(model, optimizer=None, config=None, *, weights=None, param_init_f
 
 def leave_together(group=None):
     """End a script's process group: a barrier, then destroy it without gloo's exit abort
-    (Note [clean exit] in zerorun/zero/process_group.py). The engine does this by itself at
+    (Note [clean exit] in zerorun/zero/comm/process_group.py). The engine does this by itself at
     exit for a group it created; call it in scripts that made their own group."""
-    from zerorun.zero.process_group import leave_together as _leave_together
+    from zerorun.zero.comm.process_group import leave_together as _leave_together
 
     _leave_together(group)

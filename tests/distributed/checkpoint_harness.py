@@ -22,7 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_parity_harness as parity  # noqa: E402
 
-from zerorun.zero.process_group import leaving_together  # noqa: E402
+from zerorun.zero.comm.process_group import leaving_together  # noqa: E402
 
 VOCAB, WIDTH, NARROW = 17, 15, 7
 STEPS, HALF = 10, 5
@@ -229,7 +229,7 @@ def reshard_load_world(rank: int, world: int, tmp: str) -> dict:
 def _rank_entry(rank: int, body, world: int, tmp: str) -> None:
     torch.set_num_threads(1)  # 2-3 ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{body.__name__}", rank=rank, world_size=world)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
         result = body(rank, world, tmp)
     torch.save(result, Path(tmp) / f"{body.__name__}-rank{rank}.pt")
 
@@ -251,7 +251,7 @@ def crash_world(rank: int, world: int, tmp: str) -> dict:
     import signal
 
     import zerorun
-    from zerorun.zero import tensor_files
+    from zerorun.zero.checkpoint.engine_state import tensor_files
 
     model = build_dropnet()
     case = ResumeCase("crash", 3)

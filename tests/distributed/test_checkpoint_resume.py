@@ -90,7 +90,7 @@ def test_full_state_dict_gathers_one_unit_at_a_time(monkeypatch):
     """Stage 3: at most one partitioned unit is gathered at any moment of full_state_dict (it
     used to gather the whole model on every rank at once)."""
     import zerorun
-    from zerorun.zero.units import FlatUnit, ParamState
+    from zerorun.zero.unit.storage import FlatUnit, ParamState
 
     model = h.build_dropnet()
     engine = zerorun.initialize(model, h.optimizer_for(model), {"zero": {"stage": 3, "param_persistence_threshold": 0,

@@ -83,7 +83,7 @@ def run_variant(config: dict, rank: int) -> dict:
     import torch.distributed as dist
 
     import zerorun
-    from zerorun.zero.checkpointing import is_checkpointed
+    from zerorun.zero.activation_checkpointing import is_checkpointed
 
     model = build_model()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -128,12 +128,12 @@ def run_variant(config: dict, rank: int) -> dict:
 def worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)  # two ranks share two cores
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
         results = {}
         for name, config in VARIANTS.items():
             try:

@@ -103,11 +103,11 @@ def measure(stage: int, rank: int) -> dict:
 def worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
         results = {stage: measure(stage, rank) for stage in FORMULA}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -41,7 +41,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     import planner_mlp
     import zerorun
     from zerorun.zero.host_memory import trim_host_heap
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)
     settings = json.loads((Path(out_dir) / "settings.json").read_text())

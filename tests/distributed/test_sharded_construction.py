@@ -138,7 +138,7 @@ def _rss_bytes() -> int:
 def _construct_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)
     settings = json.loads((Path(out_dir) / "settings.json").read_text())
@@ -198,7 +198,7 @@ def test_meta_model_goes_where_the_launcher_says(monkeypatch):
 def _partial_weights_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     with leaving_together():

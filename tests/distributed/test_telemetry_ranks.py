@@ -28,8 +28,8 @@ def worker(rank: int, world_size: int, rdzv_file: str) -> None:
     import torch.distributed as dist
 
     from zerorun.telemetry import get_recorder
-    from zerorun.zero import collectives
-    from zerorun.zero.process_group import leave_together
+    from zerorun.zero.comm import collectives
+    from zerorun.zero.comm.process_group import leave_together
 
     dist.init_process_group("gloo", init_method=f"file://{rdzv_file}", rank=rank, world_size=world_size)
     rec = get_recorder()
@@ -43,7 +43,7 @@ def worker(rank: int, world_size: int, rdzv_file: str) -> None:
     if rank == 1:
         time.sleep(HOLD_S)  # the straggler: everyone else waits for it in the barrier
     collectives.barrier(group=None)
-    leave_together()  # Note [clean exit] in zerorun/zero/process_group.py
+    leave_together()  # Note [clean exit] in zerorun/zero/comm/process_group.py
 
 
 @pytest.mark.slow

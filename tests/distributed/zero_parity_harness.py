@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zerorun.zero.process_group import leaving_together
+from zerorun.zero.comm.process_group import leaving_together
 
 VOCAB, WIDTH, NARROW, SEQ = 17, 15, 7, 5
 GLOBAL_BATCH = 12  # sequences per optimizer step: divides by world x accumulation for 1-3 ranks
@@ -218,8 +218,8 @@ def train_reference(case: Case, lr_scale: float = 1.0) -> dict:
 
 
 def check_collectives(rank: int, world: int) -> list[str]:
-    """zerorun.zero.collectives against torch's own all_reduce; returns the failures."""
-    from zerorun.zero import collectives
+    """zerorun.zero.comm.collectives against torch's own all_reduce; returns the failures."""
+    from zerorun.zero.comm import collectives
 
     failures = []
     gen = torch.Generator().manual_seed(rank)
@@ -255,7 +255,7 @@ def run_world(rank: int, world: int, init_file: str, out_path: str) -> None:
     """Entry point of one spawned rank: every case in one process group."""
     torch.set_num_threads(1)  # 2-3 ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
         results = {"collectives": check_collectives(rank, world)}
         for case in cases():
             results[case.name] = train_engine(case, rank, world)

@@ -49,7 +49,7 @@ rank, mode = dist.get_rank(), sys.argv[1]
 t = torch.ones(3)
 if mode == "engine":
     from zerorun.telemetry import get_recorder
-    from zerorun.zero import collectives
+    from zerorun.zero.comm import collectives
     get_recorder()
     collectives.all_reduce(t, group=None)
 print("ready", flush=True)

@@ -144,7 +144,7 @@ LAYERS, WIDTH = 12, 4096
 MEASURE = textwrap.dedent("""
     import json, sys
     import psutil
-    from zerorun.zero.consolidate import consolidate
+    from zerorun.zero.checkpoint.consolidate import consolidate
     def high_water():  # VmHWM belongs to this address space; ru_maxrss would carry pytest's over exec
         line = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
         return int(line.split()[1]) * 1024

@@ -1,6 +1,6 @@
 """pytest tests/e2e/test_engine_exit.py — how a zerorun.initialize script ends under the launcher.
 
-The engine registers a clean-exit barrier (Note [clean exit] in zerorun/zero/process_group.py).
+The engine registers a clean-exit barrier (Note [clean exit] in zerorun/zero/comm/process_group.py).
 These tests pin down both sides of it: a clean run exits 0 on every rank, and a rank that dies
 of an exception mid-training still ends the whole job quickly instead of waiting at the barrier.
 """

@@ -24,8 +24,8 @@ TRAIN = textwrap.dedent(f"""
     import torch
     import torch.distributed as dist
     from zerorun.telemetry import get_recorder
-    from zerorun.zero import collectives
-    from zerorun.zero.process_group import leave_together
+    from zerorun.zero.comm import collectives
+    from zerorun.zero.comm.process_group import leave_together
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -40,7 +40,7 @@ TRAIN = textwrap.dedent(f"""
     if rank == 1:
         time.sleep({HOLD_S})
     collectives.barrier(group=None)
-    leave_together()  # Note [clean exit] in zerorun/zero/process_group.py
+    leave_together()  # Note [clean exit] in zerorun/zero/comm/process_group.py
 """)
 
 

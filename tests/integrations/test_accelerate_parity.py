@@ -78,7 +78,7 @@ def run(name: str) -> dict:
 
 
 def worker(rank: int, out_dir: str) -> None:
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     join_world(rank, out_dir)
     with leaving_together():

@@ -166,7 +166,7 @@ def compare_saved(out_dir: str, name: str, reference: str) -> dict:
 def worker(rank: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     join_world(rank, out_dir)
     with leaving_together():

@@ -49,7 +49,7 @@ def train_logs(trainer) -> dict:
 def worker(rank: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     join_world(rank, out_dir)
     with leaving_together():

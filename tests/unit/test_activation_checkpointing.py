@@ -12,7 +12,7 @@ from torch import nn
 
 from zerorun.config import ActivationCheckpointingConfig
 from zerorun.errors import RuntimeConfigError
-from zerorun.zero.checkpointing import (
+from zerorun.zero.activation_checkpointing import (
     apply_activation_checkpointing,
     apply_from_config,
     is_checkpointed,

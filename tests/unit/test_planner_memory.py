@@ -142,7 +142,7 @@ def test_the_engine_constants_match_the_planner():
 
     assert grad_reduce.MAX_IN_FLIGHT == GRADIENT_BUCKETS_IN_FLIGHT
     from zerorun.planner.memory import GATHERED_LAYERS
-    from zerorun.zero.unit_plan import BACKWARD_PREFETCH
+    from zerorun.zero.unit.plan import BACKWARD_PREFETCH
 
     assert GATHERED_LAYERS == 1 + BACKWARD_PREFETCH  # the running layer and the prefetched ones
 

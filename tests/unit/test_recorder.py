@@ -15,7 +15,7 @@ import torch
 from zerorun.telemetry import NullRecorder, get_recorder
 from zerorun.telemetry.collector import Collector
 from zerorun.telemetry.recorder import PipeWriter, Recorder
-from zerorun.zero import collectives
+from zerorun.zero.comm import collectives
 
 TOKEN = "tok-123"
 

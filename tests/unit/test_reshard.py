@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_reshard.py — the pure checkpoint math (zerorun/zero/reshard.py): piece
+"""pytest tests/unit/test_reshard.py — the pure checkpoint math (zerorun/zero/checkpoint/reshard.py): piece
 keys, re-partitioning plans between any two layouts, model checks and tag retention."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from zerorun.zero.reshard import (MASTER, Piece, Uncovered, bad_tag, first_mismatch, index_pieces,
+from zerorun.zero.checkpoint.reshard import (MASTER, Piece, Uncovered, bad_tag, first_mismatch, index_pieces,
                                   micro_steps_after_load, parse_piece_key, piece_key, plan_reads, state_family,
                                   step_tag, tags_to_delete, whole_key)
-from zerorun.zero.sharding import ParamSpec, Segment, UnitLayout, pack_buckets
+from zerorun.zero.unit.layout import ParamSpec, Segment, UnitLayout, pack_buckets
 
 SPECS = [ParamSpec("embed.weight", 255), ParamSpec("inner.weight", 105), ParamSpec("inner.bias", 7),
          ParamSpec("outer.weight", 105), ParamSpec("norm.bias", 15)]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerorun.zero.sharding import ParamSpec, ShardPlan, UnitLayout, pack_buckets, reassemble, round_up
+from zerorun.zero.unit.layout import ParamSpec, ShardPlan, UnitLayout, pack_buckets, reassemble, round_up
 
 sizes = st.lists(st.integers(min_value=0, max_value=60), min_size=1, max_size=6)
 

@@ -11,7 +11,7 @@ import zerorun
 from zerorun.config import PrecisionConfig
 from zerorun.errors import RuntimeConfigError, ZerorunError
 from zerorun.zero.precision import LossScaler
-from zerorun.zero.units import FlatUnit, ParamState
+from zerorun.zero.unit.storage import FlatUnit, ParamState
 
 
 def test_loss_scaler_halves_after_hysteresis_and_grows_after_a_clean_window():
@@ -186,7 +186,7 @@ def test_host_malloc_tuning_is_opt_in(monkeypatch):
 def test_pooled_unit_reuses_its_buffer_and_saved_views_see_the_new_gather():
     """Note [gather pool]: a release hands the memory to the pool, the next gather takes the
     same memory back into the unit's own storage object, so views taken earlier stay valid."""
-    from zerorun.zero.units import GatherPool
+    from zerorun.zero.unit.storage import GatherPool
 
     if not GatherPool.SUPPORTED:
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_; units resize instead")
@@ -224,7 +224,7 @@ def test_kept_units_plan_follows_reuse_distance_and_holds_the_last_call():
 def test_stage3_gathers_a_tied_unit_once_per_step():
     """Note [kept gathered], at world size 1: the tied embedding/head unit is held from the
     embedding's forward to the head's, and from the head's forward into its backward."""
-    from zerorun.zero.units import FlatUnit as Unit
+    from zerorun.zero.unit.storage import FlatUnit as Unit
 
     torch.manual_seed(0)
     emb = nn.Embedding(50, 8)
@@ -297,7 +297,7 @@ def test_stage3_backward_finds_every_unit_prefetched_within_the_planned_bound():
     what is gathered at once stays within the planner's bound (unit_plan.max_gathered_numel)."""
     from zerorun.planner.counting import count_module
     from zerorun.planner.memory import Training, stage3_unit_sizes
-    from zerorun.zero.units import FlatUnit as Unit
+    from zerorun.zero.unit.storage import FlatUnit as Unit
 
     zero = {"stage": 3, "param_persistence_threshold": 0, "allgather_bucket_size": 1500}
     model = _nested_blocks_model()

@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_unit_plan.py — stage 3's choice of gather units (zero/unit_plan.py),
+"""pytest tests/unit/test_unit_plan.py — stage 3's choice of gather units (zero/unit/plan.py),
 and the planner sizing its stage-3 buffers from the same units the engine builds."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from zerorun.zero.partition import _coalesce_modules, build_partition
-from zerorun.zero.unit_plan import ModuleNode, ParamNode, coalesce_units, max_gathered_numel
+from zerorun.zero.unit.partition import _coalesce_modules, build_partition
+from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units, max_gathered_numel
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -81,7 +81,7 @@ def test_gpt_gets_one_unit_per_block_part_not_one_for_the_root():
 def test_planner_sizes_stage3_buffers_from_the_engines_units():
     from zerorun.planner.counting import count_module
     from zerorun.planner.memory import Training, stage3_unit_sizes
-    from zerorun.zero.unit_plan import STAGE3_UNIT_CAP
+    from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
 
     def build():
         torch.manual_seed(0)

@@ -4,7 +4,7 @@
     zerorun consolidate ckpts/global_step500 model.pt --format torch
     zerorun consolidate ckpts/ hf-out/ --like path/to/hf-model    # a from_pretrained directory
 
-Streams tensor by tensor (zerorun/zero/consolidate.py Note [bounded consolidation]), so host
+Streams tensor by tensor (zerorun/zero/checkpoint/consolidate.py Note [bounded consolidation]), so host
 memory stays near the largest tensor, not the model.
 """
 
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         strip_prefix: str = typer.Option("", "--strip-prefix", help="Drop this prefix from names (a wrapper module's, e.g. 'model.')."),
     ) -> None:
         """Write one full model (safetensors, torch, or a Hugging Face directory) from a sharded checkpoint."""
-        from zerorun.zero.consolidate import consolidate as run
+        from zerorun.zero.checkpoint.consolidate import consolidate as run
 
         done = run(checkpoint, out, tag=tag, fmt=fmt, dtype=dtype, hf_config=hf_config, like=like,
                    strip_prefix=strip_prefix)

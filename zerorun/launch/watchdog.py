@@ -7,7 +7,7 @@ only whether *anything* moves: a line of output from any rank, a new step, a col
 entered or finished. When nothing has moved for ``--hang-timeout`` seconds, the launcher has
 every worker print its Python stacks (faulthandler, on SIGABRT) and ends the job. The stacks
 name the cause: ranks waiting for the others sit inside a collective (torch.distributed or
-zerorun.zero.collectives); the rank that is elsewhere is the one they wait for.
+zerorun.zero.comm.collectives); the rank that is elsewhere is the one they wait for.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 # Frames in these files mean "waiting in a collective" (or in the rendezvous, which is one).
-COLLECTIVE_FILES = ("torch/distributed/", "zerorun/zero/collectives.py", "zerorun/zero/process_group.py")
+COLLECTIVE_FILES = ("torch/distributed/", "zerorun/zero/comm/collectives.py", "zerorun/zero/comm/process_group.py")
 # Frames in these files are machinery; the first frame outside them is "the line it is stuck on".
 LIBRARY_FILES = ("<frozen", "/site-packages/", "/dist-packages/", "/lib/python3", "zerorun/zero/", "zerorun/telemetry/")
 

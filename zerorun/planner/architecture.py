@@ -53,7 +53,7 @@ class ModelSpec:
     gather at least this much at once, so it sizes the gather buffer (0 = unknown).
     ``param_sizes``: element count of every parameter tensor when known (empty for a bare
     ``--params``); used for ZeRO-3's persistence threshold (small tensors stay whole).
-    ``module_tree``: a ``zerorun.zero.unit_plan.ModuleNode`` (``--model``, config.json), else None.
+    ``module_tree``: a ``zerorun.zero.unit.plan.ModuleNode`` (``--model``, config.json), else None.
     """
 
     name: str
@@ -61,7 +61,7 @@ class ModelSpec:
     largest_layer_params: int = 0
     shape: TransformerShape | None = None
     param_sizes: tuple[int, ...] = field(default=(), repr=False)
-    # The module tree (zero/unit_plan.py) when a real module was counted: the planner then
+    # The module tree (zero/unit/plan.py) when a real module was counted: the planner then
     # sizes stage 3's gathers and buckets with the engine's own unit rules.
     module_tree: object = field(default=None, repr=False, compare=False)
 

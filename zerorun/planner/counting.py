@@ -19,7 +19,7 @@ from zerorun.planner.architecture import ModelSpec
 
 def count_module(model, name: str) -> ModelSpec:
     """ModelSpec of a built module (meta or real): unique parameter tensors and the largest layer."""
-    from zerorun.zero.partition import module_tree
+    from zerorun.zero.unit.partition import module_tree
 
     sizes = unique_parameter_sizes(model)
     if not sizes:

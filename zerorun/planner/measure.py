@@ -132,12 +132,12 @@ def _worker(rank, world, tmp, target, runs, precision, steps, micro_batch, seq_l
     import torch
     import torch.distributed as dist
 
-    from zerorun.zero.process_group import leaving_together
+    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)  # ranks share the machine's cores; memory does not depend on it
     device = _worker_device(rank)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/process_group.py
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
         from zerorun.planner.counting import load_factory
 
         factory = load_factory(target)

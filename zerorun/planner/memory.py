@@ -174,7 +174,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
     optimizer = k * (psi if stage == 0 else shard(psi, n))
     host = nvme = 0.0
     if training.offload != "none":
-        # An offloaded master is always a tensor of its own (zerorun/zero/offload.py), even in
+        # An offloaded master is always a tensor of its own (zerorun/zero/offload/placements.py), even in
         # fp32, where without offload the parameter storage doubles as the master.
         offloaded = optimizer + (MASTER_COPY_BYTES * shard(psi, n) if training.precision == "fp32" else 0)
         optimizer = 0.0
@@ -245,7 +245,7 @@ def communication_buffer_bytes(model: ModelSpec, job: Job, training: Training) -
 def gradient_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
     """Elements of each stage 0-2 gradient bucket. With the parameter sizes known, the
     engine's own packing (zero/sharding.pack_buckets, backward order); else ⌈Ψ/B⌉ buckets of B."""
-    from zerorun.zero.sharding import ParamSpec, pack_buckets
+    from zerorun.zero.unit.layout import ParamSpec, pack_buckets
 
     if model.param_sizes:
         specs = [ParamSpec(str(i), size) for i, size in enumerate(reversed(model.param_sizes))]
@@ -258,12 +258,12 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     """(elements gathered at once at worst, largest gradient bucket, number of units) at stage 3.
 
     With the module tree (a real model was counted) these come from the engine's own unit
-    rules (zero/unit_plan.py): gathered = the largest (nesting depth + 3) units, bucket = the
+    rules (zero/unit/plan.py): gathered = the largest (nesting depth + 3) units, bucket = the
     largest unit (a lone parameter's gradient is reduced in place, but is just as alive).
     Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
     of them gathered (the running module and, in backward, the two prefetched next).
     """
-    from zerorun.zero import unit_plan
+    from zerorun.zero.unit import plan as unit_plan
 
     min_unit = min(training.allgather_bucket_size, unit_plan.STAGE3_UNIT_CAP)
     threshold = training.param_persistence_threshold
@@ -346,7 +346,7 @@ def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
 
 def _offload_staging_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     """Host memory an offloaded update streams through: one unit's fp32 gradient chunk at a
-    time (cpu: Note [unit-sized gradient staging] in zerorun/zero/offload.py), or the
+    time (cpu: Note [unit-sized gradient staging] in zerorun/zero/offload/placements.py), or the
     configured buffers that master and state are read into (nvme: Note [file buffers])."""
     if training.offload == "none":
         return 0

@@ -8,7 +8,7 @@ Contract with the runtime (zerorun/zero):
         # sums ranks for job throughput. Numbers or 0-d tensors; None when unknown.
     rec.set_memory_breakdown(dict)  # engine.memory_breakdown(), sent with the next sample
     rec.set_total_steps(n)          # engine.set_total_steps(n): each step message carries it
-Collectives reach the recorder as an observer of zerorun.zero.collectives.
+Collectives reach the recorder as an observer of zerorun.zero.comm.collectives.
 
 Contract with the launcher: workers write newline-delimited JSON messages to the file
 descriptor named by ZERORUN_TELEMETRY_FD, each carrying ZERORUN_RUN_TOKEN; the launcher

@@ -73,7 +73,7 @@ class PipeWriter:
 class Recorder:
     """Collects one worker's telemetry and writes it through a ``PipeWriter``.
 
-    Observer of zerorun.zero.collectives (collective_started / collective_finished) and the
+    Observer of zerorun.zero.comm.collectives (collective_started / collective_finished) and the
     runtime's ``record_step`` / ``set_memory_breakdown`` target.
     """
 
@@ -106,7 +106,7 @@ class Recorder:
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Send hello, subscribe to collectives, start the sampling thread, flush at exit."""
-        from zerorun.zero import collectives
+        from zerorun.zero.comm import collectives
 
         self._send("hello", pid=self._pid, world_size=self._world_size, **_device_info())
         collectives.add_observer(self)
@@ -116,7 +116,7 @@ class Recorder:
 
     def close(self) -> None:
         """Stop sampling and send a last sample and a ``bye`` (idempotent)."""
-        from zerorun.zero import collectives
+        from zerorun.zero.comm import collectives
 
         if self._stop.is_set():
             return

@@ -5,7 +5,7 @@ and stream pretrained weights into any model, each rank reading only what its un
         model = GPT(config)
     engine = zerorun.initialize(model, optimizer, config, weights="model.safetensors")
 
-Note [materialize per unit]: partition.py builds the units one after another; just before a
+Note [materialize per unit]: unit/partition.py builds the units one after another; just before a
 unit copies its parameters into its flat buffer, ``Materializer.ensure`` gives those
 parameters values: read from the weights source by name, or, for a parameter the source lacks
 (or with no source), by running the owning module's ``reset_parameters()`` (or the
@@ -162,7 +162,7 @@ class Materializer:
         with torch.no_grad():
             if param.is_meta:
                 # No copy of our own: the unit copies these values into its buffer right away and
-                # never writes through them (units.py), so the source's tensor can stand in.
+                # never writes through them (unit/storage.py), so the source's tensor can stand in.
                 real = nn.Parameter(value.to(self.device, param.dtype), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, real)
             else:

@@ -3,9 +3,9 @@
     loss = engine(*inputs); engine.backward(loss); engine.step()
 
 It composes the parts and owns the step counters; the mechanisms live elsewhere:
-partition.py (which parameters form which unit), units.py (flat storage and gathering),
-grad_reduce.py (gradient collectives), unit_record.py (one record per unit), update.py (the
-unit-by-unit update with the user's optimizer), offload.py (where masters and state live),
+unit/partition.py (which parameters form which unit), unit/storage.py (flat storage and gathering),
+grad_reduce.py (gradient collectives), unit/record.py (one record per unit), update.py (the
+unit-by-unit update with the user's optimizer), offload/placements.py (where masters and state live),
 param_gather.py (stage 3 hooks), precision.py (dtypes and loss scaling).
 """
 
@@ -22,19 +22,20 @@ from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError
 from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
-from zerorun.zero import checkpoint, collectives
-from zerorun.zero.checkpointing import apply_from_config
+from zerorun.zero.checkpoint import engine_state
+from zerorun.zero.comm import collectives
+from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
 from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
 from zerorun.zero.param_gather import ParamGatherer, tensors_in
-from zerorun.zero.partition import build_partition
+from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
-from zerorun.zero.process_group import resolve_process_group
-from zerorun.zero.offload import ParamFiles, param_home_from_config, placement_from_config
-from zerorun.zero.unit_record import UnitRecord, chunk_segments
+from zerorun.zero.comm.process_group import resolve_process_group
+from zerorun.zero.offload.placements import ParamFiles, param_home_from_config, placement_from_config
+from zerorun.zero.unit.record import UnitRecord, chunk_segments
 from zerorun.zero.update import UnitUpdater
-from zerorun.zero.unit_plan import STAGE3_UNIT_CAP
+from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
 
 # Chunks are multiples of this many elements (16-32 bytes), so every rank's chunk of every unit
 # starts aligned for vectorised kernels.
@@ -170,7 +171,7 @@ class Engine:
             materializer.finish()
         units = self.partition.units
         placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
-        # One record per unit (unit_record.py): shard, master, gradient, segments, placement.
+        # One record per unit (unit/record.py): shard, master, gradient, segments, placement.
         self.records = [UnitRecord(u, chunk_segments(u), placement.make_master(u), placement) for u in units]
         self.gatherer = None
         if self.stage == 3 and self.partition.module_units:
@@ -203,7 +204,7 @@ class Engine:
         self._recorder = get_recorder()
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
-        checkpoint.resume_from_config(self)  # checkpoint.resume (zero/checkpoint.py)
+        engine_state.resume_from_config(self)  # checkpoint.resume (zero/checkpoint/engine_state.py)
 
     def _scheduler_from_config(self):
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
@@ -293,7 +294,7 @@ class Engine:
             )
             self._recorder.set_memory_breakdown(self.memory_breakdown())
         self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
-        checkpoint.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint.py)
+        engine_state.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint/engine_state.py)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -331,26 +332,26 @@ class Engine:
             "communication_buffers": transient,
         }
         breakdown["total"] = sum(breakdown.values())
-        # Offloaded state (offload.py): host memory and NVMe files, outside the device total.
+        # Offloaded state (offload/placements.py): host memory and NVMe files, outside the device total.
         breakdown["offloaded_host"] = placed["host"] + (0 if parameters_in_files else offloaded_parameters)
         breakdown["offloaded_nvme"] = placed["nvme"] + (offloaded_parameters if parameters_in_files else 0)
         return breakdown
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state dict (every rank must call this); stage 3 gathers
-        one unit at a time (zero/checkpoint.py)."""
-        return checkpoint.full_state_dict(self, rank0_only)
+        one unit at a time (zero/checkpoint/engine_state.py)."""
+        return engine_state.full_state_dict(self, rank0_only)
 
-    # -- checkpoints (zero/checkpoint.py) ---------------------------------------------------
+    # -- checkpoints (zero/checkpoint/engine_state.py) ---------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Write a sharded checkpoint to ``save_dir/tag`` (default ``global_step{N}``); every rank."""
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+        return engine_state.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Load ``load_dir/tag`` (default: the ``latest`` one) at any world size, stage or offload;
         returns (path, client_state), (None, None) when there is no checkpoint yet."""
-        return checkpoint.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+        return engine_state.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
 

@@ -35,9 +35,9 @@ from typing import Callable
 
 import torch
 
-from zerorun.zero import collectives
-from zerorun.zero.unit_record import GradState, UnitRecord
-from zerorun.zero.units import FlatUnit
+from zerorun.zero.comm import collectives
+from zerorun.zero.unit.record import GradState, UnitRecord
+from zerorun.zero.unit.storage import FlatUnit
 
 
 class ReducePolicy(enum.Enum):

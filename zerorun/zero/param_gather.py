@@ -44,9 +44,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerorun.zero.checkpointing import is_recomputing
-from zerorun.zero.unit_plan import BACKWARD_PREFETCH
-from zerorun.zero.units import FlatUnit, GatherPool, ParamState
+from zerorun.zero.activation_checkpointing import is_recomputing
+from zerorun.zero.unit.plan import BACKWARD_PREFETCH
+from zerorun.zero.unit.storage import FlatUnit, GatherPool, ParamState
 
 
 class ParamGatherer:
@@ -60,7 +60,7 @@ class ParamGatherer:
         self.in_use = {u.index: 0 for u in self.units}
         self.pool = None
         if self.units and self.units[0].device.type == "cpu" and GatherPool.SUPPORTED:
-            self.pool = GatherPool(self.units[0].device)  # Note [gather pool] in units.py
+            self.pool = GatherPool(self.units[0].device)  # Note [gather pool] in unit/storage.py
             for unit in self.units:
                 unit.pool = self.pool
         self.forward_order: list[nn.Module] = []
@@ -110,7 +110,7 @@ class ParamGatherer:
             self._prefetch_forward(module)
 
     def _post_forward(self, module, args, output) -> None:
-        # Note [no release in recomputation] (zero/checkpointing.py): the tensors a checkpoint
+        # Note [no release in recomputation] (zero/activation_checkpointing.py): the tensors a checkpoint
         # recomputation saves alias the gathered storage and the module's backward runs next;
         # its units are released when their gradients arrive or backward ends.
         recomputing = is_recomputing()

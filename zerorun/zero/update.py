@@ -2,14 +2,14 @@
 
 The user's optimizer stays the one that steps: its param groups keep their hyper-parameters
 (and any LR scheduler already built on it keeps editing them), and each group's ``params``
-becomes the fp32 masters of that group's units on this rank (unit_record.py). Torch
+becomes the fp32 masters of that group's units on this rank (unit/record.py). Torch
 optimizers skip a parameter whose ``.grad`` is None, so a subset of units is updated by
 giving only their masters a gradient and calling ``optimizer.step()``: the same object, the
 same per-parameter state, any subset at a time. Without offload every unit is updated in one
 call (the multi-tensor path); with NVMe one unit at a time, as its buffer allows.
 
 Per unit: the placement makes master and state resident and stages the fp32 gradient chunk
-beside them (offload.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
+beside them (offload/placements.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
 clipped when asked; the optimizer steps; the master is published into the model's chunk; and
 the placement puts master and state away.
 
@@ -26,7 +26,7 @@ worker may go:
   updates wait in ``step()`` for the all-reduced norm. The sums are added in unit order on the
   main thread, so the norm is the same number whichever thread computed the pieces.
 Either way a gradient is staged next to its master only inside that unit's update, one unit at
-a time for offloaded placements (Note [unit-sized gradient staging] in offload.py).
+a time for offloaded placements (Note [unit-sized gradient staging] in offload/placements.py).
 The engine's ``step()`` waits for the worker before returning, and collectives (the norm, the
 stage 1-2 refresh) are issued only from the main thread, so every rank issues them in order.
 A unit's values are no longer read by this backward once its gradient is final, which is what
@@ -41,10 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zerorun.zero import collectives
-from zerorun.zero.offload import OnFile, device_gradient
+from zerorun.zero.comm import collectives
+from zerorun.zero.offload.placements import OnFile, device_gradient
 from zerorun.zero.precision import LossScaler
-from zerorun.zero.unit_record import UnitRecord
+from zerorun.zero.unit.record import UnitRecord
 
 
 @dataclass
@@ -63,7 +63,7 @@ def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord])
 
 
 def prefer_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
-    """Note [host optimizer kernels] in offload.py: fused, where the class has it and the user
+    """Note [host optimizer kernels] in offload/placements.py: fused, where the class has it and the user
     chose no kernel."""
     for group in optimizer.param_groups:
         chosen = group.get("foreach") or group.get("differentiable") or group.get("capturable")

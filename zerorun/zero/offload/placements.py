@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import RuntimeConfigError
-from zerorun.zero.unit_record import UnitRecord
-from zerorun.zero.units import FlatUnit
+from zerorun.zero.unit.record import UnitRecord
+from zerorun.zero.unit.storage import FlatUnit
 
 HOST = torch.device("cpu")
 
@@ -57,7 +57,7 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
 
 
 class OnDevice:
-    """No offload: the master sits beside the model (Note [masters] in unit_record.py)."""
+    """No offload: the master sits beside the model (Note [masters] in unit/record.py)."""
 
     name = "none"
     overlaps_backward = False

@@ -5,13 +5,13 @@
     engine.save_checkpoint(dir, tag=None, client_state=None)        # every rank
     path, client_state = engine.load_checkpoint(dir, tag=None)      # every rank, any world/stage
 
-One checkpoint is a directory (file names and reading: checkpoint_format.py; the pieces'
-keys and the re-partitioning math: reshard.py; the streamed safetensors files: tensor_files.py):
+One checkpoint is a directory (file names and reading: checkpoint/format.py; the pieces'
+keys and the re-partitioning math: checkpoint/reshard.py; the streamed safetensors files: checkpoint/tensor_files.py):
 
     DIR/latest                   the newest complete tag; moved last (Note [commit order])
     DIR/TAG/manifest.json        layout, world size, stage, versions, a checksum per file, and per
                                  rank: its tensor keys, RNG states and scalar optimizer state
-    DIR/TAG/rank{R}.safetensors  rank R's pieces (reshard.py): fp32 masters and per-element
+    DIR/TAG/rank{R}.safetensors  rank R's pieces (checkpoint/reshard.py): fp32 masters and per-element
                                  optimizer state by (parameter name, element range); R's torch
                                  RNG states; rank 0 also each frozen parameter and buffer, whole
     DIR/TAG/engine.pt            counters, accumulation position, loss scaler, LR scheduler,
@@ -27,7 +27,7 @@ directly, from NVMe through the placement's ``begin_update`` / ``end_update`` (o
 buffer at a time, as an update would).
 
 Note [commit order]: ranks write into ``TAG.partial`` (each file under a temporary name,
-fsynced, renamed: tensor_files.py Note [atomic save]); after a barrier rank 0 writes the
+fsynced, renamed: checkpoint/tensor_files.py Note [atomic save]); after a barrier rank 0 writes the
 manifest there, renames ``TAG.partial`` to ``TAG`` (an existing ``TAG`` is first moved aside to
 ``TAG.replaced-*`` and deleted after), fsyncs the directory, and only then replaces ``latest``.
 A crash at any point before that last rename leaves ``latest`` naming the previous complete
@@ -58,17 +58,17 @@ import torch
 
 import zerorun
 from zerorun.errors import CheckpointError, RuntimeConfigError
-from zerorun.zero import collectives
-from zerorun.zero.offload import OnFile
-from zerorun.zero.checkpoint_format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, Reader,
+from zerorun.zero.comm import collectives
+from zerorun.zero.offload.placements import OnFile
+from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, Reader,
                                            master_index, model_table, persistent_buffers, rank_file, read_manifest,
                                            resolve)
-from zerorun.zero.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncovered, bad_tag, first_mismatch, index_pieces,
+from zerorun.zero.checkpoint.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncovered, bad_tag, first_mismatch, index_pieces,
                                   micro_steps_after_load, piece_key, plan_reads, state_family, step_tag,
                                   tags_to_delete, whole_key)
-from zerorun.zero.sharding import Segment
-from zerorun.zero.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
-from zerorun.zero.units import ParamState
+from zerorun.zero.unit.layout import Segment
+from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
+from zerorun.zero.unit.storage import ParamState
 
 # -- scalars as JSON ------------------------------------------------------------------------
 def _encode_scalar(value):
@@ -119,7 +119,7 @@ def _writes_records(engine) -> bool:
 
 def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
     """A record's optimizer state: per-element tensors (key -> dtype) and scalars (key -> value).
-    Between NVMe updates a per-element tensor is an empty placeholder (offload.py Note [file
+    Between NVMe updates a per-element tensor is an empty placeholder (offload/placements.py Note [file
     buffers]), recognised by its zero size."""
     n = record.unit.layout.chunk_numel
     elementwise, scalars = {}, {}

@@ -1,8 +1,8 @@
 """The on-disk format of a checkpoint: file names, the model table, finding and reading one.
 
-Shared by zerorun/zero/checkpoint.py (save and load into an engine) and zerorun/zero/
-consolidate.py (one full model, no engine); tests: tests/distributed/test_checkpoint*.py. The
-directory layout and the commit order are described in checkpoint.py.
+Shared by zerorun/zero/checkpoint/engine_state.py (save and load into an engine) and zerorun/zero/
+checkpoint/consolidate.py (one full model, no engine); tests: tests/distributed/test_checkpoint*.py. The
+directory layout and the commit order are described in checkpoint/engine_state.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import CheckpointError
-from zerorun.zero.reshard import FROZEN, MASTER, Piece, index_pieces, whole_key
-from zerorun.zero.tensor_files import DTYPE_NAMES, TensorFile, verify
+from zerorun.zero.checkpoint.reshard import FROZEN, MASTER, Piece, index_pieces, whole_key
+from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, TensorFile, verify
 
 FORMAT = "zerorun-checkpoint"
 FORMAT_VERSION = 1

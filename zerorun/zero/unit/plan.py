@@ -1,6 +1,6 @@
 """Pure: which modules own which stage-3 gather units, planned over a plain-data module tree.
 
-The engine (partition.py) builds the tree from the real model; the memory planner builds it
+The engine (unit/partition.py) builds the tree from the real model; the memory planner builds it
 from the model on the meta device (planner/counting.py). Both then call ``coalesce_units``,
 so the planner's gather and bucket sizes are the engine's by construction, not by imitation.
 

@@ -1,6 +1,6 @@
 """Streaming safetensors files, checksums and atomic renames for checkpoints.
 
-Used by zerorun/zero/checkpoint.py and zerorun/zero/consolidate.py (tests: tests/distributed/
+Used by zerorun/zero/checkpoint/engine_state.py and zerorun/zero/checkpoint/consolidate.py (tests: tests/distributed/
 test_checkpoint.py); no command of its own.
 
 Note [streaming safetensors]: ``safetensors.torch.save_file`` takes a dict of every tensor and
@@ -15,7 +15,7 @@ the one tensor in hand.
 
 Note [atomic save]: every file is written under a temporary name, fsynced, then renamed into
 place, and its directory fsynced, so after a crash a name either holds the complete file or
-does not exist. checkpoint.py builds its commit order on this.
+does not exist. checkpoint/engine_state.py builds its commit order on this.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ reuses memory, so units resize their storage as before; so does a torch without 
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
 chunk is kept in host memory (cpu: pinned when the model is on CUDA; nvme: a memory-mapped file,
-offload.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged
+offload/placements.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged
 copy lives until the gather is waited for (the collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
@@ -35,8 +35,8 @@ import enum
 import torch
 from torch import nn
 
-from zerorun.zero import collectives
-from zerorun.zero.sharding import ParamSpec, UnitLayout
+from zerorun.zero.comm import collectives
+from zerorun.zero.unit.layout import ParamSpec, UnitLayout
 
 
 class ParamState(enum.Enum):
@@ -117,7 +117,7 @@ class FlatUnit:
         self.partitioned = partition_params
         # Stage-3 parameter offload: the owned chunk lives in host memory and is staged onto
         # the device for each gather (Note [host shards]).
-        # ``shard_home(chunk, index)`` (offload.py) returns the chunk's off-device copy.
+        # ``shard_home(chunk, index)`` (offload/placements.py) returns the chunk's off-device copy.
         self.shard_offloaded = partition_params and shard_home is not None
         if partition_params:
             # Note [chunk-only construction]: a partitioned unit never holds its whole buffer

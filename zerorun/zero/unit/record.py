@@ -8,7 +8,7 @@ A ``UnitRecord`` owns
     master      the fp32 chunk the optimizer steps (Note [masters]);
     gradient    the full-size buffer (stages 0-1) or the fp32 chunk accumulator (2-3), and one
                 backward's bookkeeping (arrivals, the transient bucket), written by grad_reduce;
-    placement   where master and optimizer state live between updates (offload.py);
+    placement   where master and optimizer state live between updates (offload/placements.py);
     update      the pending update of this unit, when it runs on a worker thread.
 
 The optimizer state of a unit is the user's optimizer's ``state[record.master]``: the user's
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerorun.zero.sharding import Segment
-from zerorun.zero.units import FlatUnit
+from zerorun.zero.unit.layout import Segment
+from zerorun.zero.unit.storage import FlatUnit
 
 
 class GradState(enum.Enum):

@@ -7,7 +7,7 @@ Note [bounded consolidation]: DeepSpeed's zero_to_fp32 loads every rank's optimi
 then builds the whole model, so consolidating a model needs several times its size in host
 memory. Here the output's header is computed from the manifest alone (names, shapes, dtypes),
 then each parameter is assembled from its saved pieces (reshard.plan_reads, ranged reads with no
-file mapping: tensor_files.py), cast, written and dropped before the next. Resident memory
+file mapping: checkpoint/tensor_files.py), cast, written and dropped before the next. Resident memory
 stays near the largest tensor (and its cast copy), whatever the model's size. Only the torch
 format holds everything at once (``torch.save`` takes a whole dict); it says so.
 
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint_format import Reader, master_index, rank_file, read_manifest, resolve
-from zerorun.zero.reshard import BUFFER, FROZEN, plan_reads, whole_key
-from zerorun.zero.sharding import Segment
-from zerorun.zero.tensor_files import DTYPES, TensorFileWriter
+from zerorun.zero.checkpoint.format import Reader, master_index, rank_file, read_manifest, resolve
+from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, plan_reads, whole_key
+from zerorun.zero.unit.layout import Segment
+from zerorun.zero.checkpoint.tensor_files import DTYPES, TensorFileWriter
 
 DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")

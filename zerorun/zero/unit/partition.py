@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from zerorun.errors import RuntimeConfigError
-from zerorun.zero.sharding import ParamSpec, pack_buckets
-from zerorun.zero.units import FlatUnit
+from zerorun.zero.unit.layout import ParamSpec, pack_buckets
+from zerorun.zero.unit.storage import FlatUnit
 
-from zerorun.zero.unit_plan import ModuleNode, ParamNode, coalesce_units
+from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units
 
 
 @dataclass

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from zerorun.zero.sharding import Segment
+from zerorun.zero.unit.layout import Segment
 
 MASTER = "master"  # fp32 master values of trainable parameters
 FROZEN = "frozen"  # a whole frozen parameter, model dtype

@@ -1,6 +1,6 @@
 """Activation checkpointing: recompute chosen submodules' activations in backward.
 
-    from zerorun.zero.checkpointing import apply_activation_checkpointing
+    from zerorun.zero.activation_checkpointing import apply_activation_checkpointing
     wrapped = apply_activation_checkpointing(model, ["Block"])      # -> ["blocks.0", ...]
 
 Driven by ``config.activation_checkpointing`` (``enabled`` + ``modules``, class names).

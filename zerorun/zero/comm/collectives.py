@@ -25,7 +25,7 @@ and what it does not, on NCCL:
 - The offload worker thread (update.py) copies a reduced chunk to the host with a blocking
   ``.to("cpu")`` issued after the main thread queued the collective's wait; both threads use
   the default stream, so the copy sees the reduced values. Publishing an update back is a
-  blocking copy too (offload.py), so a host buffer is never reused under an in-flight copy.
+  blocking copy too (offload/placements.py), so a host buffer is never reused under an in-flight copy.
 - Not right on GPU yet: ``Handle.wait()`` on NCCL returns as soon as the wait is queued, so the
   seconds reported per collective measure issue-to-queue time, not the transfer, and the
   in-flight throttle (MAX_IN_FLIGHT) bounds queued work, not running work; a stuck collective
@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from zerorun.zero.ring import Ring
+from zerorun.zero.comm.ring import Ring
 
 
 class CollectiveObserver(Protocol):
@@ -161,7 +161,7 @@ def all_reduce(tensor: torch.Tensor, *, group, op=ReduceOp.SUM, async_op: bool =
 
 
 def _ring_maker(kind: str, output: torch.Tensor, input: torch.Tensor, group):
-    """gloo on CPU: our point-to-point ring beats gloo's own flat collectives (see ring.py)."""
+    """gloo on CPU: our point-to-point ring beats gloo's own flat collectives (see comm/ring.py)."""
     if output.is_cuda or dist.get_backend(group) != "gloo":
         return None
     return lambda seq: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF)
