@@ -51,3 +51,8 @@ class RuntimeConfigError(ZerorunError):
 class CheckpointError(ZerorunError):
     """A checkpoint cannot be written or read: missing, damaged (the message names the file),
     from an incompatible model (it names the first mismatching parameter), or a bad tag."""
+
+
+class UnsupportedFeature(ZerorunError):
+    """A DeepSpeed name (pipeline parallelism, MoE, tensor or sequence parallelism, compression)
+    that has no meaning in zerorun; raised when it is first used, naming the feature."""

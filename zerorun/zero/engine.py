@@ -24,7 +24,7 @@ from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
 from zerorun.zero.comm import collectives
-from zerorun.zero.engine_api import DeepSpeedEngineAPI
+from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI
 from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
@@ -211,6 +211,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
         engine_state.resume_from_config(self)  # checkpoint.resume (zero/checkpoint/engine_state.py)
+        LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
 
     def _scheduler_from_config(self):
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five

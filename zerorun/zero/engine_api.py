@@ -16,11 +16,17 @@ Two DeepSpeed habits worth a word:
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import torch
 
 from zerorun.errors import CheckpointError
+
+
+# Every engine alive in this process, so ``deepspeed.zero.GatheredParameters`` can find the unit
+# that holds a parameter (zerorun/deepspeed/zero.py).
+LIVE_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class DeepSpeedEngineAPI:
