@@ -53,6 +53,7 @@ def test_cifar_example_trains_on_zerorun_like_deepspeed(stage, dtype, tmp_path):
     assert len(ours) == recorded["train_size"] // 16 == len(theirs)
     assert all(math.isfinite(loss) for loss in ours)
     assert output.count("Finished Training") == 2 and "Accuracy of the network on the 40 test images" in output
+    assert "replaces the launcher's --config" not in output  # no --config was given: nothing replaced
     # Printed losses: the example's own lines, three decimals, every step on rank 0.
     printed = [float(v) for v in re.findall(r"\] loss:\s+([0-9.]+)", output)]
     assert printed == pytest.approx(ours, abs=5.01e-4)  # (2.3125 prints as 2.312)

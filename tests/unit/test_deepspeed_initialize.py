@@ -195,3 +195,38 @@ def test_no_precedence_warning_when_the_launcher_got_no_config(tmp_path, monkeyp
         deepspeed.initialize(model=Tagged(), config=config())
     messages = [str(w.message) for w in caught if issubclass(w.category, ConfigPrecedenceWarning)]
     assert len(messages) == 1 and "zero.stage: script 0, --config 2" in messages[0]
+
+
+def test_init_distributed_alone_starts_a_group_of_one_and_writes_the_environment():
+    import os
+
+    deepspeed.init_distributed()
+    assert torch.distributed.is_initialized() and deepspeed.comm.get_world_size() == 1
+    assert {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == {
+        "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    deepspeed.init_distributed()  # a second call finds the group and leaves it
+    assert deepspeed.comm.get_backend() == "gloo"
+
+
+def test_comm_collectives_are_torch_distributeds():
+    deepspeed.init_distributed()
+    comm = deepspeed.comm
+    assert (comm.get_rank(), comm.get_world_size(), comm.get_local_rank(), comm.is_initialized()) == (0, 1, 0, True)
+    tensor = torch.tensor([2.0, 3.0])
+    comm.all_reduce(tensor, op=comm.ReduceOp.SUM)
+    comm.broadcast(tensor, src=0)
+    gathered = [torch.zeros(2)]
+    comm.all_gather(gathered, tensor)
+    comm.barrier()
+    assert torch.equal(gathered[0], torch.tensor([2.0, 3.0]))
+
+
+def test_zero_init_builds_on_meta_and_enabled_false_builds_normally():
+    with deepspeed.zero.Init(config_dict_or_path=config()):
+        lazy = Tagged()
+    with deepspeed.zero.Init(enabled=False):
+        eager = Tagged()
+    assert all(p.is_meta for p in lazy.parameters()) and not any(p.is_meta for p in eager.parameters())
+    engine, *_ = deepspeed.initialize(model=lazy, config=config(zero_optimization={"stage": 3}))
+    assert not any(p.is_meta for p in engine.full_state_dict().values())  # materialized by initialize
+    train(engine, 1)
