@@ -79,13 +79,14 @@ def _train_steps(engine, steps, start=0) -> list[float]:
 
 
 # -- GatheredParameters ------------------------------------------------------------------------
-def _gathered_worker(rank: int, init_file: str, out_dir: str, dtype: str = "fp32") -> None:
+def _gathered_worker(rank: int, init_file: str, out_dir: str) -> None:
     import zerorun.deepspeed as deepspeed
 
+    stage, dtype = Path(out_dir).name.split("-")[-2:]  # e.g. run-3-bf16
     with _join(rank, init_file):
         torch.manual_seed(0)
         model = Net()
-        config = ds_config(3, dtype)
+        config = ds_config(int(stage), dtype)
         config["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}  # a step must leave the values alone
         del config["scheduler"]
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -112,15 +113,14 @@ def _gathered_worker(rank: int, init_file: str, out_dir: str, dtype: str = "fp32
         })
 
 
-def _gathered_bf16_worker(rank: int, init_file: str, out_dir: str) -> None:
-    _gathered_worker(rank, init_file, out_dir, "bf16")
-
-
-@pytest.mark.parametrize("worker", [_gathered_worker, _gathered_bf16_worker], ids=["fp32", "bf16"])
-def test_gathered_parameters_read_and_write_through_at_stage_3(worker, tmp_path):
-    results = spawn_and_collect(worker, tmp_path, world=2)
+@pytest.mark.parametrize("stage, dtype", [(3, "fp32"), (3, "bf16"), (1, "bf16")])
+def test_gathered_parameters_read_and_write_through(stage, dtype, tmp_path):
+    out = tmp_path / f"run-{stage}-{dtype}"
+    out.mkdir()
+    results = spawn_and_collect(_gathered_worker, out, world=2)
     for rank, result in results.items():
-        assert result["sharded_storage"] == 0 and result["after_read"] == 0, "gathered only inside the block"
+        if stage == 3:
+            assert result["sharded_storage"] == 0 and result["after_read"] == 0, "gathered only inside the block"
         assert result["read_shape"] == [17, 15] and result["read_matches"]
         assert result["written"] == [0.25], f"rank {rank} sees rank 0's write"
         assert result["bias"] == [float(i) for i in range(17)]
@@ -166,7 +166,9 @@ def test_zero_init_then_from_pretrained_style_loading(tmp_path):
 # -- save / resume with client_state --------------------------------------------------------------
 def _resume_worker(rank: int, init_file: str, out_dir: str) -> None:
     import zerorun.deepspeed as deepspeed
-    from zerorun.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zerorun.deepspeed.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint)
 
     stage = int(Path(out_dir).name.split("-")[-1])
     save_dir = Path(out_dir) / "ckpt"
@@ -187,10 +189,18 @@ def _resume_worker(rank: int, init_file: str, out_dir: str) -> None:
         path, client_state = engine.load_checkpoint(save_dir)
         resumed = _train_steps(engine, 3, start=3)
         fp32 = get_fp32_state_dict_from_zero_checkpoint(save_dir)
+        if rank == 0:
+            convert_zero_checkpoint_to_fp32_state_dict(save_dir, Path(out_dir) / "fp32")
+            written = torch.load(Path(out_dir) / "fp32" / "pytorch_model.bin", weights_only=True)
+            into = load_state_dict_from_zero_checkpoint(Net(), save_dir).state_dict()
+            other_functions = all(torch.equal(written[k], fp32[k]) and torch.equal(into[k], fp32[k]) for k in fp32)
+        else:
+            other_functions = True
         _write(out_dir, rank, {
             "straight": straight, "resumed": first + resumed, "client_state": client_state,
             "global_steps": engine.global_steps, "lr": engine.get_lr(), "scheduler_lr": scheduler.get_last_lr(),
             "fp32_equal": sorted(fp32) == sorted(consolidated) and all(torch.equal(fp32[k], consolidated[k]) for k in fp32),
+            "other_functions": other_functions,
         })
 
 
@@ -203,7 +213,7 @@ def test_deepspeed_style_save_and_resume_is_bit_exact(stage, tmp_path):
         assert result["resumed"] == result["straight"]  # bit-exact: equal floats, step for step
         assert result["client_state"] == {"epoch": 1, "step": 3}
         assert result["global_steps"] == 6 and result["lr"] == result["scheduler_lr"]
-        assert result["fp32_equal"]
+        assert result["fp32_equal"] and result["other_functions"]
 
 
 # -- ranks disagreeing on the folder ----------------------------------------------------------------
