@@ -122,8 +122,10 @@ def _broadcast_state(model: nn.Module, group) -> None:
 
 
 def _compute_device(model_device: torch.device) -> torch.device:
-    """Where a model built on the meta device is materialized: the launcher's choice
-    (ZERORUN_DEVICE, docs/launch.md), else this rank's GPU when there is one, else the CPU."""
+    """Where the model trains: the launcher's choice (ZERORUN_DEVICE, docs/launch.md), which also
+    moves a model built elsewhere (a CPU-built model goes to cuda:LOCAL_RANK under --gpus, as
+    DeepSpeed moves it); else where it was built; for a model built on the meta device, this
+    rank's GPU when there is one, else the CPU."""
     decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
     if decided != AUTO:  # the launcher's choice moves a model built elsewhere, as DeepSpeed does
         return torch.device(decided)
