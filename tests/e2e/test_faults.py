@@ -217,7 +217,7 @@ BOMB = "".join(
 )  # 10^8 values in about 400 bytes
 
 
-def test_hostile_inputs_are_one_line_each_within_5s(tmp_path):
+def test_hostile_inputs_are_one_line_each_about_as_fast_as_a_dry_run(tmp_path):
     (tmp_path / "ok.py").write_text("print('never runs')\n")
     (tmp_path / "bomb.yaml").write_text(BOMB)
     os.symlink("/dev/zero", tmp_path / "zero.yaml")
@@ -229,10 +229,14 @@ def test_hostile_inputs_are_one_line_each_within_5s(tmp_path):
         ([], {"SLURM_JOB_NODELIST": "n[0-99999999999]"}, "names more than 100,000 nodes"),
         (["--nproc", "99999999999"], {}, "is more than 1024 workers on one host"),
     ]
+    # The bound is relative to a harmless dry run measured here (a busy machine slows both).
+    started = time.monotonic()
+    assert run_cli(["--dry-run", "ok.py"], tmp_path, timeout=60).returncode == 0
+    limit = 5.0 + 2 * (time.monotonic() - started)
     for args, env, fragment in cases:
         started = time.monotonic()
-        done = run_cli([*args, "--dry-run", "ok.py"], tmp_path, timeout=30, env=env)
-        assert time.monotonic() - started < 5.0, args
+        done = run_cli([*args, "--dry-run", "ok.py"], tmp_path, timeout=60, env=env)
+        assert time.monotonic() - started < limit, args
         assert done.returncode == 2, (args, done.stderr)
         lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("zerorun: hint:")]
         assert len(lines) == 1 and lines[0].startswith("zerorun: error: "), (args, done.stderr)
