@@ -10,7 +10,6 @@ Protocol (JSON lines). stdin: first line is the node's job ``{"host", "cwd", "en
 every worker and ``dump`` makes every worker print its Python stacks and end (SIGABRT with
 faulthandler on: the hang report). EOF on stdin (the ssh session is gone) also ends every
 worker, so a launcher that dies cannot leave workers behind. stdout: events
-    {"t": "started", "rank", "pid"}      a worker is running
     {"t": "joined", "rank"}              it has opened or reached the rendezvous (MASTER_PORT):
                                          its start-up is over (Note [start-up is not a hang])
     {"t": "out", "rank", "line"[, "more": true]}
@@ -204,7 +203,6 @@ class NodeAgent:
             stopped = self._stopped
         if stopped:  # a stop raced with the spawn: end this worker at once
             end_groups([proc.pid], 0.0)
-        self.emit({"t": "started", "rank": rank, "pid": proc.pid})
         output = self._thread(self._pump_output, rank, proc)
         port = env.get("MASTER_PORT", "")
         if port.isdigit():
