@@ -84,7 +84,7 @@ def run_deepspeed(stage: int, dtype: str, workdir: Path, ds_python: str, timeout
 def largest_relative_difference(ours: list[float], theirs: list[float]) -> float:
     if len(ours) != len(theirs) or not ours:
         return float("inf")
-    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
 
 
 def main() -> int:
@@ -114,7 +114,7 @@ def main() -> int:
                 failed |= dtype == "fp32" and worst > TOLERANCE
                 print(f"\n{dtype} stage {stage}: largest relative difference {worst:.2e} {verdict}")
                 print(f"  {'step':>4}  {'DeepSpeed':>12}  {'zerorun':>12}  {'rel. diff':>9}")
-                for step, (b, a) in enumerate(zip(theirs, ours), start=1):
+                for step, (b, a) in enumerate(zip(theirs, ours, strict=False), start=1):
                     print(f"  {step:>4}  {b:>12.7f}  {a:>12.7f}  {abs(a - b) / abs(b):>9.2e}")
     if args.record:
         RECORD.write_text(json.dumps({

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_world import spawn_and_collect  # noqa: E402
+from gloo_world import spawn_and_collect
 
 pytestmark = pytest.mark.slow
 

@@ -34,7 +34,7 @@ def test_the_port_changes_only_import_lines():
     original = (DATA / "cifar10_deepspeed.py").read_bytes().decode().splitlines()
     ported = (DATA / "cifar10_zerorun.py").read_bytes().decode().splitlines()
     assert len(original) == len(ported)
-    changed = [(a, b) for a, b in zip(original, ported) if a != b]
+    changed = [(a, b) for a, b in zip(original, ported, strict=True) if a != b]
     assert [b for _, b in changed] == ["import zerorun.deepspeed as deepspeed",
                                        "from zerorun.deepspeed.accelerator import get_accelerator",
                                        "from zerorun.deepspeed.moe.utils import "

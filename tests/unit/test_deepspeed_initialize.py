@@ -145,11 +145,11 @@ def test_engine_stands_in_for_the_model():
     engine, *_ = deepspeed.initialize(model=model, config=config())
     assert engine.module is model
     assert [n for n, _ in engine.named_parameters()] == [n for n, _ in model.named_parameters()]
-    assert all(a is b for a, b in zip(engine.parameters(), model.parameters()))
+    assert all(a is b for a, b in zip(engine.parameters(), model.parameters(), strict=True))
     assert engine.state_dict().keys() == model.state_dict().keys()
     assert engine.label == "tagged" and engine.describe() == "tagged model"  # attributes fall through
     with pytest.raises(AttributeError, match="neither the engine nor its model"):
-        engine.no_such_thing
+        _ = engine.no_such_thing
     engine.eval()
     assert not model.training
     engine.train()

@@ -241,7 +241,8 @@ def test_moe_helpers_answer_as_deepspeed_does_for_a_model_without_moe_layers():
     ("SGD", torch.optim.SGD, {"lr": 1e-3, "momentum": 0, "weight_decay": 0, "nesterov": False, "dampening": 0}),
     ("Adagrad", torch.optim.Adagrad, {"lr": 1e-2, "weight_decay": 0, "eps": 1e-10, "lr_decay": 0}),
 ])
-def test_left_out_optimizer_params_take_deepspeeds_defaults(ds_type, torch_class, defaults, alone):
+@pytest.mark.usefixtures("alone")
+def test_left_out_optimizer_params_take_deepspeeds_defaults(ds_type, torch_class, defaults):
     model = torch.nn.Linear(3, 2)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(),

@@ -16,8 +16,6 @@ Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
 from __future__ import annotations
 
-import os
-
 from zerorun.errors import ConfigError
 from zerorun.deepspeed.unsupported import refuse
 

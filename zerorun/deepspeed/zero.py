@@ -72,7 +72,7 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     """A no-op, like ``register_external_parameter``."""
 
 
-_OWNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _owners(engine) -> dict[int, object]:

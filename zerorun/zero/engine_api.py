@@ -26,7 +26,7 @@ from zerorun.errors import CheckpointError
 
 # Every engine alive in this process, so ``deepspeed.zero.GatheredParameters`` can find the unit
 # that holds a parameter (zerorun/deepspeed/zero.py).
-LIVE_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
 
 
 class DeepSpeedEngineAPI:

@@ -26,12 +26,12 @@ def _adam(name, model_params, lr, bias_correction, betas, eps, adam_w_mode, weig
 
 
 def FusedAdam(params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-              weight_decay=0.0, amsgrad=False, set_grad_none=True) -> torch.optim.Optimizer:  # noqa: N802
+              weight_decay=0.0, amsgrad=False, set_grad_none=True) -> torch.optim.Optimizer:
     """DeepSpeed's FusedAdam signature -> torch.optim.AdamW (or Adam when ``adam_w_mode=False``)."""
     return _adam("FusedAdam", params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad)
 
 
-def DeepSpeedCPUAdam(model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,  # noqa: N802
+def DeepSpeedCPUAdam(model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                      weight_decay=0.0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True
                      ) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam signature -> torch.optim.AdamW (or Adam when ``adamw_mode=False``)."""
