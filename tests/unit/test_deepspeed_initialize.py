@@ -164,6 +164,7 @@ def test_stage3_state_dict_and_16bit_exports_are_the_whole_model(tmp_path):
     whole = engine.full_state_dict()
     state = engine.state_dict()  # at stage 3 the gathered one, not 0-byte views
     assert all(torch.equal(state[k], whole[k]) for k in whole)
+    assert [p.ds_numel for p in model.parameters()] == [20, 4, 8, 2]  # DeepSpeed's per-parameter count
     consolidated = engine._zero3_consolidated_16bit_state_dict()
     assert consolidated.keys() == whole.keys() and consolidated["head.weight"].dtype == torch.bfloat16
     assert engine.save_16bit_model(tmp_path, "model.bin") is True

@@ -223,6 +223,12 @@ def test_each_unsupported_name_imports_and_fails_on_use_naming_the_feature(use, 
     assert "data-parallel" in caught.value.hint
 
 
+def test_a_deepspeed_name_zerorun_does_not_map_is_one_clear_line():
+    with pytest.raises(AttributeError, match="zerorun.deepspeed has no 'checkpointing': a DeepSpeed name zerorun "
+                                             "does not map"):
+        deepspeed.checkpointing  # noqa: B018
+
+
 def test_moe_helpers_answer_as_deepspeed_does_for_a_model_without_moe_layers():
     from zerorun.deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 

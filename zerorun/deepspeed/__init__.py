@@ -23,3 +23,11 @@ from zerorun.deepspeed.unsupported import stand_in
 tp_model_init = stand_in("deepspeed.tp_model_init", "tensor parallelism (AutoTP)")
 init_inference = stand_in("deepspeed.init_inference", "inference engine (kernel injection, tensor parallelism)")
 PipelineModule = pipe.PipelineModule
+
+
+def __getattr__(name: str):
+    """A DeepSpeed name this module does not map: one clear line, not a bare AttributeError."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise AttributeError(f"zerorun.deepspeed has no {name!r}: a DeepSpeed name zerorun does not map "
+                         "(docs/deepspeed.md lists the ones it does)")

@@ -11,6 +11,8 @@ What it does beyond ``zerorun.initialize`` is DeepSpeed's bookkeeping:
   the config's, as in DeepSpeed, and ``engine.step()`` steps it after each applied update;
 * ``training_data`` becomes a DataLoader of micro-batches over a DistributedSampler of this rank's
   share, shuffled with seed 0 and never re-seeded per epoch, exactly as DeepSpeed's loader.
+At stage 3 each parameter also gets DeepSpeed's ``ds_numel`` (its element count; a stage-3
+parameter keeps its full shape, so it equals ``numel()``).
 Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 """
 
@@ -54,6 +56,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if callable(optimizer) and not hasattr(optimizer, "param_groups"):
         optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
     engine = engine_initialize(model, optimizer, source, model_parameters=model_parameters)
+    if engine.stage == 3:
+        for param in model.parameters():  # DeepSpeed's count of a partitioned parameter's elements
+            param.ds_numel = param.numel()  # type: ignore[attr-defined]  (full shape, empty storage)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer) if _is_factory(lr_scheduler) else lr_scheduler
     loader = _training_loader(engine, training_data, collate_fn) if training_data is not None else None
