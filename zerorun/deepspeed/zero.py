@@ -42,7 +42,9 @@ from zerorun.zero.unit.storage import ParamState
 
 class Init(contextlib.ContextDecorator):
     """Build modules on the meta device (DeepSpeed's arguments accepted; ``enabled=False`` builds
-    them normally). ``config_dict_or_path``/``config`` are read by ``initialize``, not here."""
+    them normally). ``config_dict_or_path``/``config`` are read by ``initialize``, not here. Like
+    DeepSpeed's, entering starts the process group when there is none yet, so loading under
+    ``GatheredParameters`` can broadcast what the modifier rank read."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
@@ -52,6 +54,9 @@ class Init(contextlib.ContextDecorator):
 
     def __enter__(self):
         if self.enabled:
+            from zerorun.deepspeed.comm import init_distributed
+
+            init_distributed()
             self._device = torch.device("meta")
             self._device.__enter__()
         return self
