@@ -43,6 +43,7 @@ def test_the_port_changes_only_import_lines():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # eight 2-rank runs of the example
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_cifar_example_trains_on_zerorun_like_deepspeed(stage, dtype, tmp_path):
