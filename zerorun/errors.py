@@ -51,3 +51,10 @@ class RuntimeConfigError(ZerorunError):
 class CheckpointError(ZerorunError):
     """A checkpoint cannot be written or read: missing, damaged (the message names the file),
     from an incompatible model (it names the first mismatching parameter), or a bad tag."""
+
+
+class StorageError(ZerorunError):
+    """Scratch or checkpoint storage failed under a running job: a short read or write, an I/O
+    error, a file removed or truncated. The message names the rank, the file and the byte counts."""
+
+    exit_code = 1
