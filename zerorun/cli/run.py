@@ -140,7 +140,13 @@ def register(app: typer.Typer) -> None:
         hang_timeout: Optional[float] = typer.Option(
             None, "--hang-timeout", metavar="SECONDS",
             help="End the job when no rank made progress this long, showing every rank's stack "
-                 "(config telemetry.hang_timeout_s, default 600; 0 = never).",
+                 "(config telemetry.hang_timeout_s, default 600; 0 = never). Its clock starts when every "
+                 "rank has joined the rendezvous: start-up is not a hang.",
+        ),
+        startup_timeout: Optional[float] = typer.Option(
+            None, "--startup-timeout", metavar="SECONDS",
+            help="End the job when some rank has not joined the rendezvous this long after launch "
+                 "(config telemetry.startup_timeout_s, default 0 = never).",
         ),
         resume: bool = typer.Option(False, "--resume", help="Load the latest checkpoint of checkpoint.dir on start (= --set checkpoint.resume=true)."),
     ) -> None:
@@ -161,6 +167,10 @@ def register(app: typer.Typer) -> None:
             if not hang_timeout >= 0:
                 raise LaunchError(f"--hang-timeout must be 0 (never) or a number of seconds, got {hang_timeout}")
             overrides["telemetry.hang_timeout_s"] = hang_timeout
+        if startup_timeout is not None:
+            if not startup_timeout >= 0:
+                raise LaunchError(f"--startup-timeout must be 0 (never) or a number of seconds, got {startup_timeout}")
+            overrides["telemetry.startup_timeout_s"] = startup_timeout
         options = LaunchOptions(
             target=job_target, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,

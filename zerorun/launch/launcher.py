@@ -69,6 +69,8 @@ class PreparedJob:
     hang_timeout_s: float = 0.0
     # A quiet spell this long gets one warning line (telemetry.hang_after_s / ZERORUN_HANG_AFTER_S).
     hang_warn_s: float = 0.0
+    # Seconds a rank may take to join the rendezvous (0: no limit); Note [start-up is not a hang].
+    startup_timeout_s: float = 0.0
 
     def node_commands(self) -> dict[str, list[str]]:
         """The agent command each host runs (what --dry-run shows; the supervisor builds the same)."""
@@ -223,7 +225,8 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
                      "machine has GPUs; use --gpus N for GPU workers")
     return PreparedJob(plan, token, config_json, options, ssh_options, notes=notes,
                        hang_timeout_s=config.telemetry.hang_timeout_s,
-                       hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s))
+                       hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s),
+                       startup_timeout_s=config.telemetry.startup_timeout_s)
 
 
 def hang_warning_after(environ: Mapping[str, str], configured: float) -> float:
@@ -309,7 +312,7 @@ def execute(job: PreparedJob, view_factory=None):
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
         files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
-        hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s,
+        hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s, startup_timeout_s=job.startup_timeout_s,
     )
     previous = {
         sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum))
