@@ -8,6 +8,7 @@ directory layout and the commit order are described in checkpoint/engine_state.p
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def tag_directory(root: Path, tag: str) -> Path:
     """``root/tag``, or the copy a crash left moved aside (Note [commit order])."""
     checked_tag(tag, "checkpoint tag")
     final = Path(root) / tag
-    if (final / MANIFEST).is_file():
+    if os.path.lexists(final / MANIFEST):  # whatever it is: read_manifest says what is wrong with it
         return final
     try:
         # Listed and compared, not globbed: a tag is never a pattern.
