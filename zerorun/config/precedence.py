@@ -35,14 +35,19 @@ def _leaves(data: dict, prefix: str = "") -> dict:
 
 
 def script_config_message(launcher_label: str, launcher: ZerorunConfig, script_label: str,
-                          script: ZerorunConfig) -> str:
-    """The script's config replaces the launcher's: say so, with the values that differ."""
+                          script: ZerorunConfig, defaults: ZerorunConfig | None = None) -> str | None:
+    """The script's config replaces the launcher's: say so, with the values that differ; None
+    when nothing the launcher was told is lost. Keys where the launcher holds the default
+    (``defaults``) are not the user's choice: a job started without --config (ZerorunTrainer
+    under the launcher) loses nothing and is not warned about."""
     ours, theirs = _leaves(to_dict(script)), _leaves(to_dict(launcher))
-    differing = [path for path in sorted(set(ours) | set(theirs)) if ours.get(path) != theirs.get(path)]
+    base = _leaves(to_dict(defaults)) if defaults is not None else {}
+    differing = [path for path in sorted(set(ours) | set(theirs))
+                 if ours.get(path) != theirs.get(path) and (defaults is None or theirs.get(path) != base.get(path))]
     head = (f"the config passed to zerorun.initialize() in the script ({script_label}) replaces the "
             f"launcher's --config (as resolved in {launcher_label})")
     if not differing:
-        return head + "; they agree on every key"
+        return None
     listed = ", ".join(f"{path}: script {ours.get(path)!r}, --config {theirs.get(path)!r}"
                        for path in differing[:MAX_LISTED])
     more = f" and {len(differing) - MAX_LISTED} more" if len(differing) > MAX_LISTED else ""
@@ -54,6 +59,8 @@ def optimizer_params_message(config: ZerorunConfig, optimizer) -> str | None:
     if config.optimizer is None or "lr" not in config.optimizer.params:
         return None
     lrs = sorted({group.get("lr") for group in optimizer.param_groups}, key=str)
+    if lrs == [config.optimizer.params["lr"]]:
+        return None  # built from the config (ZerorunTrainer's optimizer section): nothing lost
     mine = lrs[0] if len(lrs) == 1 else lrs
     return (f"optimizer.params.lr = {config.optimizer.params['lr']!r} in the config is ignored: the script "
             f"passes its own {type(optimizer).__name__}, which steps with lr = {mine!r}. Set the lr on that "
@@ -75,8 +82,13 @@ def warn_overridden(cfg: ZerorunConfig, optimizer, script_config, launcher_confi
             launcher_cfg = None
         if launcher_cfg is not None:
             label = str(script_config) if isinstance(script_config, (str, os.PathLike)) else type(script_config).__name__
-            warnings.warn(script_config_message(launcher_config, launcher_cfg, label, cfg),
-                          ConfigPrecedenceWarning, stacklevel=4)
+            try:
+                defaults = load_config(None, environ={}, world_size=int(os.environ.get("WORLD_SIZE") or 1))
+            except Exception:  # noqa: BLE001 - no defaults to compare with: every difference counts
+                defaults = None
+            message = script_config_message(launcher_config, launcher_cfg, label, cfg, defaults)
+            if message:
+                warnings.warn(message, ConfigPrecedenceWarning, stacklevel=4)
     message = optimizer_params_message(cfg, optimizer) if optimizer is not None else None
     if message:
         warnings.warn(message, ConfigPrecedenceWarning, stacklevel=4)
