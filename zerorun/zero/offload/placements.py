@@ -385,6 +385,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def _remove_scratch(directory: Path, budget: dict) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     scratch.release(directory, budget["planned"], budget["written"])
+    scratch.remove_if_empty(directory.parent)  # the last placement of the rank takes its directory
 
 
 def param_home_from_config(offload, *, rank: int):

@@ -67,7 +67,7 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
                 shutil.rmtree(base, ignore_errors=True)
                 base.mkdir(parents=True, mode=0o700)
                 _cleared.add(base)
-                atexit.register(_remove_if_empty, base)
+                atexit.register(remove_if_empty, base)
                 _record(base, rank)
             directory = base / f"{kind}{next(_counter)}"
             directory.mkdir(mode=0o700)
@@ -77,7 +77,7 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
     return directory
 
 
-def _remove_if_empty(base: Path) -> None:
+def remove_if_empty(base: Path) -> None:
     try:
         base.rmdir()
     except OSError:
