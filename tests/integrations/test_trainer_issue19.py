@@ -92,8 +92,7 @@ def results(tmp_path_factory) -> dict:
     return spawn(worker, tmp_path_factory.mktemp("trainer_issue19"))
 
 
-def _relative(got: float, want: float) -> float:
-    return abs(got - want) / max(abs(want), 1e-12)
+_relative = parity._relative
 
 
 @pytest.mark.slow
