@@ -285,7 +285,7 @@ def _prepare(engine, root: Path, staging: Path) -> None:
                               hint="checkpoint.dir must be a writable directory shared by every rank") from None
 
 
-def _together(engine, work, what: str) -> None:
+def _together(engine, work, what: str, hint: str = "the previous checkpoint is intact") -> None:
     """Note [failing together]: run ``work`` (None: nothing on this rank), then agree with every
     rank on whether all succeeded. A failure on one rank used to leave the others at the next
     barrier, to die of a misleading "connection closed" once it exited; now the rank that failed
@@ -308,8 +308,7 @@ def _together(engine, work, what: str) -> None:
             raise CheckpointError(f"rank {engine.rank}: {what} failed ({failure})") from None
         raise failure
     if failed:
-        raise CheckpointError(f"rank {engine.rank}: {what} failed on rank {failed[0]} (its error says why)",
-                              hint="the previous checkpoint is intact")
+        raise CheckpointError(f"rank {engine.rank}: {what} failed on rank {failed[0]} (its error says why)", hint=hint)
 
 
 def _manifest(engine, tag: str, table: dict, staging: Path, engine_checksum: dict) -> dict:
@@ -418,23 +417,39 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_
     optimizer's type and groups, engine.pt and its client state, the size and checksum of
     every file this rank reads, the coverage of every piece) is checked before the engine
     changes; only then are values copied in. A refused load leaves the engine as it was."""
-    directory = resolve(load_dir, tag)
+    optimizer_states = load_optimizer_states and not load_module_only
+    checked: dict = {}
+
+    def check() -> None:
+        directory = checked["directory"] = resolve(load_dir, tag)
+        if directory is None:
+            return
+        manifest = checked["manifest"] = read_manifest(directory)
+        _check_fits(engine, manifest, directory)
+        if optimizer_states:
+            _check_optimizer(engine, manifest, directory)
+        reader = checked["reader"] = Reader(directory, manifest)
+        checked["saved"] = None if load_module_only else _read_engine_state(engine, reader)
+        checked["plans"] = _plan_records(engine, reader, manifest, optimizer_states)
+        for name in _files_needed(engine, manifest, checked["plans"], rng=checked["saved"] is not None):
+            reader.check(name)
+
+    try:
+        # Every rank checks, then all agree (Note [failing together]): a file damaged for one
+        # rank refuses the load on all, before any of them changed its engine.
+        _together(engine, check, f"checking checkpoint {str(load_dir)!r}", hint="nothing was loaded on any rank")
+    except BaseException:
+        if "reader" in checked:
+            checked["reader"].close()
+        raise
+    directory = checked["directory"]
     if directory is None:
         if engine.rank == 0:
             print(f"zerorun: no checkpoint in {str(load_dir)!r} yet (no {LATEST} file); nothing loaded",
                   file=sys.stderr, flush=True)
         return None, None
-    manifest = read_manifest(directory)
-    _check_fits(engine, manifest, directory)
-    optimizer_states = load_optimizer_states and not load_module_only
-    if optimizer_states:
-        _check_optimizer(engine, manifest, directory)
-    reader = Reader(directory, manifest)
+    manifest, reader, saved, plans = checked["manifest"], checked["reader"], checked["saved"], checked["plans"]
     try:
-        saved = None if load_module_only else _read_engine_state(engine, reader)
-        plans = _plan_records(engine, reader, manifest, optimizer_states)
-        for name in _files_needed(engine, manifest, plans, rng=saved is not None):
-            reader.check(name)
         _load_records(engine, reader, manifest, plans)
         _load_frozen_and_buffers(engine, reader, manifest)
         client_state = None
