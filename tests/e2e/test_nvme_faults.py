@@ -53,10 +53,12 @@ def test_a_damaged_scratch_file_ends_the_job_in_seconds_with_one_line(tmp_path, 
     ended = time.time()
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     took = ended - float((run_dir / "fault_at").read_text())
+    print(f"{fault}: the job ended {took:.1f} s after the fault")
     assert took < 10, f"the job took {took:.1f} s to end after the fault"
     why = "the file ends at 0 bytes: truncated" if fault == "truncate" else "No such file or directory"
     lines = [line for line in done.stderr.splitlines() if "StorageError: rank 0: NVMe read of" in line]
     assert lines and lines[-1].rstrip().endswith(f"({why})"), done.stderr[-3000:]
+    print(done.stderr.strip().splitlines()[-1])
     assert "optim0/unit" in lines[-1] and " moved 0 of " in lines[-1]
     assert "NaN loss" not in (run_dir / "logs" / "rank0.log").read_text()
     assert not job_processes(run_dir)

@@ -254,3 +254,16 @@ def test_a_full_disk_is_one_line_and_the_next_good_save_cleans_up(tmp_path, monk
     engine.save_checkpoint(tmp_path, tag="best")
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [".zerorun-owner", "best", "global_step2", "latest"], left
+
+
+def test_a_file_system_without_locks_is_one_line_not_a_false_holder(tmp_path, monkeypatch):
+    from zerorun.zero.checkpoint import owner
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(owner.fcntl, "lockf", no_locks)
+    engine = _engine()
+    _train(engine)
+    with pytest.raises(CheckpointError, match=r"cannot lock '.*\.zerorun-owner' \(No locks available\)"):
+        engine.save_checkpoint(tmp_path / "nolocks")

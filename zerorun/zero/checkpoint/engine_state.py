@@ -533,6 +533,7 @@ def _load_records(engine, reader: Reader, manifest: dict, plans: list) -> None:
     if engine.gatherer is not None:
         engine.gatherer.release_all()  # a unit left gathered would keep stale values
     optimizer = engine.optimizer
+    loaded = 0
     for record, (master_reads, state_reads, record_scalars) in zip(engine.records, plans):
         record.placement.begin_update(record, optimizer)
         try:
@@ -544,7 +545,8 @@ def _load_records(engine, reader: Reader, manifest: dict, plans: list) -> None:
                 record.placement.publish(record)
         finally:
             record.placement.end_update(record, optimizer)
-        get_recorder().record_activity("loading", record.index)
+        loaded += record.master.numel() * 4 if record.master.numel() else record.unit.layout.chunk_numel * 4
+        get_recorder().record_activity("loading", loaded)  # Note [saving is progress]
     get_recorder().record_activity(None, 0)
     if isinstance(engine.updater.placement, OnFile):
         engine.updater.placement.flush()

@@ -16,6 +16,7 @@ any descriptor of the file would drop the lock).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -55,7 +56,12 @@ def claim(directory: Path, job: str) -> None:
                                   hint="checkpoint.dir must be a writable directory shared by every rank") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):  # ENOLCK: the file system has no locks
+                os.close(fd)
+                raise CheckpointError(f"cannot lock {str(path)!r} ({exc.strerror})",
+                                      hint="put checkpoint.dir on a file system with POSIX locks "
+                                           "(a local disk, NFSv4, Lustre mounted with flock)") from None
             holder = _describe(fd)
             os.close(fd)
             raise CheckpointError(f"checkpoint directory {key!r} is in use by {holder}",
