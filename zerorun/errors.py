@@ -58,3 +58,8 @@ class StorageError(ZerorunError):
     error, a file removed or truncated. The message names the rank, the file and the byte counts."""
 
     exit_code = 1
+
+
+class UnsupportedFeature(ZerorunError):
+    """A DeepSpeed name (pipeline parallelism, MoE, tensor or sequence parallelism, compression)
+    that has no meaning in zerorun; raised when it is first used, naming the feature."""

@@ -168,6 +168,7 @@ def _construct_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 201M parameters built twice
 def test_meta_construction_bounds_setup_memory_at_stage3(tmp_path):
     torch.manual_seed(0)
     weights = tmp_path / "big.safetensors"

@@ -107,6 +107,7 @@ main(sys.argv[1:])
 '''
 
 
+@pytest.mark.long  # 300 MB of output
 def test_flooding_worker_leaves_launcher_memory_flat_and_the_log_whole(tmp_path):
     """40 MB of lines plus a 10 MB line: the launcher's peak stays far below the output's size.
 
@@ -135,6 +136,7 @@ def test_flooding_worker_leaves_launcher_memory_flat_and_the_log_whole(tmp_path)
 # --- hangs are acted on ---------------------------------------------------------------------------
 
 
+@pytest.mark.long  # waits out a hang timeout
 @pytest.mark.parametrize("mode", ["script", "engine"])
 def test_hang_timeout_ends_the_job_naming_the_stuck_rank_with_every_stack(tmp_path, mode):
     (tmp_path / "hanger.py").write_text(HANGER)

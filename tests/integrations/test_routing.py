@@ -21,7 +21,7 @@ from zerorun.integrations.accelerate import EngineOptimizer, EngineRouter, fill_
 class RecordingEngine:
     def __init__(self, accumulation=2, clipping=0.5, takes_scale=False, optimizer=None):
         self.calls = []
-        self.gradient_accumulation_steps = accumulation
+        self.accumulation_steps = accumulation
         self.micro_steps = 0
         self.skipped_steps = 0
         self.config = SimpleNamespace(gradient_clipping=clipping)
@@ -33,7 +33,10 @@ class RecordingEngine:
             self.backward = self._backward_with_scale
 
     def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
+
+    def gradient_accumulation_steps(self):  # a method, as on DeepSpeed's engine and zerorun's
+        return self.accumulation_steps
 
     def backward(self, loss):
         self.calls.append(("backward", float(loss)))

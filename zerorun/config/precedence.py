@@ -36,14 +36,19 @@ def _leaves(data: dict, prefix: str = "") -> dict:
 
 def script_config_message(launcher_label: str, launcher: ZerorunConfig, script_label: str,
                           script: ZerorunConfig, defaults: ZerorunConfig | None = None) -> str | None:
-    """The script's config replaces the launcher's: say so, with the values that differ; None
-    when nothing the launcher was told is lost. Keys where the launcher holds the default
-    (``defaults``) are not the user's choice: a job started without --config (ZerorunTrainer
-    under the launcher) loses nothing and is not warned about."""
+    """The script's config replaces the launcher's: say so, with the values that differ.
+
+    With ``defaults`` (the config nothing was given for), only what the launcher's config sets
+    away from them counts: a launcher started without --config/--set holds only defaults, and a
+    script's config replacing those replaces nothing the user gave (None: no message)."""
     ours, theirs = _leaves(to_dict(script)), _leaves(to_dict(launcher))
-    base = _leaves(to_dict(defaults)) if defaults is not None else {}
-    differing = [path for path in sorted(set(ours) | set(theirs))
-                 if ours.get(path) != theirs.get(path) and (defaults is None or theirs.get(path) != base.get(path))]
+    if defaults is not None:
+        default = _leaves(to_dict(defaults))
+        theirs = {path: value for path, value in theirs.items() if default.get(path) != value}
+        if not theirs:
+            return None
+    differing = [path for path in sorted(set(theirs) if defaults is not None else set(ours) | set(theirs))
+                 if ours.get(path) != theirs.get(path)]
     head = (f"the config passed to zerorun.initialize() in the script ({script_label}) replaces the "
             f"launcher's --config (as resolved in {launcher_label})")
     if not differing:
@@ -67,9 +72,12 @@ def optimizer_params_message(config: ZerorunConfig, optimizer) -> str | None:
             "optimizer, or pass optimizer=None to build it from the config")
 
 
-def warn_overridden(cfg: ZerorunConfig, optimizer, script_config, launcher_config: str | None) -> None:
+def warn_overridden(cfg: ZerorunConfig, optimizer, script_config, launcher_config: str | None,
+                    *, world_size: int | None = None) -> None:
     """Warn (ConfigPrecedenceWarning) when ``script_config`` (the script's, given while the launcher
-    named ``launcher_config``) beats --config, and when ``optimizer`` beats optimizer.params.lr."""
+    named ``launcher_config``) beats values the user gave the launcher (--config, --set, environment),
+    and when ``optimizer`` beats optimizer.params.lr. The launcher always resolves a config, so
+    one holding only defaults (sized for ``world_size``) means nothing was given: no warning."""
     import os
     import warnings
 
@@ -82,10 +90,7 @@ def warn_overridden(cfg: ZerorunConfig, optimizer, script_config, launcher_confi
             launcher_cfg = None
         if launcher_cfg is not None:
             label = str(script_config) if isinstance(script_config, (str, os.PathLike)) else type(script_config).__name__
-            try:
-                defaults = load_config(None, environ={}, world_size=int(os.environ.get("WORLD_SIZE") or 1))
-            except Exception:  # noqa: BLE001 - no defaults to compare with: every difference counts
-                defaults = None
+            defaults = load_config(None, world_size=world_size, environ={})
             message = script_config_message(launcher_config, launcher_cfg, label, cfg, defaults)
             if message:
                 warnings.warn(message, ConfigPrecedenceWarning, stacklevel=4)

@@ -182,7 +182,7 @@ class EngineRouter:
             self.engine.backward(loss, scale_wrt_gas=False)
         else:
             # This engine always divides by its accumulation steps: undo it, exactly (x k / k).
-            self.engine.backward(loss * self.engine.gradient_accumulation_steps)
+            self.engine.backward(loss * self.engine.gradient_accumulation_steps())
         self._pending = True
         if self.step_in_backward:
             self._step()
@@ -292,8 +292,8 @@ def prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer | No
     steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
     filled = fill_for_accelerator(raw, steps, max_grad_norm)
     engine = zerorun.initialize(model, optimizer, filled)
-    if engine.gradient_accumulation_steps != steps:
-        raise ConfigError(f"the engine accumulates {engine.gradient_accumulation_steps} micro-steps but "
+    if engine.gradient_accumulation_steps() != steps:
+        raise ConfigError(f"the engine accumulates {engine.gradient_accumulation_steps()} micro-steps but "
                           f"Accelerator(gradient_accumulation_steps={steps})",
                           hint="make the config's accumulation steps 'auto' or equal to the Accelerator's")
     router = EngineRouter(engine, sync_gradients=lambda: accelerator.sync_gradients,

@@ -24,6 +24,7 @@ from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
 from zerorun.zero.comm import collectives
+from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI
 from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
@@ -43,7 +44,8 @@ CHUNK_ALIGNMENT = 8
 BROADCAST_BUCKET_NUMEL = 4_000_000
 
 
-def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None) -> "Engine":
+def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None,
+               model_parameters=None) -> "Engine":
     """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
     a YAML/JSON path or a ZerorunConfig.
 
@@ -61,14 +63,15 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     # The launcher already applied CLI > env > file; applying the environment again here could
     # let a stale variable beat a --set flag.
     cfg = load_config(source, environ={} if from_launcher else None)
-    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn)
+    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn,
+                    model_parameters=model_parameters)
     engine.config = load_config(cfg, world_size=engine.world_size)
-    engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
+    engine.accumulation_steps = engine.config.gradient_accumulation_steps
     if engine.rank == 0:  # one warning per job, not one per rank
         from zerorun.config.precedence import warn_overridden
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
-                        launcher_config)
+                        launcher_config, world_size=engine.world_size)
     return engine
 
 
@@ -77,7 +80,9 @@ def _check_supported(cfg: ZerorunConfig) -> None:
         raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
 
 
-def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.Optimizer:
+def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig, params=None) -> torch.optim.Optimizer:
+    """The config's optimizer over ``params`` (tensors or param-group dicts, as DeepSpeed's
+    ``model_parameters``), else over the model's trainable parameters."""
     if cfg.optimizer is None:
         raise RuntimeConfigError(
             "initialize() got no optimizer and the config has no 'optimizer' section",
@@ -86,7 +91,7 @@ def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.
     cls = getattr(torch.optim, cfg.optimizer.type, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise RuntimeConfigError(f"optimizer.type {cfg.optimizer.type!r} is not a torch.optim optimizer")
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
     return cls(trainable, **cfg.optimizer.params)
 
 
@@ -117,20 +122,23 @@ def _broadcast_state(model: nn.Module, group) -> None:
 
 
 def _compute_device(model_device: torch.device) -> torch.device:
-    """Where a model built on the meta device is materialized: the launcher's choice
-    (ZERORUN_DEVICE, docs/launch.md), else this rank's GPU when there is one, else the CPU."""
+    """Where the model trains: the launcher's choice (ZERORUN_DEVICE, docs/launch.md), which also
+    moves a model built elsewhere (a CPU-built model goes to cuda:LOCAL_RANK under --gpus, as
+    DeepSpeed moves it); else where it was built; for a model built on the meta device, this
+    rank's GPU when there is one, else the CPU."""
+    decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
+    if decided != AUTO:  # the launcher's choice moves a model built elsewhere, as DeepSpeed does
+        return torch.device(decided)
     if model_device.type != "meta":
         return model_device
-    decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
-    if decided != AUTO:
-        return torch.device(decided)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
     return torch.device("cpu")
 
 
-class Engine:
-    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None):
+class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
+    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None,
+                 model_parameters=None):
         _check_supported(cfg)
         self.config = cfg
         first = next(model.parameters(), None)
@@ -149,7 +157,7 @@ class Engine:
         if self.dtype != torch.float32:
             model.to(self.dtype)
         if optimizer is None:
-            optimizer = _optimizer_from_config(model, cfg)
+            optimizer = _optimizer_from_config(model, cfg, model_parameters)
         if cfg.zero.stage == 3 and self.pg.device.type == "cpu":
             return_large_frees_to_os()  # opt-in (ZERORUN_HOST_MALLOC_TUNING=1), see host_memory.py
         if not on_meta:  # a meta model: Note [same values on every rank] in construct.py
@@ -191,7 +199,7 @@ class Engine:
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         self.lr_scheduler = self._scheduler_from_config()
         self.loss_scaler = LossScaler.from_config(cfg.precision)
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
+        self.accumulation_steps = cfg.gradient_accumulation_steps  # gradient_accumulation_steps() in engine_api.py
         self.global_step = 0
         self.micro_steps = 0
         self._boundary_override: bool | None = None
@@ -205,6 +213,7 @@ class Engine:
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
         engine_state.resume_from_config(self)  # checkpoint.resume (zero/checkpoint/engine_state.py)
+        LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
 
     def _scheduler_from_config(self):
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
@@ -227,7 +236,7 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override: the caller says whether the next backward/step ends the
@@ -255,8 +264,8 @@ class Engine:
             self.updater.open_window(self.loss_scaler, self.config.gradient_clipping)
         # No sync per micro-step. scale_wrt_gas=False: the caller divided by the accumulation
         # steps (Trainer), so the micro-batch's loss, the one recorded, is loss x steps.
-        self._window_loss = self._window_loss + loss.detach().float() * (1 if scale_wrt_gas else self.gradient_accumulation_steps)
-        factor = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        self._window_loss = self._window_loss + loss.detach().float() * (1 if scale_wrt_gas else self.accumulation_steps)
+        factor = self.loss_scaler.scale / (self.accumulation_steps if scale_wrt_gas else 1)
         (loss.float() * factor).backward()
         self.reducer.finish_backward()
         if self.gatherer is not None:
@@ -288,7 +297,7 @@ class Engine:
         if self._recorder.enabled:
             self._recorder.record_step(
                 step=self.global_step,
-                loss=float(self._window_loss) / self.gradient_accumulation_steps,
+                loss=float(self._window_loss) / self.accumulation_steps,
                 loss_scale=self.loss_scale,
                 lr=self.optimizer.param_groups[0]["lr"],
                 samples=self._window_samples,  # this rank's; the collector sums ranks
@@ -347,6 +356,7 @@ class Engine:
     # -- checkpoints (zero/checkpoint/engine_state.py) ---------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Write a sharded checkpoint to ``save_dir/tag`` (default ``global_step{N}``); every rank."""
+        self._check_same_checkpoint_dir(save_dir, tag)
         return engine_state.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,

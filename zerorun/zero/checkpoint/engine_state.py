@@ -208,7 +208,7 @@ def _engine_state(engine, client_state) -> dict:
     scheduler = engine.lr_scheduler
     return {
         "global_step": engine.global_step, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps, "gradient_accumulation_steps": engine.gradient_accumulation_steps,
+        "skipped_steps": engine.skipped_steps, "gradient_accumulation_steps": engine.accumulation_steps,
         "loss_scaler": dataclasses.asdict(engine.loss_scaler),
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
@@ -224,10 +224,10 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
     problem = bad_tag(tag)
     if problem:
         raise CheckpointError(f"checkpoint tag {tag!r} cannot be used: {problem}")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if engine.micro_steps % engine.accumulation_steps:
         raise CheckpointError(
             f"save_checkpoint was called in the middle of a gradient accumulation window (micro-step "
-            f"{engine.micro_steps % engine.gradient_accumulation_steps} of {engine.gradient_accumulation_steps}); "
+            f"{engine.micro_steps % engine.accumulation_steps} of {engine.accumulation_steps}); "
             "the gradients accumulated so far are not saved",
             hint="save right after the engine.step() that ends a window (engine.is_gradient_accumulation_boundary())")
     check_client_state(client_state)
@@ -592,7 +592,7 @@ def _apply_engine_state(engine, saved: dict, load_scheduler: bool):
     engine.global_step = saved["global_step"]
     engine.skipped_steps = saved["skipped_steps"]
     engine.micro_steps = micro_steps_after_load(saved["micro_steps"], saved["gradient_accumulation_steps"],
-                                                saved["global_step"], engine.gradient_accumulation_steps)
+                                                saved["global_step"], engine.accumulation_steps)
     for key, value in saved["loss_scaler"].items():
         setattr(engine.loss_scaler, key, value)
     if load_scheduler and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
@@ -621,7 +621,7 @@ def resume_from_config(engine) -> None:
     from zerorun.config import load_config
 
     # initialize() settles the accumulation steps with the world size only after __init__.
-    engine.gradient_accumulation_steps = load_config(engine.config, world_size=engine.world_size).gradient_accumulation_steps
+    engine.accumulation_steps = load_config(engine.config, world_size=engine.world_size).gradient_accumulation_steps
     path, _ = load_checkpoint(engine, cfg.dir)
     if path is not None and engine.rank == 0:
         print(f"zerorun: resumed from {path} at step {engine.global_step}", file=sys.stderr, flush=True)
