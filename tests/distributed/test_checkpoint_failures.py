@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_world import spawn_and_collect  # noqa: E402
+from gloo_world import spawn_and_collect
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             load_error = None
         except CheckpointError as exc:
             load_error = str(exc)
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters())) and engine.global_step == 4
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)) and engine.global_step == 4
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"error": error, "load_error": load_error,
                                                                 "unchanged": unchanged}))
 

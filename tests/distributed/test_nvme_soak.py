@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_world import spawn_and_collect  # noqa: E402
+from gloo_world import spawn_and_collect
 
 STEPS = int(os.environ.get("ZERORUN_SOAK_STEPS", "5000"))
 MEASURE_AT = min(1000, STEPS // 2)

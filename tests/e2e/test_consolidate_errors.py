@@ -9,9 +9,7 @@ limit on the subprocess, so writes fail with EFBIG as they would with ENOSPC).
 
 from __future__ import annotations
 
-import resource
 import sys
-from pathlib import Path
 
 import pytest
 from test_consolidate import cli, saved_dropnet

@@ -20,7 +20,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 import test_trainer_parity as parity
 from hf_world import WORLD, join_world, spawn, write_result
@@ -106,7 +105,7 @@ def test_config_optimizer_with_weight_decay_matches_ddp_losses(results):
         assert got["engine_stage"] == 3 and got["wrapped"] == "EngineModule"
         assert got["filled"]["optimizer"]["params"]["weight_decay"] == 0.1
         assert len(got["loss"]) == len(want["loss"]) == parity.STEPS
-        for step, (g, w) in enumerate(zip(got["loss"], want["loss"])):
+        for step, (g, w) in enumerate(zip(got["loss"], want["loss"], strict=True)):
             assert g == pytest.approx(w, rel=1e-5), f"rank {rank} step {step}: {g} vs {w}"
             worst = max(worst, _relative(g, w))
         assert want["loss"][-1] < want["loss"][0] - 0.1
@@ -130,9 +129,9 @@ def test_recorded_loss_is_trainers_logged_loss(results):
     name = "stage3_config_optimizer_decay"
     per_rank = [results[rank][name]["recorded"] for rank in range(WORLD)]
     assert all(len(r) == parity.STEPS for r in per_rank), per_rank
-    mean = [sum(values) / WORLD for values in zip(*per_rank)]
+    mean = [sum(values) / WORLD for values in zip(*per_rank, strict=True)]
     logged = results[0][name]["loss"]
-    worst = max(_relative(m, w) for m, w in zip(mean, logged))
+    worst = max(_relative(m, w) for m, w in zip(mean, logged, strict=True))
     assert worst < 1e-5, (mean, logged)
     print(f"recorded vs logged loss: max relative difference {worst:.2e}")
 

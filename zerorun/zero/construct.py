@@ -27,7 +27,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ class WeightSource:
             # A torch file: mapped, not read, so tensors load one at a time on access.
             try:
                 self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # noqa: BLE001 - pickle and zip errors are many types
+            except Exception as exc:  # pickle and zip errors are many types
                 raise RuntimeConfigError(f"weights file {str(path)!r} cannot be loaded as a torch state dict "
                                          f"({_first_line(exc)})", hint="pass a .safetensors file or a state dict") from None
             if not isinstance(self._state, Mapping):
@@ -109,7 +109,7 @@ class WeightSource:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
                     self._file_of[name] = path
-        except Exception as exc:  # noqa: BLE001 - SafetensorError and OSError
+        except Exception as exc:  # SafetensorError and OSError
             raise RuntimeConfigError(f"weights file {str(path)!r} is not a readable safetensors file ({_first_line(exc)})",
                                      hint="the file is damaged or not safetensors") from None
 
@@ -130,7 +130,7 @@ class WeightSource:
                 try:
                     with _safetensors().safe_open(str(path), framework="pt") as handle:
                         return handle.get_tensor(name)
-                except Exception as exc:  # noqa: BLE001 - SafetensorError and OSError
+                except Exception as exc:  # SafetensorError and OSError
                     raise RuntimeConfigError(f"weights file {str(path)!r}: tensor {name!r} cannot be read "
                                              f"({_first_line(exc)})", hint="the file is damaged or missing") from None
         return None
@@ -149,7 +149,7 @@ def _read_index(index: Path) -> dict[str, Path]:
 
     try:
         weight_map = json.loads(read_small(index, INDEX_LIMIT))["weight_map"]
-    except Exception as exc:  # noqa: BLE001 - OSError, ValueError, KeyError, TypeError, CheckpointError
+    except Exception as exc:  # OSError, ValueError, KeyError, TypeError, CheckpointError
         raise RuntimeConfigError(f"weights index {str(index)!r} is unreadable ({_first_line(exc)})") from None
     if not isinstance(weight_map, dict):
         raise RuntimeConfigError(f"weights index {str(index)!r}: weight_map is not an object")

@@ -534,7 +534,7 @@ def _load_records(engine, reader: Reader, manifest: dict, plans: list) -> None:
         engine.gatherer.release_all()  # a unit left gathered would keep stale values
     optimizer = engine.optimizer
     loaded = 0
-    for record, (master_reads, state_reads, record_scalars) in zip(engine.records, plans):
+    for record, (master_reads, state_reads, record_scalars) in zip(engine.records, plans, strict=True):
         record.placement.begin_update(record, optimizer)
         try:
             with torch.no_grad():
@@ -576,7 +576,7 @@ def _read_engine_state(engine, reader: Reader) -> dict:
     path = reader.check(ENGINE_FILE)
     try:
         saved = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - the unpickler's refusals are many types
+    except Exception as exc:  # the unpickler's refusals are many types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({first})",
                               hint="it holds a client_state this version cannot read, or it is damaged") from None
@@ -587,7 +587,7 @@ def _read_engine_state(engine, reader: Reader) -> dict:
 
 
 def _apply_engine_state(engine, saved: dict, load_scheduler: bool):
-    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"]):
+    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"], strict=True):
         group.update(hyper)
     engine.global_step = saved["global_step"]
     engine.skipped_steps = saved["skipped_steps"]

@@ -35,7 +35,7 @@ import stat
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from zerorun.errors import RuntimeConfigError, StorageError
+from zerorun.errors import RuntimeConfigError
 from zerorun.zero.offload import scratch
 from zerorun.zero.offload.file_io import read_exactly, write_exactly
 from zerorun.zero.unit.record import UnitRecord

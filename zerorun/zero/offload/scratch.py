@@ -26,7 +26,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 from zerorun.errors import RuntimeConfigError
 
