@@ -53,6 +53,13 @@ class CheckpointError(ZerorunError):
     from an incompatible model (it names the first mismatching parameter), or a bad tag."""
 
 
+class StorageError(ZerorunError):
+    """Scratch or checkpoint storage failed under a running job: a short read or write, an I/O
+    error, a file removed or truncated. The message names the rank, the file and the byte counts."""
+
+    exit_code = 1
+
+
 class UnsupportedFeature(ZerorunError):
     """A DeepSpeed name (pipeline parallelism, MoE, tensor or sequence parallelism, compression)
     that has no meaning in zerorun; raised when it is first used, naming the feature."""

@@ -52,7 +52,7 @@ def script_config_message(launcher_label: str, launcher: ZerorunConfig, script_l
     head = (f"the config passed to zerorun.initialize() in the script ({script_label}) replaces the "
             f"launcher's --config (as resolved in {launcher_label})")
     if not differing:
-        return head + "; they agree on every key"
+        return None
     listed = ", ".join(f"{path}: script {ours.get(path)!r}, --config {theirs.get(path)!r}"
                        for path in differing[:MAX_LISTED])
     more = f" and {len(differing) - MAX_LISTED} more" if len(differing) > MAX_LISTED else ""
@@ -64,6 +64,8 @@ def optimizer_params_message(config: ZerorunConfig, optimizer) -> str | None:
     if config.optimizer is None or "lr" not in config.optimizer.params:
         return None
     lrs = sorted({group.get("lr") for group in optimizer.param_groups}, key=str)
+    if lrs == [config.optimizer.params["lr"]]:
+        return None  # built from the config (ZerorunTrainer's optimizer section): nothing lost
     mine = lrs[0] if len(lrs) == 1 else lrs
     return (f"optimizer.params.lr = {config.optimizer.params['lr']!r} in the config is ignored: the script "
             f"passes its own {type(optimizer).__name__}, which steps with lr = {mine!r}. Set the lr on that "

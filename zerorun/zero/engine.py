@@ -262,7 +262,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self.reducer.communicate = boundary
         if boundary:
             self.updater.open_window(self.loss_scaler, self.config.gradient_clipping)
-        self._window_loss = self._window_loss + loss.detach().float()  # no sync per micro-step
+        # No sync per micro-step. scale_wrt_gas=False: the caller divided by the accumulation
+        # steps (Trainer), so the micro-batch's loss, the one recorded, is loss x steps.
+        self._window_loss = self._window_loss + loss.detach().float() * (1 if scale_wrt_gas else self.accumulation_steps)
         factor = self.loss_scaler.scale / (self.accumulation_steps if scale_wrt_gas else 1)
         (loss.float() * factor).backward()
         self.reducer.finish_backward()

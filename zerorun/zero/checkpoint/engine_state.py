@@ -57,12 +57,16 @@ from pathlib import Path
 import torch
 
 import zerorun
-from zerorun.errors import CheckpointError, RuntimeConfigError
+from zerorun.errors import CheckpointError, RuntimeConfigError, ZerorunError
 from zerorun.zero.comm import collectives
 from zerorun.zero.offload.placements import OnFile
+from zerorun.zero.checkpoint import owner
+from zerorun.zero.checkpoint.client_state import check_client_state
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, Reader,
-                                           master_index, model_table, persistent_buffers, rank_file, read_manifest,
-                                           resolve)
+                                           manifest_checksum, master_index, model_table, persistent_buffers, rank_file,
+                                           read_manifest, resolve)
+from zerorun.zero.offload.scratch import job_key
+from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncovered, bad_tag, first_mismatch, index_pieces,
                                   micro_steps_after_load, piece_key, plan_reads, state_family, step_tag,
                                   tags_to_delete, whole_key)
@@ -180,8 +184,9 @@ def _write_rank_file(engine, staging: Path) -> dict:
     finally:
         if isinstance(engine.updater.placement, OnFile):
             engine.updater.placement.flush()
+    groups = {seg.name: record.group_index for record in engine.records for seg in record.segments}
     return {"file": rank_file(engine.rank), "keys": [key for key, _, _ in entries], "scalars": scalars,
-            "rng": _python_rng(), "checksum": checksum}
+            "rng": _python_rng(), "checksum": checksum, "groups": groups}
 
 
 def _write_record(writer: TensorFileWriter, record, optimizer) -> None:
@@ -194,6 +199,7 @@ def _write_record(writer: TensorFileWriter, record, optimizer) -> None:
             writer.write(piece_key(MASTER, seg.name, seg.param_offset, seg.length), record.master[span])
             for key in elementwise:
                 writer.write(piece_key(state_family(key), seg.name, seg.param_offset, seg.length), state[key][span])
+        get_recorder().record_activity("saving", writer.nbytes)  # Note [saving is progress]
     finally:
         record.placement.end_update(record, optimizer)
 
@@ -224,53 +230,107 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
             f"{engine.micro_steps % engine.accumulation_steps} of {engine.accumulation_steps}); "
             "the gradients accumulated so far are not saved",
             hint="save right after the engine.step() that ends a window (engine.is_gradient_accumulation_boundary())")
+    check_client_state(client_state)
     root = Path(save_dir)
     staging = root / f"{tag}.partial"
-    if engine.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # what a crashed save of this tag left
-            staging.mkdir()
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
-                                  hint="checkpoint.dir must be a writable directory shared by every rank") from None
-    collectives.barrier(group=engine.group)
-    table = model_table(engine.module)
-    entry = _write_rank_file(engine, staging)
-    write_bytes_atomically(staging / f"rank{engine.rank}.json", json.dumps(entry).encode())
-    if engine.rank == 0:
-        buffer = io.BytesIO()
-        torch.save(_engine_state(engine, client_state), buffer)
-        engine_checksum = write_bytes_atomically(staging / ENGINE_FILE, buffer.getvalue())
-    collectives.barrier(group=engine.group)
-    if engine.rank == 0:
-        manifest = _manifest(engine, tag, table, staging, engine_checksum)
-        final = _commit(root, staging, tag, manifest, save_latest)
-        if keep_last:
-            _delete_old(root, keep_last, tag)
-        total = sum(f["bytes"] for f in manifest["files"].values())
-        print(f"zerorun: checkpoint {tag} saved to {final} in {time.perf_counter() - started:.2f} s "
-              f"({total / 2**20:.1f} MiB from {engine.world_size} rank(s))", file=sys.stderr, flush=True)
-    collectives.barrier(group=engine.group)
+    recorder = get_recorder()
+    recorder.record_activity("saving", 0)
+    try:
+        _together(engine, lambda: _prepare(engine, root, staging), f"preparing checkpoint {tag}")
+        table = model_table(engine.module)
+
+        def write() -> None:
+            entry = _write_rank_file(engine, staging)
+            write_bytes_atomically(staging / f"rank{engine.rank}.json", json.dumps(entry).encode())
+            if engine.rank == 0:
+                buffer = io.BytesIO()
+                torch.save(_engine_state(engine, client_state), buffer)
+                written["engine"] = write_bytes_atomically(staging / ENGINE_FILE, buffer.getvalue())
+
+        written: dict = {}
+        _together(engine, write, f"writing checkpoint {tag}")
+
+        def commit() -> None:
+            manifest = _manifest(engine, tag, table, staging, written["engine"])
+            final = _commit(root, staging, tag, manifest, save_latest)
+            if keep_last:
+                _delete_old(root, keep_last, tag)
+            _delete_leftovers(root)
+            total = sum(f["bytes"] for f in manifest["files"].values())
+            print(f"zerorun: checkpoint {tag} saved to {final} in {time.perf_counter() - started:.2f} s "
+                  f"({total / 2**20:.1f} MiB from {engine.world_size} rank(s))", file=sys.stderr, flush=True)
+
+        _together(engine, commit if engine.rank == 0 else None, f"committing checkpoint {tag}")
+    finally:
+        recorder.record_activity(None, 0)
     return True
 
 
+def _prepare(engine, root: Path, staging: Path) -> None:
+    """Rank 0: own the directory (Note [checkpoint owner] in checkpoint/owner.py), then a clean
+    ``TAG.partial``."""
+    if engine.rank != 0:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
+                              hint="checkpoint.dir must be a writable directory shared by every rank") from None
+    owner.claim(root, job_key())
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # what a crashed save of this tag left
+        staging.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
+                              hint="checkpoint.dir must be a writable directory shared by every rank") from None
+
+
+def _together(engine, work, what: str, hint: str = "the previous checkpoint is intact") -> None:
+    """Note [failing together]: run ``work`` (None: nothing on this rank), then agree with every
+    rank on whether all succeeded. A failure on one rank used to leave the others at the next
+    barrier, to die of a misleading "connection closed" once it exited; now the rank that failed
+    raises its own one-line error and every other rank one naming that rank."""
+    failure = None
+    try:
+        if work is not None:
+            work()
+    except (ZerorunError, OSError) as exc:
+        failure = exc
+    if engine.world_size > 1:
+        flags = torch.zeros(engine.world_size, dtype=torch.int32, device=engine.pg.device)
+        flags[engine.rank] = failure is not None
+        collectives.all_reduce(flags, group=engine.group)
+        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    else:
+        failed = [0] if failure is not None else []
+    if failure is not None:
+        if isinstance(failure, OSError):
+            raise CheckpointError(f"rank {engine.rank}: {what} failed ({failure})") from None
+        raise failure
+    if failed:
+        raise CheckpointError(f"rank {engine.rank}: {what} failed on rank {failed[0]} (its error says why)", hint=hint)
+
+
 def _manifest(engine, tag: str, table: dict, staging: Path, engine_checksum: dict) -> dict:
-    ranks, files = [], {}
+    ranks, files, groups = [], {}, {}
     for rank in range(engine.world_size):
         path = staging / f"rank{rank}.json"
         entry = json.loads(path.read_text())
         files[entry.pop("file")] = entry.pop("checksum")
+        groups.update(entry.pop("groups"))
         ranks.append(entry)
     files[ENGINE_FILE] = engine_checksum
     cfg = engine.config
-    return {
+    manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag, "global_step": engine.global_step,
         "world_size": engine.world_size, "stage": engine.stage, "dtype": DTYPE_NAMES[engine.dtype],
         "offload_optimizer": cfg.zero.offload_optimizer.device, "optimizer": type(engine.optimizer).__name__,
+        "param_groups": len(engine.optimizer.param_groups), "group_of": groups,
         "versions": {"zerorun": zerorun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         **table, "files": files, "ranks": ranks,
     }
+    manifest["checksum"] = manifest_checksum(manifest)
+    return manifest
 
 
 def _commit(root: Path, staging: Path, tag: str, manifest: dict, save_latest: bool) -> Path:
@@ -294,6 +354,21 @@ def _commit(root: Path, staging: Path, tag: str, manifest: dict, save_latest: bo
     return final
 
 
+def _delete_leftovers(root: Path) -> None:
+    """After a successful save, with the directory owned (checkpoint/owner.py): what earlier
+    failed saves left, ``TAG.partial`` folders and temporaries (``NAME.tmp-*``), and copies of
+    replaced tags whose removal a crash interrupted, once their tag is complete again."""
+    for path in root.iterdir():
+        name = path.name
+        if name.endswith(".partial") and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif ".tmp-" in name and (path.is_file() or path.is_symlink()):
+            path.unlink(missing_ok=True)
+        elif ".replaced-" in name and path.is_dir() and not path.is_symlink():
+            if (root / name.split(".replaced-", 1)[0] / MANIFEST).is_file():
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def _delete_old(root: Path, keep_last: int, just_saved: str) -> None:
     complete = [p.name for p in root.iterdir() if (p / MANIFEST).is_file()]
     for tag in tags_to_delete(complete, keep_last, just_saved):
@@ -312,30 +387,94 @@ def _check_fits(engine, manifest: dict, directory: Path) -> None:
                               hint="load it into the model it was saved from (same names and shapes)")
 
 
+def _check_optimizer(engine, manifest: dict, directory: Path) -> None:
+    """The optimizer state fits this optimizer: same type, same number of param groups, each
+    parameter in the same group (format version 2 records the last two)."""
+    saved, ours = manifest.get("optimizer"), type(engine.optimizer).__name__
+    hint = "build the same optimizer, or pass load_optimizer_states=False to load the weights only"
+    if saved != ours:
+        raise CheckpointError(f"checkpoint {str(directory)!r} holds {saved} optimizer state; this engine's optimizer "
+                              f"is {ours}", hint=hint)
+    groups = manifest.get("param_groups")
+    if groups is not None and groups != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {str(directory)!r} has {groups} optimizer param group(s); this optimizer "
+                              f"has {len(engine.optimizer.param_groups)}", hint=hint)
+    group_of = manifest.get("group_of", {})
+    for record in engine.records:
+        for seg in record.segments:
+            if seg.name in group_of and group_of[seg.name] != record.group_index:
+                raise CheckpointError(f"checkpoint {str(directory)!r} has parameter {seg.name!r} in optimizer param "
+                                      f"group {group_of[seg.name]}; this optimizer has it in group {record.group_index}",
+                                      hint=hint)
+
+
 def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Load into ``engine`` (every rank): returns (checkpoint path, client state), or
-    (None, None) when ``load_dir`` holds no checkpoint yet (as DeepSpeed does)."""
-    directory = resolve(load_dir, tag)
+    (None, None) when ``load_dir`` holds no checkpoint yet (as DeepSpeed does).
+
+    Note [all or nothing]: everything that can refuse (the manifest, the model's shapes, the
+    optimizer's type and groups, engine.pt and its client state, the size and checksum of
+    every file this rank reads, the coverage of every piece) is checked before the engine
+    changes; only then are values copied in. A refused load leaves the engine as it was."""
+    optimizer_states = load_optimizer_states and not load_module_only
+    checked: dict = {}
+
+    def check() -> None:
+        directory = checked["directory"] = resolve(load_dir, tag)
+        if directory is None:
+            return
+        manifest = checked["manifest"] = read_manifest(directory)
+        _check_fits(engine, manifest, directory)
+        if optimizer_states:
+            _check_optimizer(engine, manifest, directory)
+        reader = checked["reader"] = Reader(directory, manifest)
+        checked["saved"] = None if load_module_only else _read_engine_state(engine, reader)
+        checked["plans"] = _plan_records(engine, reader, manifest, optimizer_states)
+        for name in _files_needed(engine, manifest, checked["plans"], rng=checked["saved"] is not None):
+            reader.check(name)
+
+    try:
+        # Every rank checks, then all agree (Note [failing together]): a file damaged for one
+        # rank refuses the load on all, before any of them changed its engine.
+        _together(engine, check, f"checking checkpoint {str(load_dir)!r}", hint="nothing was loaded on any rank")
+    except BaseException:
+        if "reader" in checked:
+            checked["reader"].close()
+        raise
+    directory = checked["directory"]
     if directory is None:
         if engine.rank == 0:
             print(f"zerorun: no checkpoint in {str(load_dir)!r} yet (no {LATEST} file); nothing loaded",
                   file=sys.stderr, flush=True)
         return None, None
-    manifest = read_manifest(directory)
-    _check_fits(engine, manifest, directory)
-    reader = Reader(directory, manifest)
+    manifest, reader, saved, plans = checked["manifest"], checked["reader"], checked["saved"], checked["plans"]
     try:
-        _load_records(engine, reader, manifest, optimizer_states=load_optimizer_states and not load_module_only)
+        _load_records(engine, reader, manifest, plans)
         _load_frozen_and_buffers(engine, reader, manifest)
         client_state = None
-        if not load_module_only:
-            client_state = _load_engine_state(engine, reader, load_lr_scheduler_states)
+        if saved is not None:
+            client_state = _apply_engine_state(engine, saved, load_lr_scheduler_states)
             if engine.rank < manifest["world_size"]:
                 _load_rng(reader, manifest, engine.rank)
     finally:
         reader.close()
     return str(directory), client_state
+
+
+def _files_needed(engine, manifest: dict, plans: list, *, rng: bool) -> list[str]:
+    names = {read.file for master_reads, state_reads, _ in plans for read in master_reads}
+    names |= {read.file for _, state_reads, _ in plans for reads in state_reads.values() for read in reads}
+    index = None
+    for key, tensor in _frozen_and_buffers(engine):
+        names.add(rank_file(0))
+        name = key.split("/", 1)[1]
+        if key.startswith(FROZEN) and manifest["parameters"][name]["trainable"]:  # see _load_frozen_and_buffers
+            index = index or master_index(manifest)[0]
+            names |= {read.file for read in plan_reads([Segment(name, 0, 0, tensor.numel())], index)}
+    if rng and engine.rank < manifest["world_size"]:
+        names.add(rank_file(engine.rank))
+    return sorted(names)
 
 
 def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
@@ -354,32 +493,61 @@ def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
                 tensor.copy_(reader.file(rank_file(0)).read(key))
 
 
-def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: bool) -> None:
+def _plan_records(engine, reader: Reader, manifest: dict, optimizer_states: bool) -> list:
+    """Per record: (master reads, {state family: reads}, scalars), every gap found before any
+    value is read (Note [all or nothing])."""
     index, files = master_index(manifest)
     families = sorted({key.split("/", 1)[0] for keys in files.values() for key in keys if key.startswith("state.")})
-    state_index = {family: index_pieces(files, family) for family in families}
+    state_index = {family: index_pieces(files, family) for family in families} if optimizer_states else {}
     scalars: dict[str, dict] = {}
     for entry in manifest["ranks"]:
         scalars.update(entry["scalars"])
-    if engine.gatherer is not None:
-        engine.gatherer.release_all()  # a unit left gathered would keep stale values
-    optimizer = engine.optimizer
+    plans = []
     for record in engine.records:
         try:
             master_reads = plan_reads(record.segments, index)
         except Uncovered as gap:
             raise CheckpointError(f"checkpoint {str(reader.directory)!r} has no saved values for parameter "
                                   f"{gap.name!r} (elements {gap.start}-{gap.end})", hint="it is incomplete or from another model") from None
+        names = [seg.name for seg in record.segments]
+        state_reads = {}
+        for family, family_index in state_index.items():
+            present = [name for name in names if name in family_index]
+            if not present:
+                continue
+            if len(present) != len(names):
+                raise CheckpointError(f"checkpoint {str(reader.directory)!r} has {family[6:]!r} optimizer state for "
+                                      f"{present[0]!r} but not for {sorted(set(names) - set(present))[0]!r}",
+                                      hint="pass load_optimizer_states=False to load the weights only")
+            try:
+                state_reads[family] = plan_reads(record.segments, family_index)
+            except Uncovered as gap:
+                raise CheckpointError(f"checkpoint {str(reader.directory)!r} lacks {family[6:]!r} optimizer state "
+                                      f"for parameter {gap.name!r}") from None
+        record_scalars = (scalars.get(names[0], {}) if names else {}) if optimizer_states else None
+        plans.append((master_reads, state_reads, record_scalars))
+    return plans
+
+
+def _load_records(engine, reader: Reader, manifest: dict, plans: list) -> None:
+    if engine.gatherer is not None:
+        engine.gatherer.release_all()  # a unit left gathered would keep stale values
+    optimizer = engine.optimizer
+    loaded = 0
+    for record, (master_reads, state_reads, record_scalars) in zip(engine.records, plans, strict=True):
         record.placement.begin_update(record, optimizer)
         try:
             with torch.no_grad():
                 reader.fill(master_reads, record.master)
-            if optimizer_states:
-                optimizer.state[record.master] = _record_state(record, reader, state_index, scalars, optimizer)
+            if record_scalars is not None:  # optimizer states are loaded (even when there are none)
+                optimizer.state[record.master] = _record_state(record, reader, state_reads, record_scalars, optimizer)
             with torch.no_grad():
                 record.placement.publish(record)
         finally:
             record.placement.end_update(record, optimizer)
+        loaded += record.master.numel() * 4 if record.master.numel() else record.unit.layout.chunk_numel * 4
+        get_recorder().record_activity("loading", loaded)  # Note [saving is progress]
+    get_recorder().record_activity(None, 0)
     if isinstance(engine.updater.placement, OnFile):
         engine.updater.placement.flush()
     handles = [r.unit.start_refresh(engine.group) for r in engine.records if r.unit.state is ParamState.REPLICATED]
@@ -387,46 +555,39 @@ def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: b
         handle.wait()
 
 
-def _record_state(record, reader: Reader, state_index: dict, scalars: dict, optimizer) -> dict:
+def _record_state(record, reader: Reader, state_reads: dict, record_scalars: dict | None, optimizer) -> dict:
     """The optimizer state of one record, re-partitioned from the saved pieces."""
     state = {}
-    names = [seg.name for seg in record.segments]
-    for family, index in state_index.items():
-        present = [name for name in names if name in index]
-        if not present:
-            continue
-        if len(present) != len(names):
-            raise CheckpointError(f"checkpoint {str(reader.directory)!r} has {family[6:]!r} optimizer state for "
-                                  f"{present[0]!r} but not for {sorted(set(names) - set(present))[0]!r}",
-                                  hint="pass load_optimizer_states=False to load the weights only")
-        try:
-            reads = plan_reads(record.segments, index)
-        except Uncovered as gap:
-            raise CheckpointError(f"checkpoint {str(reader.directory)!r} lacks {family[6:]!r} optimizer state "
-                                  f"for parameter {gap.name!r}") from None
+    for family, reads in state_reads.items():
         dtype = reader.file(reads[0].file).info(reads[0].key)[0] if reads else torch.float32
         tensor = torch.zeros(record.master.numel(), dtype=dtype, device=record.master.device)
         with torch.no_grad():
             reader.fill(reads, tensor)
         state[family[len("state."):]] = tensor
-    if names and names[0] in scalars:
+    if record_scalars:
         group = optimizer.param_groups[record.group_index]
         device = record.master.device if (group.get("fused") or group.get("capturable")) else torch.device("cpu")
-        for key, entry in scalars[names[0]].items():
+        for key, entry in record_scalars.items():
             state[key] = _decode_scalar(entry, device)
     return state
 
 
-def _load_engine_state(engine, reader: Reader, load_scheduler: bool):
+def _read_engine_state(engine, reader: Reader) -> dict:
     path = reader.check(ENGINE_FILE)
     try:
         saved = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - the unpickler's refusals are many types
-        raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({exc})") from None
+    except Exception as exc:  # the unpickler's refusals are many types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({first})",
+                              hint="it holds a client_state this version cannot read, or it is damaged") from None
     if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
                               f"{len(engine.optimizer.param_groups)}", hint="build the optimizer with the same groups")
-    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"]):
+    return saved
+
+
+def _apply_engine_state(engine, saved: dict, load_scheduler: bool):
+    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"], strict=True):
         group.update(hyper)
     engine.global_step = saved["global_step"]
     engine.skipped_steps = saved["skipped_steps"]

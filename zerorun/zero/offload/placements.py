@@ -22,9 +22,7 @@ files) on CPU, which is what the CPU test suite exercises.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +31,8 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.zero.offload import scratch
+from zerorun.zero.offload.file_io import read_exactly, write_exactly
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
 
@@ -132,24 +132,48 @@ class OnHost(OnDevice):
 
 
 class BufferPool:
-    """``count`` host buffers of ``numel`` fp32 elements; ``take`` blocks while all are lent."""
+    """``count`` host buffers of ``numel`` fp32 elements; ``take`` blocks while all are lent.
+
+    Note [pool on failure]: once a read or write of the placement failed, ``close`` ends the
+    pool: every ``take`` then raises that error at once instead of waiting for a buffer that
+    will never come back, so no thread (the reader, the update worker) is left blocked and the
+    process can exit (a blocked non-daemon thread would keep it alive forever)."""
 
     def __init__(self, count: int, numel: int, model_device: torch.device, pin: bool):
         self.numel = numel
         self._free = [_pin(torch.empty(numel, dtype=torch.float32), model_device, pin) for _ in range(count)]
-        self._available = threading.Semaphore(count)
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._failure: BaseException | None = None
         self.count = count
 
     def take(self) -> torch.Tensor:
-        self._available.acquire()
-        with self._lock:
+        with self._changed:
+            self._changed.wait_for(lambda: self._free or self._failure is not None)
+            if self._failure is not None:
+                raise self._failure
             return self._free.pop()
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
+        with self._changed:
             self._free.append(buffer)
-        self._available.release()
+            self._changed.notify()
+
+    def check(self) -> None:
+        """Raise the failure that closed the pool, if any."""
+        with self._changed:
+            if self._failure is not None:
+                raise self._failure
+
+    def close(self, failure: BaseException) -> None:
+        with self._changed:
+            if self._failure is None:
+                self._failure = failure
+            self._changed.notify_all()
+
+    @property
+    def available(self) -> int:
+        with self._changed:
+            return len(self._free)
 
     def nbytes(self) -> int:
         return self.count * self.numel * 4
@@ -177,18 +201,13 @@ class OnFile(OnHost):
     def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int,
                  pin_memory: bool = True, slots: int = 3):
         super().__init__(pin_memory)
-        try:
-            Path(nvme_path).mkdir(parents=True, exist_ok=True)
-            # One directory per placement, not per process: two engines of one process (a
-            # checkpoint loaded into a fresh engine) must not share, or delete, each other's files.
-            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-rank{rank}-{os.getpid()}-", dir=nvme_path))
-        except OSError as exc:
-            raise RuntimeConfigError(f"zero.offload_optimizer.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
-                                     hint="point nvme_path at a directory on a local disk you can write") from None
+        self.rank = rank
+        # Note [scratch names] (offload/scratch.py): a subdirectory of the rank's fixed directory.
+        self.directory = scratch.placement_directory(nvme_path, rank, "optim", "zero.offload_optimizer.nvme_path")
+        self._budget = {"planned": 0, "written": 0}
         # The files are scratch space of this process: gone when the placement is (or at exit).
-        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        weakref.finalize(self, _remove_scratch, self.directory, self._budget)
         self.buffer_count, self.buffer_size, self.slots = buffer_count, buffer_size, slots
-        self._reserved = 0  # bytes the files will need once every unit has its state
         self._largest = 0  # elements of the largest unit's master + state
         self._model_device = torch.device("cpu")
         self._pool_lock = threading.Lock()
@@ -210,19 +229,14 @@ class OnFile(OnHost):
                 f"zero.offload_optimizer.buffer_size={self.buffer_size} is smaller than one unit's "
                 f"master and optimizer state ({need} elements)",
                 hint=f"set buffer_size to at least {need}, or shrink the units (reduce_bucket_size / allgather_bucket_size)")
-        self._reserved += need * 4
-        free = shutil.disk_usage(self.directory).free
-        if self._reserved > free:
-            raise RuntimeConfigError(
-                f"zero.offload_optimizer.nvme_path {str(self.directory.parent)!r} has {free / 2**30:.1f} GiB free, "
-                f"less than the optimizer state needs (at least {self._reserved / 2**30:.1f} GiB)",
-                hint="free space there or point nvme_path at a larger disk")
+        master = unit.shard.detach().to(HOST, dtype=torch.float32, copy=True)
+        scratch.reserve(self.directory, need * 4, 0, "zero.offload_optimizer.nvme_path")
+        self._budget["planned"] += need * 4
         self._largest = max(self._largest, need)
         self._model_device = unit.device
-        master = unit.shard.detach().to(HOST, dtype=torch.float32, copy=True)
-        path = self.directory / f"unit{unit.index}.bin"
-        with open(path, "wb") as handle:
-            handle.write(master.numpy().tobytes())
+        write_exactly(self.directory / f"unit{unit.index}.bin", _bytes_of(master), self.rank, create=True)
+        scratch.reserve(self.directory, 0, master.numel() * 4, "zero.offload_optimizer.nvme_path")
+        self._budget["written"] += master.numel() * 4
         master.data = torch.empty(0, dtype=torch.float32)
         return master
 
@@ -242,20 +256,38 @@ class OnFile(OnHost):
             self._reads[record.index] = self._reader.submit(self._read, record)
 
     def _read(self, record: UnitRecord) -> torch.Tensor:
-        write = self._writes.pop(record.index, None)
-        if write is not None:
-            write.result()  # the previous update of this unit must be on disk first
-        buffer = self.pool.take()
-        n = record.unit.layout.chunk_numel
-        slots = 1 + len(self._state_names.get(record.index, ()))
-        view = buffer[: slots * n]
-        with open(self._path(record), "rb") as handle:
-            handle.readinto(memoryview(view.numpy()).cast("B"))
+        """Note [pool on failure]: the buffer goes back on every error path, and the first
+        failure ends the pool, so nothing waits on it afterwards."""
+        try:
+            write = self._writes.pop(record.index, None)
+            if write is not None:
+                write.result()  # the previous update of this unit must be on disk first
+            buffer = self.pool.take()
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+        try:
+            n = record.unit.layout.chunk_numel
+            slots = 1 + len(self._state_names.get(record.index, ()))
+            read_exactly(self._path(record), _bytes_of(buffer[: slots * n]), self.rank)
+            self.pool.check()  # a failure elsewhere meanwhile: nobody will consume this read
+        except BaseException as exc:
+            self.pool.give_back(buffer)
+            self._failed(exc)
+            raise
         return buffer
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.pool is not None and isinstance(exc, Exception):
+            self.pool.close(exc)
 
     def begin_update(self, record: UnitRecord, optimizer) -> None:
         self.prefetch(record)
-        buffer = self._reads.pop(record.index).result()
+        try:
+            buffer = self._reads.pop(record.index).result()
+        except BaseException:
+            self._drop_reads()
+            raise
         self._buffers[record.index] = buffer
         n = record.unit.layout.chunk_numel
         record.master.data = buffer[:n]
@@ -282,10 +314,21 @@ class OnFile(OnHost):
 
     def _write(self, record: UnitRecord, buffer: torch.Tensor, numel: int) -> None:
         try:
-            with open(self._path(record), "r+b") as handle:
-                handle.write(memoryview(buffer[:numel].numpy()).cast("B"))
+            write_exactly(self._path(record), _bytes_of(buffer[:numel]), self.rank)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
         finally:
             self.pool.give_back(buffer)
+
+    def _drop_reads(self) -> None:
+        """After a failure: reads still queued are cancelled, finished ones hand their buffers
+        back, so the pool is whole again whatever the caller does next."""
+        for index, read in list(self._reads.items()):
+            if read.cancel() or read.done():
+                self._reads.pop(index)
+                if not read.cancelled() and read.exception() is None:
+                    self.pool.give_back(read.result())
 
     def flush(self) -> None:
         """Wait for every write behind (before a checkpoint reads the files)."""
@@ -315,19 +358,34 @@ class ParamFiles:
     host keeps only what recent gathers and updates touched. No O_DIRECT, no buffers of ours."""
 
     def __init__(self, nvme_path: str, rank: int):
-        try:
-            os.makedirs(nvme_path, exist_ok=True)
-            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-params-rank{rank}-{os.getpid()}-", dir=nvme_path))
-        except OSError as exc:
-            raise RuntimeConfigError(f"zero.offload_param.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
-                                     hint="point nvme_path at a directory on a local disk you can write") from None
-        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        self.rank = rank
+        self.directory = scratch.placement_directory(nvme_path, rank, "params", "zero.offload_param.nvme_path")
+        self._budget = {"planned": 0, "written": 0}
+        weakref.finalize(self, _remove_scratch, self.directory, self._budget)
 
     def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
         path = self.directory / f"unit{index}.bin"
         host = chunk.detach().to(HOST).contiguous()
-        path.write_bytes(host.view(torch.uint8).numpy().tobytes())
+        nbytes = host.numel() * host.element_size()
+        scratch.reserve(self.directory, nbytes, 0, "zero.offload_param.nvme_path")
+        self._budget["planned"] += nbytes
+        write_exactly(path, _bytes_of(host), self.rank, create=True)
+        scratch.reserve(self.directory, 0, nbytes, "zero.offload_param.nvme_path")
+        self._budget["written"] += nbytes
         return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def _remove_scratch(directory: Path, budget: dict) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    scratch.release(directory, budget["planned"], budget["written"])
+    scratch.remove_if_empty(directory.parent)  # the last placement of the rank takes its directory
 
 
 def param_home_from_config(offload, *, rank: int):
