@@ -361,3 +361,38 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+# A checkpoint written to slow storage: every piece takes 0.25 s, the whole save several hang
+# timeouts, each unit well under one.
+SLOW_SAVER = r'''
+import sys, time, torch, zerorun
+from zerorun.zero.checkpoint import tensor_files
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            {"zero": {"stage": 2, "reduce_bucket_size": 300}})
+for _ in range(2):
+    loss = engine(torch.randn(4, 16)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+write = tensor_files.TensorFileWriter.write
+def slow_write(self, *args, **kwargs):
+    time.sleep(0.25)
+    return write(self, *args, **kwargs)
+tensor_files.TensorFileWriter.write = slow_write
+started = time.monotonic()
+engine.save_checkpoint(sys.argv[1])
+print(f"saved in {time.monotonic() - started:.1f} s", flush=True)
+'''
+
+
+def test_a_save_longer_than_the_hang_timeout_is_progress_not_a_hang(tmp_path):
+    (tmp_path / "save.py").write_text(SLOW_SAVER)
+    done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "4", "--run-dir", str(tmp_path / "run"),
+                    "save.py", str(tmp_path / "ckpt")], tmp_path, timeout=180,
+                   env={"ZERORUN_TELEMETRY_INTERVAL": "0.2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    took = [float(line.split("saved in ")[1].split(" s")[0]) for line in done.stdout.splitlines() if "saved in" in line]
+    assert len(took) == 2 and min(took) > 4, took  # the save itself outlasted the hang timeout
+    assert "HANG" not in done.stdout + done.stderr

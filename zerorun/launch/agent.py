@@ -294,6 +294,18 @@ class NodeAgent:
             except OSError:
                 pass
 
+    def remove_scratch(self) -> None:
+        """The NVMe scratch its workers recorded (a rank ended by a signal cannot remove its own)."""
+        from zerorun.zero.offload.scratch import sweep_recorded
+
+        by_run_dir: dict[str, list[int]] = {}
+        for worker in self.workers:
+            run_dir = worker["env"].get("ZERORUN_RUN_DIR") or self.base_env.get("ZERORUN_RUN_DIR")
+            if run_dir:
+                by_run_dir.setdefault(run_dir, []).append(worker["rank"])
+        for run_dir, ranks in by_run_dir.items():
+            sweep_recorded(run_dir, ranks)
+
     def reap_leftovers(self) -> None:
         """KILL whatever is left in the worker groups (children a finished worker left behind)."""
         with self._stop_lock:
@@ -446,6 +458,7 @@ def _serve() -> int:
     if broken.is_set():
         agent.stop()
     agent.reap_leftovers()
+    agent.remove_scratch()
     if adopts_orphans:
         end_adopted((guardian.proc.pid,) if guardian.proc is not None else (), grace_s)
     guardian.release()

@@ -209,15 +209,16 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
         torch_in_child=True,
     )
-    nvme = config.zero.offload_optimizer
-    if nvme.device == "nvme" and nvme.nvme_path and all(is_local_host(h, local_names) for h in hosts):
-        from zerorun.errors import ConfigError
-        from zerorun.launch.preflight import nvme_path_problem
+    for key in ("offload_optimizer", "offload_param"):
+        nvme = getattr(config.zero, key)
+        if nvme.device == "nvme" and nvme.nvme_path and all(is_local_host(h, local_names) for h in hosts):
+            from zerorun.errors import ConfigError
+            from zerorun.launch.preflight import nvme_path_problem
 
-        problem = nvme_path_problem(os.path.join(cwd, nvme.nvme_path))
-        if problem:
-            raise ConfigError(f"zero.offload_optimizer.nvme_path: {problem}",
-                              hint="point nvme_path at a directory on a local disk you can write")
+            problem = nvme_path_problem(os.path.join(cwd, nvme.nvme_path))
+            if problem:
+                raise ConfigError(f"zero.{key}.nvme_path: {problem}",
+                                  hint="point nvme_path at a directory on a local disk you can write")
     config_json = json.dumps(to_dict(config), indent=2)
     notes = list(config.notes)
     if options.nproc is not None and has_nvidia_gpu():

@@ -488,7 +488,9 @@ class Supervisor:
             for view in ranks:
                 if view.step is not None or view.entered_seq is not None or view.comm:
                     self._watch.rank_started(view.rank, now)
-            self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm)) for v in ranks}, now)
+            # A checkpoint being written moves ``activity`` (bytes so far): progress too.
+            self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
+                                 for v in ranks}, now)
         if self._watch.startup_expired(now):
             starting = ", ".join(map(str, sorted(self._watch.starting)))
             self._sink.output("launcher", None, f"START-UP: rank(s) {starting} still starting after "

@@ -26,7 +26,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from zerorun.errors import RuntimeConfigError
 
@@ -96,15 +96,18 @@ def _record(base: Path, rank: int) -> None:
         pass  # the start-up removal still bounds what a lost record costs
 
 
-def sweep_recorded(run_dir: str | os.PathLike) -> list[str]:
-    """Remove every scratch directory the ranks of this host recorded in ``run_dir`` (for the
-    launcher, after its workers exited: Note [scratch names]); the paths removed. Only
-    directories named like ours are touched, whatever a record says."""
-    removed = []
+def sweep_recorded(run_dir: str | os.PathLike, ranks: Iterable[int] | None = None) -> list[str]:
+    """Remove the scratch directories that ``ranks`` (default: every rank) recorded in ``run_dir``
+    (for the agent of their host, after its workers exited: Note [scratch names]); the paths
+    removed. Only directories named like ours are touched, whatever a record says."""
+    removed: list[str] = []
     records = Path(run_dir) / "scratch"
     if not records.is_dir():
         return removed
+    wanted = None if ranks is None else {f"rank{rank}" for rank in ranks}
     for record in sorted(records.iterdir()):
+        if wanted is not None and record.name not in wanted:
+            continue
         try:
             target = Path(record.read_text(errors="replace").strip())
         except OSError:
