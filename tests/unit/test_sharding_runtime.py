@@ -9,7 +9,7 @@ from torch import nn
 
 import zerorun
 from zerorun.config import PrecisionConfig
-from zerorun.errors import RuntimeConfigError, ZerorunError
+from zerorun.errors import InternalError, RuntimeConfigError, ZerorunError
 from zerorun.zero.precision import LossScaler
 from zerorun.zero.unit.storage import FlatUnit, ParamState
 
@@ -144,7 +144,7 @@ def test_partitioned_unit_state_transitions_are_checked():
     assert unit.state is ParamState.GATHERED and torch.equal(params[0].detach(), torch.arange(6.0))
     unit.release()
     assert unit.state is ParamState.SHARDED and unit.full.untyped_storage().nbytes() == 0
-    with pytest.raises(AssertionError):
+    with pytest.raises(InternalError):
         unit._move(ParamState.SHARDED)  # SHARDED -> SHARDED is not a transition
 
 

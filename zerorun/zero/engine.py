@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from zerorun.config import ZerorunConfig, load_config
-from zerorun.errors import RuntimeConfigError
+from zerorun.errors import RuntimeConfigError, UsageError
 from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
@@ -155,7 +155,7 @@ class Engine:
         if not on_meta:  # a meta model: Note [same values on every rank] in construct.py
             _broadcast_state(model, self.group)  # (with weights=, the loaded tensors then overwrite)
         # Before any hook or partition: they must see the final module classes.
-        self.checkpointed_modules = apply_from_config(model, cfg.activation_checkpointing)
+        apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
         self.stage = cfg.zero.stage
         self.param_home = param_home_from_config(cfg.zero.offload_param, rank=self.pg.rank)
@@ -241,9 +241,9 @@ class Engine:
         if self.dtype != torch.float32:
             args = _cast_floating(args, self.dtype)
             kwargs = _cast_floating(kwargs, self.dtype)
-        first = next(tensors_in((args, kwargs)), None)  # a tuple batch counts its first tensor
-        if first is not None and first.dim() > 0:
-            self._window_samples += first.shape[0]
+        tensors = tensors_in((args, kwargs))  # a tuple batch counts its first tensor
+        if tensors and tensors[0].dim() > 0:
+            self._window_samples += tensors[0].shape[0]
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
@@ -358,25 +358,14 @@ class Engine:
     def set_total_steps(self, n: int) -> None:
         """Tell the dashboard how many optimizer steps the run will take (progress bar and ETA)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise RuntimeConfigError(f"set_total_steps needs a positive number of steps, got {n!r}")
+            raise UsageError(f"set_total_steps needs a positive number of steps, got {n!r}")
         setter = getattr(self._recorder, "set_total_steps", None)
         if setter is not None:
             setter(n)
 
 
 def _cast_floating(value, dtype: torch.dtype):
-    """Floating tensors, also inside tuples, lists, dicts and namedtuples, cast to ``dtype``;
-    integer tensors (token ids, labels) and everything else as they are."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple: rebuild by position
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, Mapping):
-        cast = {k: _cast_floating(v, dtype) for k, v in value.items()}
-        try:
-            return type(value)(cast)  # keeps OrderedDict / BatchEncoding-like mappings
-        except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
-            return cast
-    return value
+    """Floating tensors, also inside tuples, lists, dicts and namedtuples (torch's pytree), cast
+    to ``dtype``; integer tensors (token ids, labels) and everything else as they are."""
+    cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+    return pytree.tree_map(cast, value)

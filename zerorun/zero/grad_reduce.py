@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.unit.record import GradState, UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
@@ -120,7 +121,7 @@ class GradReducer:
                 unit = record.unit
                 record.grad_full = torch.zeros_like(unit.full)
                 record.grad = record.grad_full[slice(*unit.layout.chunk_range(unit.rank))]
-                for param, offset in zip(unit.params, unit.layout.offsets):
+                for param, offset in zip(unit.params, unit.layout.offsets, strict=True):
                     param.grad = record.grad_full[offset : offset + param.numel()].view(param.shape)
         else:
             self._create_chunks()
@@ -186,7 +187,8 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, record: UnitRecord) -> None:
-        assert record.grad_state is GradState.READY
+        if record.grad_state is not GradState.READY:
+            raise InternalError(f"unit {record.index}: gradient launched while {record.grad_state.name}")
         record.grad_state = GradState.REDUCING
         unit = record.unit
         if self.policy is ReducePolicy.ALL_REDUCE:

@@ -41,8 +41,11 @@ the recorded order keeps nothing, and a forward without autograd keeps nothing a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from zerorun.zero.activation_checkpointing import is_recomputing
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
@@ -214,12 +217,8 @@ class ParamGatherer:
             if self.in_use[unit.index] == 0 and unit.state is not ParamState.SHARDED and unit.index not in keep:
                 unit.release()
 
-    def gather_all(self) -> None:
-        for unit in self.units:
-            unit.gather(self.group)
-
     def release_all(self) -> None:
-        """After ``gather_all``: release everything and let the pool go (it held the model)."""
+        """Release every idle unit and let the pool go (before a checkpoint load rewrites shards)."""
         self._release_idle()
         if self.pool is not None:
             self.pool.clear()
@@ -261,18 +260,13 @@ def _reads_params_in_backward(module: nn.Module) -> bool:
     return not isinstance(module, nn.Embedding)
 
 
-def tensors_in(value):
-    """Every tensor inside ``value``: nested tuples, lists, dicts, dataclasses, HF outputs."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif hasattr(value, "__dataclass_fields__") or hasattr(value, "to_tuple"):
-        # Hugging Face ModelOutput and plain dataclasses
-        items = value.to_tuple() if hasattr(value, "to_tuple") else vars(value).values()
-        for item in items:
-            yield from tensors_in(item)
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor inside ``value``: torch's pytree walks tuples, lists, dicts, namedtuples and
+    Hugging Face outputs; a plain dataclass (a leaf to pytree) is opened by its fields."""
+    found = []
+    for leaf in pytree.tree_leaves(value):
+        if torch.is_tensor(leaf):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found.extend(tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return found

@@ -71,6 +71,13 @@ def prefer_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
             group["fused"] = True
 
 
+def refresh_replicas(records: list[UnitRecord], group) -> None:
+    """Stages 1-2: spread every rank's updated chunk to all ranks (main thread, unit order)."""
+    handles = [r.unit.start_refresh(group) for r in records if not r.unit.partitioned]
+    for handle in handles:
+        handle.wait()
+
+
 class UnitUpdater:
     def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], placement, group, *,
                  data_parallel_world: int, shard_world: int):
@@ -133,7 +140,7 @@ class UnitUpdater:
             batch = self.placement.update_batch or len(waiting)
             for start in range(0, len(waiting), max(batch, 1)):
                 self._apply(waiting[start : start + batch], window, coefficient)
-            self._refresh_replicas()
+            refresh_replicas(self.records, self.group)
         self._squares.clear()
         self._done.clear()
         self._window = None
@@ -180,11 +187,6 @@ class UnitUpdater:
                 self.placement.end_update(record, self.optimizer)
                 self._done.add(record.index)
 
-    def _refresh_replicas(self) -> None:
-        """Stages 1-2: spread every rank's updated chunk to all ranks (main thread, unit order)."""
-        handles = [r.unit.start_refresh(self.group) for r in self.records if not r.unit.partitioned]
-        for handle in handles:
-            handle.wait()
 
     # -- inspection ----------------------------------------------------------------------
     def placed_nbytes(self) -> dict[str, int]:

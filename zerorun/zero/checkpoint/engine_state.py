@@ -69,6 +69,7 @@ from zerorun.zero.checkpoint.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncove
 from zerorun.zero.unit.layout import Segment
 from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
 from zerorun.zero.unit.storage import ParamState
+from zerorun.zero.update import refresh_replicas
 
 # -- scalars as JSON ------------------------------------------------------------------------
 def _encode_scalar(value):
@@ -382,9 +383,7 @@ def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: b
             record.placement.end_update(record, optimizer)
     if isinstance(engine.updater.placement, OnFile):
         engine.updater.placement.flush()
-    handles = [r.unit.start_refresh(engine.group) for r in engine.records if r.unit.state is ParamState.REPLICATED]
-    for handle in handles:
-        handle.wait()
+    refresh_replicas(engine.records, engine.group)
 
 
 def _record_state(record, reader: Reader, state_index: dict, scalars: dict, optimizer) -> dict:
@@ -426,7 +425,7 @@ def _load_engine_state(engine, reader: Reader, load_scheduler: bool):
     if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
                               f"{len(engine.optimizer.param_groups)}", hint="build the optimizer with the same groups")
-    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"]):
+    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"], strict=True):
         group.update(hyper)
     engine.global_step = saved["global_step"]
     engine.skipped_steps = saved["skipped_steps"]

@@ -269,6 +269,8 @@ class OnFile(OnHost):
         state = optimizer.state.get(record.master, {})
         names = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
         if len(names) + 1 > self.slots:
+            self.pool.give_back(buffer)  # the unit's values stay as the file has them
+            record.master.data = torch.empty(0, dtype=torch.float32)
             raise RuntimeConfigError(f"{type(optimizer).__name__} keeps {len(names)} state tensors per "
                                      f"parameter; NVMe offload has room for {self.slots - 1}")
         for slot, name in enumerate(names, start=1):

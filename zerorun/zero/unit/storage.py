@@ -35,6 +35,7 @@ import enum
 import torch
 from torch import nn
 
+from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
 
@@ -128,7 +129,7 @@ class FlatUnit:
             self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)  # untouched
             self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for param, offset in zip(self.params, self.layout.offsets):
+                for param, offset in zip(self.params, self.layout.offsets, strict=True):
                     start, end = max(lo, offset), min(hi, offset + param.numel())
                     if start < end:
                         self.shard[start - lo : end - lo].copy_(param.detach().reshape(-1)[start - offset : end - offset])
@@ -141,7 +142,7 @@ class FlatUnit:
         else:
             self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for param, offset in zip(self.params, self.layout.offsets):
+                for param, offset in zip(self.params, self.layout.offsets, strict=True):
                     view = self.full[offset : offset + param.numel()]
                     view.copy_(param.detach().reshape(-1))
                     param.data = view.view(param.shape)
@@ -171,7 +172,8 @@ class FlatUnit:
 
     # -- stage 3 gathering ------------------------------------------------------------
     def _move(self, new: ParamState) -> None:
-        assert new in _ALLOWED[self.state], f"unit {self.index}: {self.state} -> {new} not allowed"
+        if new not in _ALLOWED[self.state]:
+            raise InternalError(f"unit {self.index}: parameter state {self.state.name} -> {new.name} is not a transition")
         self.state = new
 
     def start_gather(self, group) -> None:
@@ -209,7 +211,8 @@ class FlatUnit:
     # -- after an optimizer step ---------------------------------------------------------
     def start_refresh(self, group):
         """Stages 1-2: spread every rank's updated chunk to all ranks (in place, async)."""
-        assert self.state is ParamState.REPLICATED
+        if self.state is not ParamState.REPLICATED:
+            raise InternalError(f"unit {self.index}: refresh of a {self.state.name} unit (only replicated units refresh)")
         if self.layout.world_size == 1:
             return collectives.DONE
         return collectives.all_gather(self.full, self.shard, group=group, async_op=True)
