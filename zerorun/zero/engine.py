@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -32,8 +33,9 @@ from zerorun.zero.param_gather import ParamGatherer, tensors_in
 from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.comm.process_group import resolve_process_group
-from zerorun.zero.offload.placements import ParamFiles, param_home_from_config, placement_from_config
-from zerorun.zero.unit.record import UnitRecord, chunk_segments
+from zerorun.zero.offload.placements import Placement, param_home_from_config, placement_from_config
+from zerorun.zero.unit.record import UnitRecord, by_state_home, chunk_segments
+from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
 
@@ -43,13 +45,17 @@ CHUNK_ALIGNMENT = 8
 BROADCAST_BUCKET_NUMEL = 4_000_000
 
 
-def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None) -> "Engine":
+def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None,
+               state_home_for: Callable[[FlatUnit], Placement] | None = None) -> "Engine":
     """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
     a YAML/JSON path or a ZerorunConfig.
 
     ``model`` may be built on the meta device: each unit is then materialized on its own, from
     ``weights`` (a .safetensors file, a Hugging Face checkpoint directory or a state dict) or by
     its modules' ``reset_parameters()`` / ``param_init_fn(module)`` (construct.py).
+
+    ``state_home_for(unit)``: a per-unit placement policy for master and optimizer state
+    (offload/placements.py); by default every unit gets the one ``zero.offload_optimizer`` names.
 
     The config is validated twice: once on its own, and once the process group exists, with the
     real world size, so the batch rule (train = micro x accumulation x world) is checked and the
@@ -61,7 +67,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     # The launcher already applied CLI > env > file; applying the environment again here could
     # let a stale variable beat a --set flag.
     cfg = load_config(source, environ={} if from_launcher else None)
-    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn)
+    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn, state_home_for=state_home_for)
     engine.config = load_config(cfg, world_size=engine.world_size)
     engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
     if engine.rank == 0:  # one warning per job, not one per rank
@@ -130,7 +136,8 @@ def _compute_device(model_device: torch.device) -> torch.device:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None):
+    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None,
+                 state_home_for: Callable[[FlatUnit], Placement] | None = None):
         _check_supported(cfg)
         self.config = cfg
         first = next(model.parameters(), None)
@@ -158,36 +165,42 @@ class Engine:
         apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
         self.stage = cfg.zero.stage
-        self.param_home = param_home_from_config(cfg.zero.offload_param, rank=self.pg.rank)
-        self.partition = build_partition(
+        param_home = param_home_from_config(cfg.zero.offload_param, rank=self.pg.rank)
+        partition = build_partition(
             model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
             bucket_numel=cfg.zero.reduce_bucket_size,
             persistence_threshold=cfg.zero.param_persistence_threshold,
             min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
-            shard_home=self.param_home,
+            shard_home=param_home,
             before_unit=materializer.ensure if materializer else None,
         )
         if materializer is not None:
             materializer.finish()
-        units = self.partition.units
-        placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
-        # One record per unit (unit/record.py): shard, master, gradient, segments, placement.
-        self.records = [UnitRecord(u, chunk_segments(u), placement.make_master(u), placement) for u in units]
+        if state_home_for is None:
+            placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
+            state_home_for = lambda unit: placement  # noqa: E731
+        # One record per unit (unit/record.py), the one unit list every pass walks.
+        self.records: list[UnitRecord] = []
+        for unit in partition.units:
+            home = state_home_for(unit)
+            self.records.append(UnitRecord(unit, chunk_segments(unit), home.make_master(unit), home, param_home))
+        self.frozen = partition.frozen
         self.gatherer = None
-        if self.stage == 3 and self.partition.module_units:
-            self.gatherer = ParamGatherer(model, self.partition.module_units, self.group,
+        if self.stage == 3 and partition.module_units:
+            module_records = {m: [self.records[u.index] for u in us] for m, us in partition.module_units.items()}
+            self.gatherer = ParamGatherer(model, module_records, self.group,
                                           max_reuse_distance=cfg.zero.max_reuse_distance)
-        policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
-        self.reducer = GradReducer(
-            self.records, self.partition.reduce_order, policy, self.group,
-            on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
-            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
-        )
         self.updater = UnitUpdater(
-            optimizer, self.records, placement, self.group,
+            optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
         )
-        self.reducer.on_unit_reduced = self.updater.unit_reduced
+        policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
+        self.reducer = GradReducer(
+            self.records, partition.reduce_order, policy, self.group,
+            on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
+            on_unit_reduced=self.updater.unit_reduced,
+            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
+        )
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         self.lr_scheduler = self._scheduler_from_config()
         self.loss_scaler = LossScaler.from_config(cfg.precision)
@@ -317,25 +330,32 @@ class Engine:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now, counted from the tensors' storages."""
-        parameters = sum(u.param_nbytes() for u in self.partition.units)
-        parameters += sum(p.numel() * p.element_size() for p in self.partition.frozen)
+        params = {"device": sum(p.numel() * p.element_size() for p in self.frozen), "host": 0, "nvme": 0}
+        for record in self.records:  # a stage-3 chunk counts where its param home keeps it
+            params[record.param_home.location if record.unit.partitioned else "device"] += record.unit.param_nbytes()
         gradients, transient = self.reducer.nbytes()
         if self.gatherer is not None:
             transient += self.gatherer.pool_nbytes()
         placed = self.updater.placed_nbytes()
-        offloaded_parameters = sum(u.param_nbytes() for u in self.partition.units if u.shard_offloaded)
-        parameters_in_files = isinstance(self.param_home, ParamFiles)
         breakdown = {
-            "parameters": parameters - offloaded_parameters,
+            "parameters": params["device"],
             "gradients": gradients,
             "optimizer_state": placed["device"],
             "communication_buffers": transient,
         }
         breakdown["total"] = sum(breakdown.values())
         # Offloaded state (offload/placements.py): host memory and NVMe files, outside the device total.
-        breakdown["offloaded_host"] = placed["host"] + (0 if parameters_in_files else offloaded_parameters)
-        breakdown["offloaded_nvme"] = placed["nvme"] + (offloaded_parameters if parameters_in_files else 0)
+        breakdown["offloaded_host"] = placed["host"] + params["host"]
+        breakdown["offloaded_nvme"] = placed["nvme"] + params["nvme"]
         return breakdown
+
+    def quiesce(self) -> None:
+        """Before a checkpoint reads or rewrites the records: no unit left gathered (stage 3),
+        every write behind on disk (NVMe)."""
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        for home, records in by_state_home(self.records).items():
+            home.settle(records)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state dict (every rank must call this); stage 3 gathers

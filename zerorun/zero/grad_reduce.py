@@ -90,9 +90,11 @@ class BucketPool:
 
 
 class GradReducer:
-    """Writes each record's gradient fields; ``on_unit_reduced(record)`` is told when a
-    unit's gradient chunk is final for this backward (its collective finished), so an update
-    can start while backward goes on (update.py, Note [update while backward runs])."""
+    """Writes each record's gradient fields and tells two listeners about a record:
+    ``on_unit_complete(record)`` when all its gradients arrived (stage 3 may release its
+    parameters), ``on_unit_reduced(record)`` when its gradient chunk is final for this
+    backward (its collective finished), so an update can start while backward goes on
+    (update.py, Note [update while backward runs])."""
 
     def __init__(
         self,
@@ -101,7 +103,8 @@ class GradReducer:
         policy: ReducePolicy,
         group,
         *,
-        on_unit_complete: Callable[[FlatUnit], None] | None = None,
+        on_unit_complete: Callable[[UnitRecord], None] | None = None,
+        on_unit_reduced: Callable[[UnitRecord], None] | None = None,
         lazy_shards: bool = False,
     ):
         self.records = records
@@ -109,7 +112,7 @@ class GradReducer:
         self.policy = policy
         self.group = group
         self.on_unit_complete = on_unit_complete
-        self.on_unit_reduced: Callable[[UnitRecord], None] | None = None
+        self.on_unit_reduced = on_unit_reduced
         self.communicate = True
         self._next = 0
         self._in_flight: deque = deque()
@@ -178,7 +181,7 @@ class GradReducer:
         if record.arrived == len(unit.params):
             record.grad_state = GradState.READY
             if self.on_unit_complete is not None:
-                self.on_unit_complete(unit)
+                self.on_unit_complete(record)
             self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
@@ -238,7 +241,7 @@ class GradReducer:
             record = self.records[index]
             if record.grad_state is not GradState.READY:
                 if self.on_unit_complete is not None and record.grad_state is GradState.FILLING:
-                    self.on_unit_complete(record.unit)
+                    self.on_unit_complete(record)
                 record.grad_state = GradState.READY
         self._launch_ready_prefix()
         while self._in_flight:

@@ -49,23 +49,26 @@ from torch.utils import _pytree as pytree
 
 from zerorun.zero.activation_checkpointing import is_recomputing
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
-from zerorun.zero.unit.storage import FlatUnit, GatherPool, ParamState
+from zerorun.zero.unit.record import UnitRecord
+from zerorun.zero.unit.storage import GatherPool, ParamState
 
 
 class ParamGatherer:
-    def __init__(self, root: nn.Module, module_units: dict[nn.Module, list[FlatUnit]], group,
+    """Gathers and releases records' units; each record carries its own counts and plan
+    (``in_use``, ``users``, ``keep_after``, ``keep_for_backward``)."""
+
+    def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
                  *, max_reuse_distance: int = 0):
         self.root = root
         self.max_reuse_distance = max_reuse_distance
-        self.module_units = module_units
+        self.module_records = module_records
         self.group = group
-        self.units = sorted({u.index: u for us in module_units.values() for u in us}.values(), key=lambda u: u.index)
-        self.in_use = {u.index: 0 for u in self.units}
+        self.records = sorted({r.index: r for rs in module_records.values() for r in rs}.values(), key=lambda r: r.index)
         self.pool = None
-        if self.units and self.units[0].device.type == "cpu" and GatherPool.SUPPORTED:
-            self.pool = GatherPool(self.units[0].device)  # Note [gather pool] in unit/storage.py
-            for unit in self.units:
-                unit.pool = self.pool
+        if self.records and self.records[0].unit.device.type == "cpu" and GatherPool.SUPPORTED:
+            self.pool = GatherPool(self.records[0].unit.device)  # Note [gather pool] in unit/storage.py
+            for record in self.records:
+                record.unit.pool = self.pool
         self.forward_order: list[nn.Module] = []
         self._recording: list[nn.Module] = []
         # Note [execution order]: modules in the order their backward hooks fire, and where
@@ -73,21 +76,14 @@ class ParamGatherer:
         self.backward_order: list[nn.Module] = []
         self._backward_position: dict[nn.Module, int] = {}
         self._finished: list[nn.Module] = []
-        # Note [kept gathered]: position in forward_order -> units to hold after that call,
-        # and the units held from the end of forward into backward.
-        self._keep_after: dict[int, set[int]] = {}
-        self._keep_for_backward: set[int] = set()
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
         self._handles = []
-        for module in module_units:
+        for module, records in module_records.items():
             self._handles.append(module.register_forward_pre_hook(self._pre_forward))
             self._handles.append(module.register_forward_hook(self._post_forward))
-        users: dict[int, int] = {}
-        for units in module_units.values():
-            for unit in units:
-                users[unit.index] = users.get(unit.index, 0) + 1
-        self.shared = {m: [u for u in us if users[u.index] > 1] for m, us in module_units.items()}
+            for record in records:
+                record.users += 1
         self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         self._handles.append(root.register_forward_hook(self._root_post_forward))
 
@@ -106,9 +102,9 @@ class ParamGatherer:
                               and self.forward_order[position] is module)
             self._calls.append(position)
             self._recording.append(module)
-        for unit in self.module_units[module]:
-            self.in_use[unit.index] += 1
-            unit.gather(self.group)
+        for record in self.module_records[module]:
+            record.in_use += 1
+            record.unit.gather(self.group)
         if not recomputing:
             self._prefetch_forward(module)
 
@@ -117,15 +113,15 @@ class ParamGatherer:
         # recomputation saves alias the gathered storage and the module's backward runs next;
         # its units are released when their gradients arrive or backward ends.
         recomputing = is_recomputing()
-        keep = self._kept_after(module) if not recomputing else ()
-        for unit in self.module_units[module]:
-            self.in_use[unit.index] -= 1
-            if self.in_use[unit.index] == 0 and not recomputing and unit.index not in keep:
-                unit.release()
+        position = self._kept_position(module) if not recomputing else -1
+        for record in self.module_records[module]:
+            record.in_use -= 1
+            if record.in_use == 0 and not recomputing and position not in record.keep_after:
+                record.unit.release()
         if torch.is_grad_enabled() and not recomputing:
             self._finished.append(module)
             self._hook_outputs(module, output)
-            if self.shared[module]:
+            if any(r.users > 1 for r in self.module_records[module]):
                 self._hook_inputs(module, args)
 
     def _root_post_forward(self, module, args, output) -> None:
@@ -138,19 +134,20 @@ class ParamGatherer:
                     self._backward_position.setdefault(m, position)
         if self._recording != self.forward_order:
             self.forward_order = self._recording
-            self._keep_after, self._keep_for_backward = plan_kept_units(
-                [[u.index for u in self.module_units[m]] for m in self.forward_order],
-                {u.index: u.layout.numel for u in self.units}, self.max_reuse_distance,
+            keep_after, keep_for_backward = plan_kept_units(
+                [[r.index for r in self.module_records[m]] for m in self.forward_order],
+                {r.index: r.unit.layout.numel for r in self.records}, self.max_reuse_distance,
             )
-        self._release_idle(keep=self._keep_for_backward if torch.is_grad_enabled() else ())
+            for record in self.records:
+                record.keep_after = frozenset(p for p, kept in keep_after.items() if record.index in kept)
+                record.keep_for_backward = record.index in keep_for_backward
+        self._release_idle(for_backward=torch.is_grad_enabled())
 
-    def _kept_after(self, module: nn.Module) -> set[int] | tuple:
-        """Units to hold after this call of ``module`` (Note [kept gathered]); nothing when
-        this forward has left the recorded order."""
+    def _kept_position(self, module: nn.Module) -> int:
+        """The forward position of this call of ``module``, to look up in the records'
+        ``keep_after`` (Note [kept gathered]); -1 when this forward has left the recorded order."""
         position = self._calls.pop() if self._calls else -1
-        if not self._on_order or position < 0:
-            return ()
-        return self._keep_after.get(position, ())
+        return position if self._on_order else -1
 
     def _prefetch_forward(self, module: nn.Module) -> None:
         """Issue the async gather of the module expected to run after ``module`` in forward."""
@@ -161,8 +158,8 @@ class ParamGatherer:
             return
         target = position + 1
         if target < len(order):
-            for unit in self.module_units[order[target]]:
-                unit.start_gather(self.group)
+            for record in self.module_records[order[target]]:
+                record.unit.start_gather(self.group)
 
     def _prefetch_backward(self, module: nn.Module) -> None:
         """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s."""
@@ -170,8 +167,8 @@ class ParamGatherer:
         if position is None:
             return
         for following in self.backward_order[position + 1 : position + 1 + BACKWARD_PREFETCH]:
-            for unit in self.module_units[following]:
-                unit.start_gather(self.group)
+            for record in self.module_records[following]:
+                record.unit.start_gather(self.group)
 
     # -- backward -----------------------------------------------------------------------
     def _hook_outputs(self, module: nn.Module, output) -> None:
@@ -182,8 +179,8 @@ class ParamGatherer:
         reads_params = _reads_params_in_backward(module)
 
         def before_backward(grad):
-            for unit in self.module_units[module] if reads_params else ():
-                unit.gather(self.group)
+            for record in self.module_records[module] if reads_params else ():
+                record.unit.gather(self.group)
             self._prefetch_backward(module)
             return grad
 
@@ -196,26 +193,27 @@ class ParamGatherer:
 
         def after_backward(grad):
             if not is_recomputing():
-                for unit in self.shared[module]:
-                    if self.in_use[unit.index] == 0:
-                        unit.release()
+                for record in self.module_records[module]:
+                    if record.users > 1 and record.in_use == 0:
+                        record.unit.release()
             return grad
 
         for tensor in tensors:
             tensor.register_hook(after_backward)
 
-    def unit_grads_done(self, unit: FlatUnit) -> None:
-        """All of ``unit``'s gradients arrived: its values are not needed any more."""
-        if unit.partitioned and self.in_use[unit.index] == 0:
-            unit.release()
+    def unit_grads_done(self, record: UnitRecord) -> None:
+        """All of ``record``'s gradients arrived: its values are not needed any more."""
+        if record.unit.partitioned and record.in_use == 0:
+            record.unit.release()
 
     def finish_backward(self) -> None:
         self._release_idle()
 
-    def _release_idle(self, keep=()) -> None:
-        for unit in self.units:
-            if self.in_use[unit.index] == 0 and unit.state is not ParamState.SHARDED and unit.index not in keep:
-                unit.release()
+    def _release_idle(self, for_backward: bool = False) -> None:
+        for record in self.records:
+            held = for_backward and record.keep_for_backward
+            if record.in_use == 0 and record.unit.state is not ParamState.SHARDED and not held:
+                record.unit.release()
 
     def release_all(self) -> None:
         """Release every idle unit and let the pool go (before a checkpoint load rewrites shards)."""

@@ -8,10 +8,11 @@ giving only their masters a gradient and calling ``optimizer.step()``: the same 
 same per-parameter state, any subset at a time. Without offload every unit is updated in one
 call (the multi-tensor path); with NVMe one unit at a time, as its buffer allows.
 
-Per unit: the placement makes master and state resident and stages the fp32 gradient chunk
-beside them (offload/placements.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
+Per unit: its state home makes master and state resident and stages the fp32 gradient chunk
+beside them (``record.state_home``, offload/placements.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
 clipped when asked; the optimizer steps; the master is published into the model's chunk; and
-the placement puts master and state away.
+the home puts master and state away. Units whose home updates them together
+(``update_batch`` None) share one optimizer call; the others go ``update_batch`` at a time.
 
 Note [update while backward runs]: with an offloaded optimizer the host would sit idle through
 backward and the device through the update. So at an accumulation boundary each unit's work is
@@ -37,14 +38,15 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
 from zerorun.zero.comm import collectives
-from zerorun.zero.offload.placements import OnFile, device_gradient
+from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
-from zerorun.zero.unit.record import UnitRecord
+from zerorun.zero.unit.record import UnitRecord, by_state_home
 
 
 @dataclass
@@ -78,22 +80,33 @@ def refresh_replicas(records: list[UnitRecord], group) -> None:
         handle.wait()
 
 
+def update_batches(records: list[UnitRecord]) -> list[list[UnitRecord]]:
+    """One optimizer call for the units whose homes take them all at once, then the others
+    ``update_batch`` at a time (Note [unit-sized gradient staging])."""
+    together = [r for r in records if r.state_home.update_batch is None]
+    rest = [r for r in records if r.state_home.update_batch is not None]
+    batches = [together] if together else []
+    while rest:
+        size = max(rest[0].state_home.update_batch, 1)
+        batches.append(rest[:size])
+        rest = rest[size:]
+    return batches
+
+
 class UnitUpdater:
-    def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], placement, group, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], group, *,
                  data_parallel_world: int, shard_world: int):
         self.optimizer = optimizer
         self.records = records
-        self.placement = placement
         self.group = group
         self.data_parallel_world = data_parallel_world
         self.shard_world = shard_world
         install_masters(optimizer, records)
-        if placement.host_kernels:
+        if any(r.state_home.host_kernels for r in records):
             prefer_fused_kernels(optimizer)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if placement.overlaps_backward else None
+        overlaps = any(r.state_home.overlaps_backward for r in records)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if overlaps else None
         self._window: _Window | None = None
-        self._squares: dict[int, torch.Tensor] = {}
-        self._done: set[int] = set()
 
     # -- the boundary backward ---------------------------------------------------------
     def open_window(self, loss_scaler: LossScaler, clip: float) -> None:
@@ -106,10 +119,10 @@ class UnitUpdater:
 
     def unit_reduced(self, record: UnitRecord) -> None:
         """grad_reduce: ``record``'s gradient chunk is final; start its work on the worker."""
-        if self._worker is None or self._window is None:
+        if self._worker is None or self._window is None or not record.state_home.overlaps_backward:
             return
-        if isinstance(self.placement, OnFile) and not self._window.needs_norm:
-            self.placement.prefetch(record)  # read-ahead while the gradient is staged
+        if not self._window.needs_norm:
+            record.state_home.prefetch(record)  # NVMe: read-ahead while the gradient is staged
         record.pending = self._worker.submit(self._early_work, record, self._window)
 
     def _early_work(self, record: UnitRecord, window: _Window) -> None:
@@ -127,7 +140,7 @@ class UnitUpdater:
         self._wait_for_worker()
         if window.needs_norm:
             for record in self.records:
-                if record.index not in self._squares:
+                if record.grad_square is None:
                     self._norm_piece(record, window)
         norm, overflow = None, False
         if window.needs_norm:
@@ -136,13 +149,11 @@ class UnitUpdater:
         applied = loss_scaler.update(overflow)
         if applied:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-            waiting = [r for r in self.records if r.index not in self._done]
-            batch = self.placement.update_batch or len(waiting)
-            for start in range(0, len(waiting), max(batch, 1)):
-                self._apply(waiting[start : start + batch], window, coefficient)
+            for batch in update_batches([r for r in self.records if not r.updated]):
+                self._apply(batch, window, coefficient)
             refresh_replicas(self.records, self.group)
-        self._squares.clear()
-        self._done.clear()
+        for record in self.records:
+            record.grad_square, record.updated = None, False
         self._window = None
         return applied, norm
 
@@ -156,14 +167,14 @@ class UnitUpdater:
         """This unit's share of the squared norm, computed where the gradient already is (a
         unit-sized temporary, never a staged copy: Note [unit-sized gradient staging])."""
         unscaled = device_gradient(record) * window.inverse
-        self._squares[record.index] = unscaled.pow(2).sum()
+        record.grad_square = unscaled.pow(2).sum()
 
     def _global_norm(self) -> float:
         """L2 norm over every rank's chunks; padding is zero, tied weights are counted once."""
         device = self.records[0].unit.device if self.records else torch.device("cpu")
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         for record in self.records:  # unit order, whichever thread computed each piece
-            squares += self._squares[record.index].to(device)
+            squares += record.grad_square.to(device)
         if self.shard_world > 1:
             collectives.all_reduce(squares, group=self.group)
         return float(squares.sqrt())
@@ -172,22 +183,27 @@ class UnitUpdater:
         """Stage, unscale and clip the gradients of ``records``, step them with the user's
         optimizer and publish them to the model. The unscale is the same multiplication as in
         ``_norm_piece``, so the norm describes exactly the gradient stepped."""
-        for record in records:
-            self.placement.begin_update(record, self.optimizer)
-            grad = self.placement.gradient(record)
-            grad.mul_(window.inverse)
-            if coefficient != 1.0:
-                grad.mul_(coefficient)
-            record.master.grad = grad
-        self.optimizer.step()
-        with torch.no_grad():
+        with ExitStack() as resident:
             for record in records:
-                record.master.grad = None
-                self.placement.publish(record)
-                self.placement.end_update(record, self.optimizer)
-                self._done.add(record.index)
+                resident.enter_context(record.state_home.resident(record, self.optimizer))
+                grad = record.state_home.stage_gradient(record)
+                grad.mul_(window.inverse)
+                if coefficient != 1.0:
+                    grad.mul_(coefficient)
+                record.master.grad = grad
+            self.optimizer.step()
+            with torch.no_grad():
+                for record in records:
+                    record.master.grad = None
+                    record.state_home.publish(record)
+                    record.updated = True
 
 
     # -- inspection ----------------------------------------------------------------------
     def placed_nbytes(self) -> dict[str, int]:
-        return self.placement.nbytes(self.records, self.optimizer)
+        """Bytes of masters and optimizer state by location, summed over the homes."""
+        total = {"device": 0, "host": 0, "nvme": 0}
+        for home, records in by_state_home(self.records).items():
+            for where, nbytes in home.nbytes(records, self.optimizer).items():
+                total[where] += nbytes
+        return total

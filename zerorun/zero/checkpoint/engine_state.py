@@ -22,9 +22,8 @@ read from the record's master and ``optimizer.state[record.master]``, so no coll
 any tensor and every element is written exactly once: at stage 0 (and at world size 1) the
 chunk is the whole unit on every rank, and only rank 0 writes it. The model-dtype parameters
 are not written: after every update they are the masters rounded to the model dtype, which is
-what loading and consolidating recompute. Offloaded state is read where it lives: on the host
-directly, from NVMe through the placement's ``begin_update`` / ``end_update`` (one unit's
-buffer at a time, as an update would).
+what loading and consolidating recompute. Offloaded state is read where it lives, inside the
+state home's ``resident(record)`` context (NVMe: one unit's buffer at a time, as an update would).
 
 Note [commit order]: ranks write into ``TAG.partial`` (each file under a temporary name,
 fsynced, renamed: checkpoint/tensor_files.py Note [atomic save]); after a barrier rank 0 writes the
@@ -59,7 +58,6 @@ import torch
 import zerorun
 from zerorun.errors import CheckpointError, RuntimeConfigError
 from zerorun.zero.comm import collectives
-from zerorun.zero.offload.placements import OnFile
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, Reader,
                                            master_index, model_table, persistent_buffers, rank_file, read_manifest,
                                            resolve)
@@ -120,12 +118,12 @@ def _writes_records(engine) -> bool:
 
 def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
     """A record's optimizer state: per-element tensors (key -> dtype) and scalars (key -> value).
-    Between NVMe updates a per-element tensor is an empty placeholder (offload/placements.py Note [file
-    buffers]), recognised by its zero size."""
+    Between NVMe updates a per-element tensor is a placeholder of its size (offload/placements.py
+    Note [file buffers]), so the split needs no read."""
     n = record.unit.layout.chunk_numel
     elementwise, scalars = {}, {}
     for key, value in optimizer.state.get(record.master, {}).items():
-        if torch.is_tensor(value) and (value.numel() == n or (value.numel() == 0 and isinstance(record.placement, OnFile))):
+        if torch.is_tensor(value) and value.numel() == n:
             elementwise[key] = value.dtype
         else:
             scalars[key] = value
@@ -179,24 +177,20 @@ def _write_rank_file(engine, staging: Path) -> dict:
         writer.abandon()
         raise
     finally:
-        if isinstance(engine.updater.placement, OnFile):
-            engine.updater.placement.flush()
+        engine.quiesce()
     return {"file": rank_file(engine.rank), "keys": [key for key, _, _ in entries], "scalars": scalars,
             "rng": _python_rng(), "checksum": checksum}
 
 
 def _write_record(writer: TensorFileWriter, record, optimizer) -> None:
     elementwise, _ = _state_split(record, optimizer)
-    record.placement.begin_update(record, optimizer)  # NVMe: read master and state in
-    try:
+    with record.state_home.resident(record, optimizer):  # NVMe: read master and state in
         state = optimizer.state.get(record.master, {})
         for seg in record.segments:
             span = slice(seg.shard_offset, seg.shard_offset + seg.length)
             writer.write(piece_key(MASTER, seg.name, seg.param_offset, seg.length), record.master[span])
             for key in elementwise:
                 writer.write(piece_key(state_family(key), seg.name, seg.param_offset, seg.length), state[key][span])
-    finally:
-        record.placement.end_update(record, optimizer)
 
 
 def _engine_state(engine, client_state) -> dict:
@@ -362,8 +356,7 @@ def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: b
     scalars: dict[str, dict] = {}
     for entry in manifest["ranks"]:
         scalars.update(entry["scalars"])
-    if engine.gatherer is not None:
-        engine.gatherer.release_all()  # a unit left gathered would keep stale values
+    engine.quiesce()  # a unit left gathered would keep stale values
     optimizer = engine.optimizer
     for record in engine.records:
         try:
@@ -371,18 +364,12 @@ def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: b
         except Uncovered as gap:
             raise CheckpointError(f"checkpoint {str(reader.directory)!r} has no saved values for parameter "
                                   f"{gap.name!r} (elements {gap.start}-{gap.end})", hint="it is incomplete or from another model") from None
-        record.placement.begin_update(record, optimizer)
-        try:
-            with torch.no_grad():
-                reader.fill(master_reads, record.master)
+        with record.state_home.resident(record, optimizer), torch.no_grad():
+            reader.fill(master_reads, record.master)
             if optimizer_states:
                 optimizer.state[record.master] = _record_state(record, reader, state_index, scalars, optimizer)
-            with torch.no_grad():
-                record.placement.publish(record)
-        finally:
-            record.placement.end_update(record, optimizer)
-    if isinstance(engine.updater.placement, OnFile):
-        engine.updater.placement.flush()
+            record.state_home.publish(record)
+    engine.quiesce()
     refresh_replicas(engine.records, engine.group)
 
 
@@ -477,7 +464,7 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded state dict, gathered one stage-3 unit at a time (every rank must call it):
     at most one gathered unit is alive beside the copies rank 0 keeps."""
     keep = not rank0_only or engine.rank == 0
-    unit_of = {id(p): u for u in engine.partition.units if u.partitioned for p in u.params}
+    unit_of = {id(p): r.unit for r in engine.records if r.unit.partitioned for p in r.unit.params}
     pool = engine.gatherer.pool if engine.gatherer is not None else None
     state: dict[str, torch.Tensor] = {}
     current, gathered_here = None, False

@@ -1,19 +1,30 @@
-"""Placements: where a unit's fp32 master and optimizer state live between updates.
+"""Placements: where a unit's tensors live between uses, behind one protocol (``Placement``).
 
-The update (update.py) consults its placement at four named points, and nowhere else does
-anything depend on offload:
+Each record holds two: ``record.state_home`` (its fp32 master and optimizer state) and
+``record.param_home`` (its stage-3 model-dtype chunk). Everything that depends on offload is
+a method of the protocol, and only this module asks which placement it holds:
 
-    make_master(unit)        the record's fp32 master, created once, where the state lives
-    gradient(record)         the record's fp32 gradient chunk, moved next to the master
-    begin_update(record)     make master and state resident (NVMe: read the unit's file)
-    end_update(record)       put them away again (NVMe: write the file, free the memory)
+    make_master(unit)            the record's fp32 master, created once, where the state lives
+    place_shard(chunk, index)    the home of a stage-3 parameter chunk (Note [host shards])
+    stage_gradient(record)       the record's fp32 gradient chunk, moved next to the master
+    publish(record)              copy the updated master into the model's chunk
+    resident(record, optimizer)  a context in which master and state are in memory
+                                 (NVMe: the unit's file read in, written back on leaving)
+    prefetch(record) / settle(records)   start a read early / wait for writes behind
+    nbytes(records, optimizer)   bytes of masters and state by location
 
 ``OnDevice`` keeps everything beside the model (no offload). ``OnHost`` is ZeRO-Offload's
 optimizer offload: master and state in (pinned, when the model is on CUDA) host memory, the
 update run by the host's optimizer kernels; only a unit-sized fp32 gradient is ever staged
 on the host, never a full-size gradient copy. ``OnFile`` is ZeRO-Infinity's NVMe offload:
 master and state in one file per unit, read ahead into a bounded set of host buffers and
-written behind (Note [file buffers]).
+written behind (Note [file buffers]). As a parameter home, ``OnHost`` keeps each chunk's
+own host copy and ``OnFile`` a memory-mapped file per chunk. One instance serves one role
+(the file names of both roles are ``unit{index}.bin``).
+
+Per-unit policies are records with different homes: the engine asks ``state_home_for(unit)``
+(by default the configured placement for every unit), so "embeddings on the device, the rest
+on NVMe" is one small callable (tests/distributed/zero_parity_harness.py).
 
 On a machine without a GPU the "device" and the host are the same memory, so ``OnHost``
 and ``OnFile`` run their whole path (separate masters, staged gradients, worker thread,
@@ -28,7 +39,10 @@ import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -56,10 +70,30 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
     return grad if grad.dtype == torch.float32 else grad.float()
 
 
+class Placement(Protocol):
+    """Where one role's tensors of a unit live (see the module docstring for each method)."""
+
+    name: str  # the config's word: none, cpu, nvme
+    location: str  # the memory_breakdown key its bytes count under: device, host, nvme
+    overlaps_backward: bool  # updates run on a worker thread during the boundary backward
+    update_batch: int | None  # units per optimizer call; None: all of them in one call
+    host_kernels: bool  # Note [host optimizer kernels]
+
+    def make_master(self, unit: FlatUnit) -> torch.Tensor: ...
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor: ...
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor: ...
+    def publish(self, record: UnitRecord) -> None: ...
+    def resident(self, record: UnitRecord, optimizer) -> ContextManager[None]: ...
+    def prefetch(self, record: UnitRecord) -> None: ...
+    def settle(self, records: list[UnitRecord]) -> None: ...
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]: ...
+
+
 class OnDevice:
     """No offload: the master sits beside the model (Note [masters] in unit/record.py)."""
 
     name = "none"
+    location = "device"
     overlaps_backward = False
     update_batch: int | None = None  # every unit in one optimizer call (the multi-tensor path)
     host_kernels = False  # Note [host optimizer kernels]
@@ -69,13 +103,20 @@ class OnDevice:
             return unit.shard
         return unit.shard.detach().float()
 
-    def gradient(self, record: UnitRecord) -> torch.Tensor:
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        return chunk
+
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor:
         return device_gradient(record)
 
-    def begin_update(self, record: UnitRecord, optimizer) -> None:
+    @contextmanager
+    def resident(self, record: UnitRecord, optimizer):
+        yield
+
+    def prefetch(self, record: UnitRecord) -> None:
         pass
 
-    def end_update(self, record: UnitRecord, optimizer) -> None:
+    def settle(self, records: list[UnitRecord]) -> None:
         pass
 
     def publish(self, record: UnitRecord) -> None:
@@ -89,13 +130,14 @@ class OnDevice:
         """Bytes of masters and optimizer state, by where they are."""
         own = sum(r.master.numel() * 4 for r in records if not r.master_is_model_storage)
         state = sum(t.numel() * t.element_size() for r in records for t in r.state_tensors(optimizer).values())
-        return {"device": own + state, "host": 0, "nvme": 0}
+        return {"device": 0, "host": 0, "nvme": 0} | {self.location: own + state}
 
 
 class OnHost(OnDevice):
     """ZeRO-Offload: fp32 master and optimizer state in host memory, updated by the host."""
 
     name = "cpu"
+    location = "host"
     overlaps_backward = True
     update_batch = 1  # one unit's gradient staged on the host at a time
     # Note [host optimizer kernels]: the host update is what an offloaded step waits for, and
@@ -116,7 +158,10 @@ class OnHost(OnDevice):
         master.copy_(unit.shard)
         return master
 
-    def gradient(self, record: UnitRecord) -> torch.Tensor:
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        return _pin(chunk.to(HOST, copy=True), chunk.device, self.pin_memory)
+
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor:
         """Note [unit-sized gradient staging]: the chunk leaves the device once, at the
         boundary, into a host tensor of this unit's size that the update consumes and drops;
         accumulation across micro-steps stays on the device, so the host never holds a
@@ -125,10 +170,6 @@ class OnHost(OnDevice):
         if grad is None:
             return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32)
         return grad.to(HOST, dtype=torch.float32)
-
-    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
-        held = super().nbytes(records, optimizer)
-        return {"device": 0, "host": held["device"], "nvme": 0}
 
 
 class BufferPool:
@@ -155,6 +196,23 @@ class BufferPool:
         return self.count * self.numel * 4
 
 
+@dataclass(eq=False)
+class FileSlot:
+    """What OnFile keeps on a record (``record.state_slot``): its read ahead, its write behind,
+    the buffer it is resident in, and the names of the state tensors its file holds."""
+
+    read: Future | None = None
+    write: Future | None = None
+    buffer: torch.Tensor | None = None
+    state_names: list[str] = field(default_factory=list)
+
+
+def _slot(record: UnitRecord) -> FileSlot:
+    if record.state_slot is None:
+        record.state_slot = FileSlot()
+    return record.state_slot
+
+
 class OnFile(OnHost):
     """ZeRO-Infinity: master and optimizer state in one file per unit under ``nvme_path``.
 
@@ -173,17 +231,19 @@ class OnFile(OnHost):
     """
 
     name = "nvme"
+    location = "nvme"
 
     def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int,
-                 pin_memory: bool = True, slots: int = 3):
+                 pin_memory: bool = True, slots: int = 3, role: str = "optimizer"):
         super().__init__(pin_memory)
         try:
             Path(nvme_path).mkdir(parents=True, exist_ok=True)
             # One directory per placement, not per process: two engines of one process (a
             # checkpoint loaded into a fresh engine) must not share, or delete, each other's files.
-            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-rank{rank}-{os.getpid()}-", dir=nvme_path))
+            kind = "" if role == "optimizer" else f"-{role}s"
+            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun{kind}-rank{rank}-{os.getpid()}-", dir=nvme_path))
         except OSError as exc:
-            raise RuntimeConfigError(f"zero.offload_optimizer.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
+            raise RuntimeConfigError(f"zero.offload_{role}.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
                                      hint="point nvme_path at a directory on a local disk you can write") from None
         # The files are scratch space of this process: gone when the placement is (or at exit).
         weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
@@ -195,10 +255,6 @@ class OnFile(OnHost):
         self.pool: BufferPool | None = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-write")
-        self._reads: dict[int, Future] = {}
-        self._writes: dict[int, Future] = {}
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._state_names: dict[int, list[str]] = {}
 
     def _path(self, record: UnitRecord) -> Path:
         return self.directory / f"unit{record.index}.bin"
@@ -235,37 +291,58 @@ class OnFile(OnHost):
                 self.pool = BufferPool(self.buffer_count, size, self._model_device, self.pin_memory)
             return self.pool
 
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        """Note [host shards]: the chunk lives in a file of its own, memory-mapped
+        (``torch.from_file(shared=True)``), so a gather reads it from the file and an update's
+        publish writes through to it. Which pages stay in memory is the page cache's choice."""
+        path = self.directory / f"unit{index}.bin"
+        host = chunk.detach().to(HOST).contiguous()
+        path.write_bytes(host.view(torch.uint8).numpy().tobytes())
+        return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+
     def prefetch(self, record: UnitRecord) -> None:
         """Start reading ``record``'s file into a pool buffer (read-ahead)."""
         self._buffer_pool()
-        if record.index not in self._reads:
-            self._reads[record.index] = self._reader.submit(self._read, record)
+        slot = _slot(record)
+        if slot.read is None:
+            slot.read = self._reader.submit(self._read, record)
 
     def _read(self, record: UnitRecord) -> torch.Tensor:
-        write = self._writes.pop(record.index, None)
+        slot = _slot(record)
+        write, slot.write = slot.write, None
         if write is not None:
             write.result()  # the previous update of this unit must be on disk first
         buffer = self.pool.take()
         n = record.unit.layout.chunk_numel
-        slots = 1 + len(self._state_names.get(record.index, ()))
+        slots = 1 + len(slot.state_names)
         view = buffer[: slots * n]
         with open(self._path(record), "rb") as handle:
             handle.readinto(memoryview(view.numpy()).cast("B"))
         return buffer
 
-    def begin_update(self, record: UnitRecord, optimizer) -> None:
+    @contextmanager
+    def resident(self, record: UnitRecord, optimizer):
+        self._begin_update(record, optimizer)
+        try:
+            yield
+        finally:
+            self._end_update(record, optimizer)
+
+    def _begin_update(self, record: UnitRecord, optimizer) -> None:
         self.prefetch(record)
-        buffer = self._reads.pop(record.index).result()
-        self._buffers[record.index] = buffer
+        held = _slot(record)
+        read, held.read = held.read, None
+        held.buffer = buffer = read.result()
         n = record.unit.layout.chunk_numel
         record.master.data = buffer[:n]
         state = optimizer.state.get(record.master)
-        for slot, name in enumerate(self._state_names.get(record.index, ()), start=1):
+        for slot, name in enumerate(held.state_names, start=1):
             state[name] = buffer[slot * n : (slot + 1) * n]
 
-    def end_update(self, record: UnitRecord, optimizer) -> None:
+    def _end_update(self, record: UnitRecord, optimizer) -> None:
         n = record.unit.layout.chunk_numel
-        buffer = self._buffers.pop(record.index)
+        held = _slot(record)
+        buffer, held.buffer = held.buffer, None
         state = optimizer.state.get(record.master, {})
         names = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
         if len(names) + 1 > self.slots:
@@ -277,10 +354,12 @@ class OnFile(OnHost):
             target = buffer[slot * n : (slot + 1) * n]
             if state[name].data_ptr() != target.data_ptr():  # created by this (first) step
                 target.copy_(state[name])
-            state[name] = torch.empty(0, dtype=state[name].dtype)
-        self._state_names[record.index] = names
+            # A placeholder of the right size and no memory: the optimizer keeps its key, and
+            # whoever lists the state (a checkpoint) sees a per-element tensor.
+            state[name] = torch.empty(n, dtype=state[name].dtype, device="meta")
+        held.state_names = names
         record.master.data = torch.empty(0, dtype=torch.float32)
-        self._writes[record.index] = self._writer.submit(self._write, record, buffer, (1 + len(names)) * n)
+        held.write = self._writer.submit(self._write, record, buffer, (1 + len(names)) * n)
 
     def _write(self, record: UnitRecord, buffer: torch.Tensor, numel: int) -> None:
         try:
@@ -289,59 +368,26 @@ class OnFile(OnHost):
         finally:
             self.pool.give_back(buffer)
 
-    def flush(self) -> None:
+    def settle(self, records: list[UnitRecord]) -> None:
         """Wait for every write behind (before a checkpoint reads the files)."""
-        for write in list(self._writes.values()):
-            write.result()
+        for record in records:
+            if record.state_slot is not None and record.state_slot.write is not None:
+                record.state_slot.write.result()
 
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
-        on_disk = sum(r.unit.layout.chunk_numel * (1 + len(self._state_names.get(r.index, ()))) * 4 for r in records)
+        on_disk = sum(r.unit.layout.chunk_numel * (1 + len(_slot(r).state_names)) * 4 for r in records)
         return {"device": 0, "host": self._buffer_pool().nbytes() if self._largest else 0, "nvme": on_disk}
 
 
-class HostShards:
-    """Parameter offload to host memory: each chunk's own host copy (pinned with CUDA)."""
-
-    def __init__(self, pin_memory: bool = True):
-        self.pin_memory = pin_memory
-
-    def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
-        return _pin(chunk.to(HOST, copy=True), chunk.device, self.pin_memory)
-
-
-class ParamFiles:
-    """Parameter offload to NVMe: each stage-3 chunk lives in a file of its own, memory-mapped
-    (``torch.from_file(shared=True)``), so the chunk is read from the file when a gather stages
-    it and an update's publish writes through to it. Which pages stay in memory is the kernel's
-    page cache's choice: clean pages of idle units can be dropped under memory pressure, so the
-    host keeps only what recent gathers and updates touched. No O_DIRECT, no buffers of ours."""
-
-    def __init__(self, nvme_path: str, rank: int):
-        try:
-            os.makedirs(nvme_path, exist_ok=True)
-            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-params-rank{rank}-{os.getpid()}-", dir=nvme_path))
-        except OSError as exc:
-            raise RuntimeConfigError(f"zero.offload_param.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
-                                     hint="point nvme_path at a directory on a local disk you can write") from None
-        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
-
-    def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
-        path = self.directory / f"unit{index}.bin"
-        host = chunk.detach().to(HOST).contiguous()
-        path.write_bytes(host.view(torch.uint8).numpy().tobytes())
-        return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
-
-
-def param_home_from_config(offload, *, rank: int):
-    """Where stage-3 parameter chunks live (``zero.offload_param``): None keeps them on the device."""
-    if offload.device == "cpu":
-        return HostShards(offload.pin_memory)
+def param_home_from_config(offload, *, rank: int) -> Placement:
+    """Where stage-3 parameter chunks live (``zero.offload_param``)."""
     if offload.device == "nvme":
-        return ParamFiles(offload.nvme_path, rank)
-    return None
+        return OnFile(offload.nvme_path, rank, buffer_count=offload.buffer_count,
+                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory, role="param")
+    return placement_from_config(offload, rank=rank)
 
 
-def placement_from_config(offload, *, rank: int):
+def placement_from_config(offload, *, rank: int) -> Placement:
     """The placement for ``zero.offload_optimizer`` (an OffloadConfig)."""
     if offload.device == "cpu":
         return OnHost(offload.pin_memory)

@@ -21,8 +21,9 @@ unit kept for reuse), reported as communication buffers. On CUDA the caching all
 reuses memory, so units resize their storage as before; so does a torch without the swap.
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
-chunk is kept in host memory (cpu: pinned when the model is on CUDA; nvme: a memory-mapped file,
-offload/placements.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged
+chunk is kept where its placement's ``place_shard`` puts it (offload/placements.py: cpu, host memory,
+pinned when the model is on CUDA; nvme, a memory-mapped file) and copied onto the device right
+before its all-gather when it is not there already; the staged
 copy lives until the gather is waited for (the collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
@@ -116,10 +117,6 @@ class FlatUnit:
         self.dtype, self.device = first.dtype, first.device
         lo, hi = self.layout.chunk_range(shard_rank)
         self.partitioned = partition_params
-        # Stage-3 parameter offload: the owned chunk lives in host memory and is staged onto
-        # the device for each gather (Note [host shards]).
-        # ``shard_home(chunk, index)`` (offload/placements.py) returns the chunk's off-device copy.
-        self.shard_offloaded = partition_params and shard_home is not None
         if partition_params:
             # Note [chunk-only construction]: a partitioned unit never holds its whole buffer
             # while it is built: ``full`` gets its shape with no memory, and each parameter's
@@ -136,8 +133,8 @@ class FlatUnit:
                     param.data = self.full[offset : offset + param.numel()].view(param.shape)
             self._full_nbytes = self.full.untyped_storage().nbytes()
             self.full.untyped_storage().resize_(0)
-            if self.shard_offloaded:
-                self.shard = shard_home(self.shard, index)
+            if shard_home is not None:  # a Placement (Note [host shards])
+                self.shard = shard_home.place_shard(self.shard, index)
             self.state = ParamState.SHARDED
         else:
             self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
