@@ -32,10 +32,11 @@ from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
 from zerorun.zero.param_gather import ParamGatherer, tensors_in
 from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
-from zerorun.zero.comm.process_group import resolve_process_group
-from zerorun.zero.offload.placements import Placement, param_home_from_config, placement_from_config
-from zerorun.zero.unit.record import UnitRecord, by_state_home, chunk_segments
+from zerorun.zero.comm.process_group import ProcessGroupInfo, resolve_process_group
+from zerorun.zero.offload.placements import Placement, placement_from_config
+from zerorun.zero.unit.record import UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
+from zerorun.zero.train_state import TrainState
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
 
@@ -59,7 +60,8 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
 
     The config is validated twice: once on its own, and once the process group exists, with the
     real world size, so the batch rule (train = micro x accumulation x world) is checked and the
-    missing batch size derived even for scripts started without the launcher.
+    missing batch size derived even for scripts started without the launcher. The engine is
+    built with that final config, and only then resumed (``checkpoint.resume``).
     """
     launcher_config = os.environ.get("ZERORUN_CONFIG")
     from_launcher = config is None and bool(launcher_config)
@@ -67,20 +69,22 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     # The launcher already applied CLI > env > file; applying the environment again here could
     # let a stale variable beat a --set flag.
     cfg = load_config(source, environ={} if from_launcher else None)
-    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn, state_home_for=state_home_for)
-    engine.config = load_config(cfg, world_size=engine.world_size)
-    engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
+    first = next(model.parameters(), None)
+    if first is None:
+        raise RuntimeConfigError("the model has no parameters to train")
+    pg = resolve_process_group(_compute_device(first.device))
+    cfg = load_config(cfg, world_size=pg.world_size)
+    engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
+                    state_home_for=state_home_for)
     if engine.rank == 0:  # one warning per job, not one per rank
         from zerorun.config.precedence import warn_overridden
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
                         launcher_config)
+    engine_state.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/engine_state.py)
     return engine
-
-
-def _check_supported(cfg: ZerorunConfig) -> None:
-    if cfg.zero.stage not in (0, 1, 2, 3):
-        raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
 
 
 def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.Optimizer:
@@ -116,10 +120,8 @@ def _broadcast_state(model: nn.Module, group) -> None:
                 continue
             flat = torch.cat([t.detach().reshape(-1) for t in bucket])
             collectives.broadcast(flat, src=0, group=group)
-            position = 0
-            for tensor in bucket:
-                tensor.copy_(flat[position : position + tensor.numel()].view_as(tensor))
-                position += tensor.numel()
+            for tensor, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                tensor.copy_(piece.view_as(tensor))
 
 
 def _compute_device(model_device: torch.device) -> torch.device:
@@ -135,15 +137,25 @@ def _compute_device(model_device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
+def _train_state_field(name: str) -> property:
+    return property(lambda self: getattr(self.train_state, name), lambda self, v: setattr(self.train_state, name, v))
+
+
 class Engine:
-    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None,
-                 state_home_for: Callable[[FlatUnit], Placement] | None = None):
-        _check_supported(cfg)
+    """Built by ``initialize`` with the final config (world size known) and process group."""
+
+    global_step = _train_state_field("global_step")
+    micro_steps = _train_state_field("micro_steps")
+    skipped_steps = _train_state_field("skipped_steps")
+    gradient_accumulation_steps = _train_state_field("gradient_accumulation_steps")
+    loss_scaler = _train_state_field("loss_scaler")
+    lr_scheduler = _train_state_field("lr_scheduler")
+
+    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, pg: ProcessGroupInfo, *, weights=None,
+                 param_init_fn=None, state_home_for: Callable[[FlatUnit], Placement] | None = None):
         self.config = cfg
-        first = next(model.parameters(), None)
-        if first is None:
-            raise RuntimeConfigError("the model has no parameters to train")
-        self.pg = resolve_process_group(_compute_device(first.device))
+        self.pg = pg
+        first = next(model.parameters())
         materializer = None
         on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
         if on_meta or weights is not None:  # Note [materialize per unit] in construct.py
@@ -165,7 +177,7 @@ class Engine:
         apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
         self.stage = cfg.zero.stage
-        param_home = param_home_from_config(cfg.zero.offload_param, rank=self.pg.rank)
+        param_home = placement_from_config(cfg.zero.offload_param, rank=self.pg.rank, role="param")
         partition = build_partition(
             model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
             bucket_numel=cfg.zero.reduce_bucket_size,
@@ -183,8 +195,8 @@ class Engine:
         self.records: list[UnitRecord] = []
         for unit in partition.units:
             home = state_home_for(unit)
-            self.records.append(UnitRecord(unit, chunk_segments(unit), home.make_master(unit), home, param_home))
-        self.frozen = partition.frozen
+            segments = tuple(unit.layout.segments(unit.rank))  # the pieces this rank's chunk holds
+            self.records.append(UnitRecord(unit, segments, home.make_master(unit), home, param_home))
         self.gatherer = None
         if self.stage == 3 and partition.module_units:
             module_records = {m: [self.records[u.index] for u in us] for m, us in partition.module_units.items()}
@@ -202,14 +214,12 @@ class Engine:
             lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
         )
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
-        self.lr_scheduler = self._scheduler_from_config()
-        self.loss_scaler = LossScaler.from_config(cfg.precision)
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.global_step = 0
-        self.micro_steps = 0
+        from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
+
+        self.train_state = TrainState(optimizer, LossScaler.from_config(cfg.precision),
+                                      build_scheduler(optimizer, cfg.scheduler), cfg.gradient_accumulation_steps)
         self._boundary_override: bool | None = None
         self._step_applied = False
-        self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._window_loss = 0.0
         self._window_samples = 0
@@ -217,12 +227,6 @@ class Engine:
         self._recorder = get_recorder()
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
-        engine_state.resume_from_config(self)  # checkpoint.resume (zero/checkpoint/engine_state.py)
-
-    def _scheduler_from_config(self):
-        from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
-
-        return build_scheduler(self.optimizer, self.config.scheduler)
 
     # -- the training loop ------------------------------------------------------------------
     @property
@@ -252,8 +256,7 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         if self.dtype != torch.float32:
-            args = _cast_floating(args, self.dtype)
-            kwargs = _cast_floating(kwargs, self.dtype)
+            args, kwargs = _cast_floating((args, kwargs), self.dtype)
         tensors = tensors_in((args, kwargs))  # a tuple batch counts its first tensor
         if tensors and tensors[0].dim() > 0:
             self._window_samples += tensors[0].shape[0]
@@ -330,7 +333,8 @@ class Engine:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now, counted from the tensors' storages."""
-        params = {"device": sum(p.numel() * p.element_size() for p in self.frozen), "host": 0, "nvme": 0}
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
+        params = {"device": frozen, "host": 0, "nvme": 0}
         for record in self.records:  # a stage-3 chunk counts where its param home keeps it
             params[record.param_home.location if record.unit.partitioned else "device"] += record.unit.param_nbytes()
         gradients, transient = self.reducer.nbytes()
@@ -379,9 +383,7 @@ class Engine:
         """Tell the dashboard how many optimizer steps the run will take (progress bar and ETA)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise UsageError(f"set_total_steps needs a positive number of steps, got {n!r}")
-        setter = getattr(self._recorder, "set_total_steps", None)
-        if setter is not None:
-            setter(n)
+        self._recorder.set_total_steps(n)
 
 
 def _cast_floating(value, dtype: torch.dtype):

@@ -30,6 +30,7 @@ So the issue order is identical on every rank whatever the data did.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 from typing import Callable
 
@@ -91,10 +92,9 @@ class BucketPool:
 
 class GradReducer:
     """Writes each record's gradient fields and tells two listeners about a record:
-    ``on_unit_complete(record)`` when all its gradients arrived (stage 3 may release its
-    parameters), ``on_unit_reduced(record)`` when its gradient chunk is final for this
-    backward (its collective finished), so an update can start while backward goes on
-    (update.py, Note [update while backward runs])."""
+    ``on_unit_complete`` when all its gradients arrived (stage 3 may release the unit) and
+    ``on_unit_reduced`` when its chunk is final for this backward, so an update can start
+    while backward goes on (update.py, Note [update while backward runs])."""
 
     def __init__(
         self,
@@ -118,7 +118,6 @@ class GradReducer:
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
         self.lazy_shards = lazy_shards and policy is ReducePolicy.REDUCE_SCATTER
-        self._hooks = []
         if policy is ReducePolicy.ALL_REDUCE:
             for record in records:
                 unit = record.unit
@@ -135,15 +134,9 @@ class GradReducer:
                 if not self._reduces_in_place(unit):
                     largest = max(largest, unit.layout.padded_numel)
                 self._pools[key] = BucketPool(largest, unit.dtype, unit.device, keep=MAX_IN_FLIGHT + 1)
-        for record in records:
+        for record in records:  # the hooks live as long as the parameters
             for position, param in enumerate(record.unit.params):
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(record, position)))
-
-    def _hook(self, record: UnitRecord, position: int):
-        def on_grad(param: torch.Tensor) -> None:
-            self._arrive(record, position, param)
-
-        return on_grad
+                param.register_post_accumulate_grad_hook(functools.partial(self._arrive, record, position))
 
     # -- during backward -------------------------------------------------------------------
     def _arrive(self, record: UnitRecord, position: int, param: torch.Tensor) -> None:
@@ -161,8 +154,6 @@ class GradReducer:
         else:
             bucket = record.bucket
             if bucket is None and self._reduces_in_place(unit):
-                # A lone parameter that needs no padding (a big embedding, typically): its
-                # gradient is already the bucket, so skip the copy and the second buffer.
                 record.bucket = param.grad.reshape(-1)
                 record.written = [True]
                 param.grad = None

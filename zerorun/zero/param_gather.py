@@ -59,7 +59,6 @@ class ParamGatherer:
 
     def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
                  *, max_reuse_distance: int = 0):
-        self.root = root
         self.max_reuse_distance = max_reuse_distance
         self.module_records = module_records
         self.group = group
@@ -78,14 +77,13 @@ class ParamGatherer:
         self._finished: list[nn.Module] = []
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
-        self._handles = []
-        for module, records in module_records.items():
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+        for module, records in module_records.items():  # hooks for the model's lifetime
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
             for record in records:
                 record.users += 1
-        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post_forward))
+        root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        root.register_forward_hook(self._root_post_forward)
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -113,10 +111,11 @@ class ParamGatherer:
         # recomputation saves alias the gathered storage and the module's backward runs next;
         # its units are released when their gradients arrive or backward ends.
         recomputing = is_recomputing()
-        position = self._kept_position(module) if not recomputing else -1
+        position = self._calls.pop() if not recomputing and self._calls else -1  # in forward_order
         for record in self.module_records[module]:
             record.in_use -= 1
-            if record.in_use == 0 and not recomputing and position not in record.keep_after:
+            kept = self._on_order and position in record.keep_after  # Note [kept gathered]
+            if record.in_use == 0 and not recomputing and not kept:
                 record.unit.release()
         if torch.is_grad_enabled() and not recomputing:
             self._finished.append(module)
@@ -143,22 +142,12 @@ class ParamGatherer:
                 record.keep_for_backward = record.index in keep_for_backward
         self._release_idle(for_backward=torch.is_grad_enabled())
 
-    def _kept_position(self, module: nn.Module) -> int:
-        """The forward position of this call of ``module``, to look up in the records'
-        ``keep_after`` (Note [kept gathered]); -1 when this forward has left the recorded order."""
-        position = self._calls.pop() if self._calls else -1
-        return position if self._on_order else -1
-
     def _prefetch_forward(self, module: nn.Module) -> None:
         """Issue the async gather of the module expected to run after ``module`` in forward."""
         order = self.forward_order
-        try:
-            position = order.index(module)
-        except ValueError:
-            return
-        target = position + 1
-        if target < len(order):
-            for record in self.module_records[order[target]]:
+        position = order.index(module) if module in order else -1
+        if 0 <= position < len(order) - 1:
+            for record in self.module_records[order[position + 1]]:
                 record.unit.start_gather(self.group)
 
     def _prefetch_backward(self, module: nn.Module) -> None:

@@ -5,14 +5,13 @@ The user's optimizer stays the one that steps: its param groups keep their hyper
 becomes the fp32 masters of that group's units on this rank (unit/record.py). Torch
 optimizers skip a parameter whose ``.grad`` is None, so a subset of units is updated by
 giving only their masters a gradient and calling ``optimizer.step()``: the same object, the
-same per-parameter state, any subset at a time. Without offload every unit is updated in one
-call (the multi-tensor path); with NVMe one unit at a time, as its buffer allows.
+same per-parameter state, any subset at a time. Units on the device are updated in one call
+(the multi-tensor path); units whose home ``updates_alone`` (host, NVMe) one at a time.
 
-Per unit: its state home makes master and state resident and stages the fp32 gradient chunk
-beside them (``record.state_home``, offload/placements.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
-clipped when asked; the optimizer steps; the master is published into the model's chunk; and
-the home puts master and state away. Units whose home updates them together
-(``update_batch`` None) share one optimizer call; the others go ``update_batch`` at a time.
+Per unit: its state home (``record.state_home``, offload/placements.py) makes master and state
+resident and stages the fp32 gradient chunk beside them; the gradient is unscaled by
+1 / (data-parallel world x loss scale); clipped when asked; the optimizer steps; the master is
+published into the model's chunk; and the home puts master and state away.
 
 Note [update while backward runs]: with an offloaded optimizer the host would sit idle through
 backward and the device through the update. So at an accumulation boundary each unit's work is
@@ -60,7 +59,7 @@ class _Window:
 def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord]) -> None:
     """Point each of the user's param groups at its units' masters (one per unit)."""
     for index, group in enumerate(optimizer.param_groups):
-        group["params"] = [r.master for r in records if r.group_index == index]
+        group["params"] = [r.master for r in records if r.unit.group_index == index]
     optimizer.state.clear()  # state is per master from now on; nothing stepped the originals
 
 
@@ -81,16 +80,10 @@ def refresh_replicas(records: list[UnitRecord], group) -> None:
 
 
 def update_batches(records: list[UnitRecord]) -> list[list[UnitRecord]]:
-    """One optimizer call for the units whose homes take them all at once, then the others
-    ``update_batch`` at a time (Note [unit-sized gradient staging])."""
-    together = [r for r in records if r.state_home.update_batch is None]
-    rest = [r for r in records if r.state_home.update_batch is not None]
-    batches = [together] if together else []
-    while rest:
-        size = max(rest[0].state_home.update_batch, 1)
-        batches.append(rest[:size])
-        rest = rest[size:]
-    return batches
+    """One optimizer call for the units whose homes take them all at once, then one call per
+    unit whose home updates it alone (Note [unit-sized gradient staging])."""
+    together = [r for r in records if not r.state_home.updates_alone]
+    return ([together] if together else []) + [[r] for r in records if r.state_home.updates_alone]
 
 
 class UnitUpdater:

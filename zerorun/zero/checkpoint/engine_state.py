@@ -17,6 +17,9 @@ keys and the re-partitioning math: checkpoint/reshard.py; the streamed safetenso
     DIR/TAG/engine.pt            counters, accumulation position, loss scaler, LR scheduler,
                                  param-group hyper-parameters, the user's client state (rank 0)
 
+The engine surface used here: ``records`` (save and load are loops over them), ``quiesce()``,
+``train_state`` (zero/train_state.py), ``module``, ``pg`` (rank, world size, group), ``config``.
+
 Note [what a rank writes]: each rank writes the pieces of its own chunks (``record.segments``),
 read from the record's master and ``optimizer.state[record.master]``, so no collective moves
 any tensor and every element is written exactly once: at stage 0 (and at world size 1) the
@@ -42,7 +45,6 @@ an update would have left.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -62,9 +64,10 @@ from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION,
                                            master_index, model_table, persistent_buffers, rank_file, read_manifest,
                                            resolve)
 from zerorun.zero.checkpoint.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncovered, bad_tag, first_mismatch, index_pieces,
-                                  micro_steps_after_load, piece_key, plan_reads, state_family, step_tag,
+                                  piece_key, plan_reads, state_family, step_tag,
                                   tags_to_delete, whole_key)
 from zerorun.zero.unit.layout import Segment
+from zerorun.zero.precision import model_dtype
 from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
 from zerorun.zero.unit.storage import ParamState
 from zerorun.zero.update import refresh_replicas
@@ -113,7 +116,7 @@ def _torch_rng() -> dict[str, torch.Tensor]:
 # -- save -----------------------------------------------------------------------------------
 def _writes_records(engine) -> bool:
     """Note [what a rank writes]: unsharded chunks (stage 0, world 1) are written by rank 0 only."""
-    return engine.stage != 0 or engine.rank == 0
+    return engine.config.zero.stage != 0 or engine.pg.rank == 0
 
 
 def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
@@ -135,14 +138,14 @@ def _rank_entries(engine) -> tuple[list, dict]:
     entries, scalars = [], {}
     if _writes_records(engine):
         for record in engine.records:
-            elementwise, record_scalars = _state_split(record, engine.optimizer)
+            elementwise, record_scalars = _state_split(record, engine.train_state.optimizer)
             for seg in record.segments:
                 entries.append((piece_key(MASTER, seg.name, seg.param_offset, seg.length), torch.float32, (seg.length,)))
                 for key, dtype in elementwise.items():
                     entries.append((piece_key(state_family(key), seg.name, seg.param_offset, seg.length), dtype, (seg.length,)))
                 if record_scalars:
                     scalars[seg.name] = {k: _encode_scalar(v) for k, v in record_scalars.items()}
-    if engine.rank == 0:
+    if engine.pg.rank == 0:
         for name, tensor in _frozen_and_buffers(engine):
             entries.append((name, tensor.dtype, tuple(tensor.shape)))
     for key, state in _torch_rng().items():
@@ -157,7 +160,7 @@ def _frozen_and_buffers(engine) -> list[tuple[str, torch.Tensor]]:
 
 def _write_rank_file(engine, staging: Path) -> dict:
     entries, scalars = _rank_entries(engine)
-    path = staging / rank_file(engine.rank)
+    path = staging / rank_file(engine.pg.rank)
     try:
         writer = TensorFileWriter(path, entries, metadata={"format": "pt"})
     except OSError as exc:
@@ -166,8 +169,8 @@ def _write_rank_file(engine, staging: Path) -> dict:
     try:
         if _writes_records(engine):
             for record in engine.records:
-                _write_record(writer, record, engine.optimizer)
-        if engine.rank == 0:
+                _write_record(writer, record, engine.train_state.optimizer)
+        if engine.pg.rank == 0:
             for key, tensor in _frozen_and_buffers(engine):
                 writer.write(key, tensor)
         for key, state in _torch_rng().items():
@@ -178,7 +181,7 @@ def _write_rank_file(engine, staging: Path) -> dict:
         raise
     finally:
         engine.quiesce()
-    return {"file": rank_file(engine.rank), "keys": [key for key, _, _ in entries], "scalars": scalars,
+    return {"file": rank_file(engine.pg.rank), "keys": [key for key, _, _ in entries], "scalars": scalars,
             "rng": _python_rng(), "checksum": checksum}
 
 
@@ -193,35 +196,24 @@ def _write_record(writer: TensorFileWriter, record, optimizer) -> None:
                 writer.write(piece_key(state_family(key), seg.name, seg.param_offset, seg.length), state[key][span])
 
 
-def _engine_state(engine, client_state) -> dict:
-    scheduler = engine.lr_scheduler
-    return {
-        "global_step": engine.global_step, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps, "gradient_accumulation_steps": engine.gradient_accumulation_steps,
-        "loss_scaler": dataclasses.asdict(engine.loss_scaler),
-        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "client_state": client_state,
-    }
-
-
 def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None, *, save_latest: bool = True,
                     keep_last: int | None = None) -> bool:
     """Write a checkpoint of ``engine`` under ``save_dir/tag`` (every rank must call this)."""
     started = time.perf_counter()
-    tag = str(tag) if tag is not None else step_tag(engine.global_step)
+    train = engine.train_state
+    tag = str(tag) if tag is not None else step_tag(train.global_step)
     problem = bad_tag(tag)
     if problem:
         raise CheckpointError(f"checkpoint tag {tag!r} cannot be used: {problem}")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if train.micro_steps % train.gradient_accumulation_steps:
         raise CheckpointError(
             f"save_checkpoint was called in the middle of a gradient accumulation window (micro-step "
-            f"{engine.micro_steps % engine.gradient_accumulation_steps} of {engine.gradient_accumulation_steps}); "
+            f"{train.micro_steps % train.gradient_accumulation_steps} of {train.gradient_accumulation_steps}); "
             "the gradients accumulated so far are not saved",
             hint="save right after the engine.step() that ends a window (engine.is_gradient_accumulation_boundary())")
     root = Path(save_dir)
     staging = root / f"{tag}.partial"
-    if engine.rank == 0:
+    if engine.pg.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # what a crashed save of this tag left
@@ -229,30 +221,30 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
         except OSError as exc:
             raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
                                   hint="checkpoint.dir must be a writable directory shared by every rank") from None
-    collectives.barrier(group=engine.group)
+    collectives.barrier(group=engine.pg.group)
     table = model_table(engine.module)
     entry = _write_rank_file(engine, staging)
-    write_bytes_atomically(staging / f"rank{engine.rank}.json", json.dumps(entry).encode())
-    if engine.rank == 0:
+    write_bytes_atomically(staging / f"rank{engine.pg.rank}.json", json.dumps(entry).encode())
+    if engine.pg.rank == 0:
         buffer = io.BytesIO()
-        torch.save(_engine_state(engine, client_state), buffer)
+        torch.save(engine.train_state.state_dict() | {"client_state": client_state}, buffer)
         engine_checksum = write_bytes_atomically(staging / ENGINE_FILE, buffer.getvalue())
-    collectives.barrier(group=engine.group)
-    if engine.rank == 0:
+    collectives.barrier(group=engine.pg.group)
+    if engine.pg.rank == 0:
         manifest = _manifest(engine, tag, table, staging, engine_checksum)
         final = _commit(root, staging, tag, manifest, save_latest)
         if keep_last:
             _delete_old(root, keep_last, tag)
         total = sum(f["bytes"] for f in manifest["files"].values())
         print(f"zerorun: checkpoint {tag} saved to {final} in {time.perf_counter() - started:.2f} s "
-              f"({total / 2**20:.1f} MiB from {engine.world_size} rank(s))", file=sys.stderr, flush=True)
-    collectives.barrier(group=engine.group)
+              f"({total / 2**20:.1f} MiB from {engine.pg.world_size} rank(s))", file=sys.stderr, flush=True)
+    collectives.barrier(group=engine.pg.group)
     return True
 
 
 def _manifest(engine, tag: str, table: dict, staging: Path, engine_checksum: dict) -> dict:
     ranks, files = [], {}
-    for rank in range(engine.world_size):
+    for rank in range(engine.pg.world_size):
         path = staging / f"rank{rank}.json"
         entry = json.loads(path.read_text())
         files[entry.pop("file")] = entry.pop("checksum")
@@ -260,9 +252,9 @@ def _manifest(engine, tag: str, table: dict, staging: Path, engine_checksum: dic
     files[ENGINE_FILE] = engine_checksum
     cfg = engine.config
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag, "global_step": engine.global_step,
-        "world_size": engine.world_size, "stage": engine.stage, "dtype": DTYPE_NAMES[engine.dtype],
-        "offload_optimizer": cfg.zero.offload_optimizer.device, "optimizer": type(engine.optimizer).__name__,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag, "global_step": engine.train_state.global_step,
+        "world_size": engine.pg.world_size, "stage": engine.config.zero.stage, "dtype": DTYPE_NAMES[model_dtype(engine.config.precision)],
+        "offload_optimizer": cfg.zero.offload_optimizer.device, "optimizer": type(engine.train_state.optimizer).__name__,
         "versions": {"zerorun": zerorun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         **table, "files": files, "ranks": ranks,
     }
@@ -313,7 +305,7 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_
     (None, None) when ``load_dir`` holds no checkpoint yet (as DeepSpeed does)."""
     directory = resolve(load_dir, tag)
     if directory is None:
-        if engine.rank == 0:
+        if engine.pg.rank == 0:
             print(f"zerorun: no checkpoint in {str(load_dir)!r} yet (no {LATEST} file); nothing loaded",
                   file=sys.stderr, flush=True)
         return None, None
@@ -326,8 +318,8 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_
         client_state = None
         if not load_module_only:
             client_state = _load_engine_state(engine, reader, load_lr_scheduler_states)
-            if engine.rank < manifest["world_size"]:
-                _load_rng(reader, manifest, engine.rank)
+            if engine.pg.rank < manifest["world_size"]:
+                _load_rng(reader, manifest, engine.pg.rank)
     finally:
         reader.close()
     return str(directory), client_state
@@ -357,7 +349,7 @@ def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: b
     for entry in manifest["ranks"]:
         scalars.update(entry["scalars"])
     engine.quiesce()  # a unit left gathered would keep stale values
-    optimizer = engine.optimizer
+    optimizer = engine.train_state.optimizer
     for record in engine.records:
         try:
             master_reads = plan_reads(record.segments, index)
@@ -370,7 +362,7 @@ def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: b
                 optimizer.state[record.master] = _record_state(record, reader, state_index, scalars, optimizer)
             record.state_home.publish(record)
     engine.quiesce()
-    refresh_replicas(engine.records, engine.group)
+    refresh_replicas(engine.records, engine.pg.group)
 
 
 def _record_state(record, reader: Reader, state_index: dict, scalars: dict, optimizer) -> dict:
@@ -392,11 +384,10 @@ def _record_state(record, reader: Reader, state_index: dict, scalars: dict, opti
                                   f"for parameter {gap.name!r}") from None
         dtype = reader.file(reads[0].file).info(reads[0].key)[0] if reads else torch.float32
         tensor = torch.zeros(record.master.numel(), dtype=dtype, device=record.master.device)
-        with torch.no_grad():
-            reader.fill(reads, tensor)
+        reader.fill(reads, tensor)  # (the caller holds no_grad)
         state[family[len("state."):]] = tensor
     if names and names[0] in scalars:
-        group = optimizer.param_groups[record.group_index]
+        group = optimizer.param_groups[record.unit.group_index]
         device = record.master.device if (group.get("fused") or group.get("capturable")) else torch.device("cpu")
         for key, entry in scalars[names[0]].items():
             state[key] = _decode_scalar(entry, device)
@@ -409,19 +400,7 @@ def _load_engine_state(engine, reader: Reader, load_scheduler: bool):
         saved = torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - the unpickler's refusals are many types
         raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({exc})") from None
-    if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
-                              f"{len(engine.optimizer.param_groups)}", hint="build the optimizer with the same groups")
-    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"], strict=True):
-        group.update(hyper)
-    engine.global_step = saved["global_step"]
-    engine.skipped_steps = saved["skipped_steps"]
-    engine.micro_steps = micro_steps_after_load(saved["micro_steps"], saved["gradient_accumulation_steps"],
-                                                saved["global_step"], engine.gradient_accumulation_steps)
-    for key, value in saved["loss_scaler"].items():
-        setattr(engine.loss_scaler, key, value)
-    if load_scheduler and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    engine.train_state.load_state_dict(saved, load_scheduler=load_scheduler)
     return saved["client_state"]
 
 
@@ -439,23 +418,19 @@ def _load_rng(reader: Reader, manifest: dict, rank: int) -> None:
 def resume_from_config(engine) -> None:
     """``checkpoint.resume``: load the latest checkpoint of ``checkpoint.dir`` when there is one."""
     cfg = engine.config.checkpoint
-    if not getattr(cfg, "resume", False):
+    if not cfg.resume:
         return
     if not cfg.dir:
         raise RuntimeConfigError("checkpoint.resume is set but checkpoint.dir is not", hint="set checkpoint.dir")
-    from zerorun.config import load_config
-
-    # initialize() settles the accumulation steps with the world size only after __init__.
-    engine.gradient_accumulation_steps = load_config(engine.config, world_size=engine.world_size).gradient_accumulation_steps
     path, _ = load_checkpoint(engine, cfg.dir)
-    if path is not None and engine.rank == 0:
-        print(f"zerorun: resumed from {path} at step {engine.global_step}", file=sys.stderr, flush=True)
+    if path is not None and engine.pg.rank == 0:
+        print(f"zerorun: resumed from {path} at step {engine.train_state.global_step}", file=sys.stderr, flush=True)
 
 
 def save_on_interval(engine) -> None:
     """``checkpoint.interval_steps``: save after every N-th optimizer step, keeping ``keep_last``."""
     cfg = engine.config.checkpoint
-    if cfg.interval_steps > 0 and cfg.dir and engine.global_step % cfg.interval_steps == 0:
+    if cfg.interval_steps > 0 and cfg.dir and engine.train_state.global_step % cfg.interval_steps == 0:
         save_checkpoint(engine, cfg.dir, keep_last=cfg.keep_last)
 
 
@@ -463,17 +438,16 @@ def save_on_interval(engine) -> None:
 def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded state dict, gathered one stage-3 unit at a time (every rank must call it):
     at most one gathered unit is alive beside the copies rank 0 keeps."""
-    keep = not rank0_only or engine.rank == 0
+    keep = not rank0_only or engine.pg.rank == 0
     unit_of = {id(p): r.unit for r in engine.records if r.unit.partitioned for p in r.unit.params}
-    pool = engine.gatherer.pool if engine.gatherer is not None else None
     state: dict[str, torch.Tensor] = {}
     current, gathered_here = None, False
 
     def let_go():
         if current is not None and gathered_here:
             current.release()
-            if pool is not None:
-                pool.clear()
+            if current.pool is not None:  # Note [gather pool]: keep no unit's memory behind
+                current.pool.clear()
 
     try:
         for key, tensor in engine.module.state_dict(keep_vars=True).items():
@@ -481,7 +455,7 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
             if unit is not None and unit is not current:
                 let_go()
                 current, gathered_here = unit, unit.state is ParamState.SHARDED
-                unit.gather(engine.group)
+                unit.gather(engine.pg.group)
             if keep:
                 state[key] = tensor.detach().clone().cpu()
     finally:

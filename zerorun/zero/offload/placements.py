@@ -2,16 +2,7 @@
 
 Each record holds two: ``record.state_home`` (its fp32 master and optimizer state) and
 ``record.param_home`` (its stage-3 model-dtype chunk). Everything that depends on offload is
-a method of the protocol, and only this module asks which placement it holds:
-
-    make_master(unit)            the record's fp32 master, created once, where the state lives
-    place_shard(chunk, index)    the home of a stage-3 parameter chunk (Note [host shards])
-    stage_gradient(record)       the record's fp32 gradient chunk, moved next to the master
-    publish(record)              copy the updated master into the model's chunk
-    resident(record, optimizer)  a context in which master and state are in memory
-                                 (NVMe: the unit's file read in, written back on leaving)
-    prefetch(record) / settle(records)   start a read early / wait for writes behind
-    nbytes(records, optimizer)   bytes of masters and state by location
+a method of the protocol, and only this module asks which placement it holds.
 
 ``OnDevice`` keeps everything beside the model (no offload). ``OnHost`` is ZeRO-Offload's
 optimizer offload: master and state in (pinned, when the model is on CUDA) host memory, the
@@ -22,9 +13,8 @@ written behind (Note [file buffers]). As a parameter home, ``OnHost`` keeps each
 own host copy and ``OnFile`` a memory-mapped file per chunk. One instance serves one role
 (the file names of both roles are ``unit{index}.bin``).
 
-Per-unit policies are records with different homes: the engine asks ``state_home_for(unit)``
-(by default the configured placement for every unit), so "embeddings on the device, the rest
-on NVMe" is one small callable (tests/distributed/zero_parity_harness.py).
+A per-unit policy is ``zerorun.zero.engine.initialize(state_home_for=unit -> Placement)``:
+"embeddings on the device, the rest on NVMe" is one small class (zero_parity_harness.py).
 
 On a machine without a GPU the "device" and the host are the same memory, so ``OnHost``
 and ``OnFile`` run their whole path (separate masters, staged gradients, worker thread,
@@ -71,37 +61,34 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
 
 
 class Placement(Protocol):
-    """Where one role's tensors of a unit live (see the module docstring for each method)."""
+    """Where one role's tensors of a unit live; each method's comment says what it does."""
 
-    name: str  # the config's word: none, cpu, nvme
     location: str  # the memory_breakdown key its bytes count under: device, host, nvme
     overlaps_backward: bool  # updates run on a worker thread during the boundary backward
-    update_batch: int | None  # units per optimizer call; None: all of them in one call
+    updates_alone: bool  # one unit per optimizer call (else all such units in one call)
     host_kernels: bool  # Note [host optimizer kernels]
 
-    def make_master(self, unit: FlatUnit) -> torch.Tensor: ...
-    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor: ...
-    def stage_gradient(self, record: UnitRecord) -> torch.Tensor: ...
-    def publish(self, record: UnitRecord) -> None: ...
+    def make_master(self, unit: FlatUnit) -> torch.Tensor: ...  # created once, where the state lives
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor: ...  # Note [host shards]
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor: ...  # the fp32 chunk, beside the master
+    def publish(self, record: UnitRecord) -> None: ...  # the updated master into the model's chunk
+    # Master and state are in memory inside (NVMe: the file read in, written back on leaving).
     def resident(self, record: UnitRecord, optimizer) -> ContextManager[None]: ...
-    def prefetch(self, record: UnitRecord) -> None: ...
-    def settle(self, records: list[UnitRecord]) -> None: ...
-    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]: ...
+    def prefetch(self, record: UnitRecord) -> None: ...  # start making it resident early
+    def settle(self, records: list[UnitRecord]) -> None: ...  # wait for every write behind
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]: ...  # masters + state by location
 
 
 class OnDevice:
     """No offload: the master sits beside the model (Note [masters] in unit/record.py)."""
 
-    name = "none"
     location = "device"
     overlaps_backward = False
-    update_batch: int | None = None  # every unit in one optimizer call (the multi-tensor path)
+    updates_alone = False  # every unit in one optimizer call (the multi-tensor path)
     host_kernels = False  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.dtype == torch.float32:
-            return unit.shard
-        return unit.shard.detach().float()
+        return unit.shard if unit.dtype == torch.float32 else unit.shard.detach().float()
 
     def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
         return chunk
@@ -136,10 +123,9 @@ class OnDevice:
 class OnHost(OnDevice):
     """ZeRO-Offload: fp32 master and optimizer state in host memory, updated by the host."""
 
-    name = "cpu"
     location = "host"
     overlaps_backward = True
-    update_batch = 1  # one unit's gradient staged on the host at a time
+    updates_alone = True  # one unit's gradient staged on the host at a time
     # Note [host optimizer kernels]: the host update is what an offloaded step waits for, and
     # torch's fused CPU kernels (Adam, AdamW, SGD, Adagrad) run it 6x faster than the
     # per-tensor path the CPU otherwise defaults to (8M fp32 elements of AdamW: 4.4 against
@@ -230,7 +216,6 @@ class OnFile(OnHost):
     written unit readable at memory speed, and torch buffers are not guaranteed 4 KiB-aligned.
     """
 
-    name = "nvme"
     location = "nvme"
 
     def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int,
@@ -322,13 +307,7 @@ class OnFile(OnHost):
 
     @contextmanager
     def resident(self, record: UnitRecord, optimizer):
-        self._begin_update(record, optimizer)
-        try:
-            yield
-        finally:
-            self._end_update(record, optimizer)
-
-    def _begin_update(self, record: UnitRecord, optimizer) -> None:
+        """Master and state as views of a pool buffer while inside; written behind on leaving."""
         self.prefetch(record)
         held = _slot(record)
         read, held.read = held.read, None
@@ -338,8 +317,12 @@ class OnFile(OnHost):
         state = optimizer.state.get(record.master)
         for slot, name in enumerate(held.state_names, start=1):
             state[name] = buffer[slot * n : (slot + 1) * n]
+        try:
+            yield
+        finally:
+            self._put_away(record, optimizer)
 
-    def _end_update(self, record: UnitRecord, optimizer) -> None:
+    def _put_away(self, record: UnitRecord, optimizer) -> None:
         n = record.unit.layout.chunk_numel
         held = _slot(record)
         buffer, held.buffer = held.buffer, None
@@ -379,19 +362,12 @@ class OnFile(OnHost):
         return {"device": 0, "host": self._buffer_pool().nbytes() if self._largest else 0, "nvme": on_disk}
 
 
-def param_home_from_config(offload, *, rank: int) -> Placement:
-    """Where stage-3 parameter chunks live (``zero.offload_param``)."""
-    if offload.device == "nvme":
-        return OnFile(offload.nvme_path, rank, buffer_count=offload.buffer_count,
-                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory, role="param")
-    return placement_from_config(offload, rank=rank)
-
-
-def placement_from_config(offload, *, rank: int) -> Placement:
-    """The placement for ``zero.offload_optimizer`` (an OffloadConfig)."""
+def placement_from_config(offload, *, rank: int, role: str = "optimizer") -> Placement:
+    """The placement ``zero.offload_{role}`` (an OffloadConfig) names: role "optimizer" for
+    master and state, "param" for stage-3 chunks."""
     if offload.device == "cpu":
         return OnHost(offload.pin_memory)
     if offload.device == "nvme":
         return OnFile(offload.nvme_path, rank, buffer_count=offload.buffer_count,
-                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory)
+                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory, role=role)
     return OnDevice()

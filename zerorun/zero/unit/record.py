@@ -93,10 +93,6 @@ class UnitRecord:
         return self.unit.index
 
     @property
-    def group_index(self) -> int:
-        return self.unit.group_index
-
-    @property
     def master_is_model_storage(self) -> bool:
         """Note [masters]: the update writes the model's own storage."""
         return self.master.data_ptr() == self.unit.shard.data_ptr()
@@ -110,10 +106,6 @@ class UnitRecord:
         held = self.grad_full if self.grad_full is not None else self.grad
         return 0 if held is None else held.numel() * held.element_size()
 
-
-def chunk_segments(unit: FlatUnit) -> tuple[Segment, ...]:
-    """(name, parameter offset, chunk offset, length) of every piece in this rank's chunk."""
-    return tuple(unit.layout.segments(unit.rank))
 
 
 def by_state_home(records: list[UnitRecord]) -> dict[Placement, list[UnitRecord]]:

@@ -188,19 +188,17 @@ class FlatUnit:
         """Make ``full`` valid (waiting for a prefetch if one is in flight)."""
         if self.state is ParamState.SHARDED:
             self.start_gather(group)
+        self._finish_gather()
+
+    def _finish_gather(self) -> None:
         if self.state is ParamState.GATHERING:
             self._gather_handle.wait()
-            self._gather_handle = None
-            self._staged_shard = None
+            self._gather_handle = self._staged_shard = None  # the collective has read the staged copy
             self._move(ParamState.GATHERED)
 
     def release(self) -> None:
         """Drop ``full`` (stage 3); waits for an in-flight gather first."""
-        if self.state is ParamState.GATHERING:
-            self._gather_handle.wait()
-            self._gather_handle = None
-            self._staged_shard = None
-            self._move(ParamState.GATHERED)
+        self._finish_gather()
         if self.state is ParamState.GATHERED:
             self._free_full()
             self._move(ParamState.SHARDED)
