@@ -243,7 +243,7 @@ def test_stage3_gathers_a_tied_unit_once_per_step():
     model = Tied()
     config = {"zero": {"stage": 3, "param_persistence_threshold": 0}}
     engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-    tied = next(u for u in [r.unit for r in engine.records] if any(p is emb.weight for p in u.params))
+    tied = next(u for u in (r.unit for r in engine.records) if any(p is emb.weight for p in u.params))
     gathers = [0, 0, 0]
     original = Unit.start_gather
 
@@ -261,7 +261,7 @@ def test_stage3_gathers_a_tied_unit_once_per_step():
         Unit.start_gather = original
     # The first forward records the order: embedding, head and head's backward each gather.
     assert gathers == [3, 1, 1]
-    assert all(u.state is ParamState.SHARDED for u in [r.unit for r in engine.records] if u.partitioned)
+    assert all(u.state is ParamState.SHARDED for u in (r.unit for r in engine.records) if u.partitioned)
 
 
 class _MLP(nn.Module):
@@ -315,7 +315,7 @@ def test_stage3_backward_finds_every_unit_prefetched_within_the_planned_bound():
         if in_backward[0]:
             if self.state is ParamState.SHARDED:
                 synchronous.append(self.index)
-            alive = sum(u.layout.numel for u in [r.unit for r in engine.records]
+            alive = sum(u.layout.numel for u in (r.unit for r in engine.records)
                         if u.partitioned and u.state is not ParamState.SHARDED)
             most_gathered[0] = max(most_gathered[0], alive + (self.layout.numel if self.state is ParamState.SHARDED else 0))
         original(self, group)
@@ -399,7 +399,7 @@ def test_stage3_parameters_offloaded_to_nvme_live_in_files(tmp_path):
     assert files and breakdown["parameters"] == 0  # nothing partitioned is held on the device
     assert breakdown["offloaded_nvme"] == sum(f.stat().st_size for f in files)
     on_disk = torch.from_file(str(files[0]), size=files[0].stat().st_size // 4, dtype=torch.float32)
-    assert torch.equal(on_disk, next(u.shard for u in [r.unit for r in engine.records] if u.index == int(files[0].stem[4:])))
+    assert torch.equal(on_disk, next(u.shard for u in (r.unit for r in engine.records) if u.index == int(files[0].stem[4:])))
     assert not torch.equal(before, engine.full_state_dict()["0.weight"])  # the update wrote through
 
 

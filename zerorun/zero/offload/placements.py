@@ -29,10 +29,10 @@ import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ContextManager, Protocol
+from typing import Protocol
 
 import torch
 
@@ -73,7 +73,7 @@ class Placement(Protocol):
     def stage_gradient(self, record: UnitRecord) -> torch.Tensor: ...  # the fp32 chunk, beside the master
     def publish(self, record: UnitRecord) -> None: ...  # the updated master into the model's chunk
     # Master and state are in memory inside (NVMe: the file read in, written back on leaving).
-    def resident(self, record: UnitRecord, optimizer) -> ContextManager[None]: ...
+    def resident(self, record: UnitRecord, optimizer) -> AbstractContextManager[None]: ...
     def prefetch(self, record: UnitRecord) -> None: ...  # start making it resident early
     def settle(self, records: list[UnitRecord]) -> None: ...  # wait for every write behind
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]: ...  # masters + state by location
