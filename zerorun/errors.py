@@ -63,3 +63,17 @@ class StorageError(ZerorunError):
 class UnsupportedFeature(ZerorunError):
     """A DeepSpeed name (pipeline parallelism, MoE, tensor or sequence parallelism, compression)
     that has no meaning in zerorun; raised when it is first used, naming the feature."""
+
+
+class UsageError(ZerorunError):
+    """An engine method was called with an argument or at a moment its contract does not allow."""
+
+
+class InternalError(ZerorunError):
+    """A state machine of zerorun reached a transition it forbids: a bug in zerorun, not in the
+    user's script. Raised explicitly (an ``assert`` would vanish under ``python -O``)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint or "this is a zerorun bug: rerun with ZERORUN_DEBUG=1 and report the traceback")

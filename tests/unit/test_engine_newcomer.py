@@ -147,7 +147,7 @@ def test_set_total_steps_reaches_the_step_messages():
     engine._recorder.send_sample()
     steps = [m for m in sink.lines if m["kind"] == "step"]
     assert steps and steps[0]["total_steps"] == 40
-    with pytest.raises(zerorun.errors.RuntimeConfigError):
+    with pytest.raises(zerorun.errors.UsageError):
         engine.set_total_steps(0)
 
 

@@ -31,8 +31,8 @@ from zerorun.zero.checkpoint.format import LATEST, MANIFEST, Reader, master_inde
 from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, plan_reads, whole_key
 from zerorun.zero.unit.layout import Segment
 from zerorun.zero.checkpoint.tensor_files import DTYPES, TensorFileWriter, temporary_name, write_bytes_atomically
+from zerorun.zero.precision import DTYPES as DTYPE_CHOICES
 
-DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 

@@ -147,10 +147,6 @@ def plan_reads(segments: Sequence[Segment], index: Mapping[str, Sequence[Piece]]
     return reads
 
 
-def files_needed(reads: Iterable[Read]) -> list[str]:
-    return sorted({r.file for r in reads})
-
-
 def first_mismatch(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequence[int]],
                    what: str = "parameter") -> str | None:
     """The first difference between two {name: shape} tables, as a phrase; None when equal.
