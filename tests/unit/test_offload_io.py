@@ -47,7 +47,7 @@ def _step(engine):
 
 def _drain(engine):
     """Wait until the update worker, the reader and the writer have nothing left to run."""
-    placement = engine.updater.placement
+    placement = engine.records[0].state_home
     for worker in (engine.updater._worker, placement._reader, placement._writer):
         worker.submit(lambda: None).result(timeout=60)
 
@@ -61,7 +61,7 @@ def test_a_damaged_unit_file_is_one_error_line_and_every_buffer_comes_back(tmp_p
     nvme = tmp_path / "nvme"
     engine = _engine(nvme)
     _step(engine)
-    engine.updater.placement.flush()
+    engine.quiesce()
     files = _unit_files(nvme)
     assert len(files) >= 2
     size = files[0].stat().st_size
@@ -79,7 +79,7 @@ def test_a_damaged_unit_file_is_one_error_line_and_every_buffer_comes_back(tmp_p
     else:
         kept = 0 if fault == "truncate to 0" else size // 2
         assert f"moved {kept} of {size} bytes (the file ends at {kept} bytes: truncated)" in message
-    pool = engine.updater.placement.pool
+    pool = engine.records[0].state_home.pool
     _drain(engine)  # the threads are not stuck
     assert pool.available == pool.count  # Note [pool on failure]
     with pytest.raises(StorageError):  # and nothing waits on it again
@@ -131,7 +131,7 @@ def test_a_write_failure_ends_the_pool_and_the_next_read_says_why(tmp_path, monk
     nvme = tmp_path / "nvme"
     engine = _engine(nvme)
     _step(engine)
-    engine.updater.placement.flush()
+    engine.quiesce()
 
     def enospc(fd, buffers, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -140,8 +140,8 @@ def test_a_write_failure_ends_the_pool_and_the_next_read_says_why(tmp_path, monk
     with pytest.raises(StorageError, match=r"NVMe write of .* \(No space left on device\)"):
         for _ in range(3):
             _step(engine)
-            engine.updater.placement.flush()
-    pool = engine.updater.placement.pool
+            engine.quiesce()
+    pool = engine.records[0].state_home.pool
     _drain(engine)
     assert pool.available == pool.count
 
@@ -156,8 +156,8 @@ def test_scratch_names_are_fixed_per_job_and_rank_and_cleared_at_start_up(tmp_pa
     assert not (left / "optim7").exists()
     assert [p.parent.name for p in _unit_files(nvme)][0].startswith("optim")
     second = _engine(nvme)  # a second engine of the process keeps its own files
-    assert engine.updater.placement.directory != second.updater.placement.directory
-    assert engine.updater.placement.directory.exists()
+    assert engine.records[0].state_home.directory != second.records[0].state_home.directory
+    assert engine.records[0].state_home.directory.exists()
     recorded = (tmp_path / "run" / "scratch" / "rank0").read_text().strip()
     assert recorded == str(left)
     del engine, second

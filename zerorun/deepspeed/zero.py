@@ -37,6 +37,7 @@ from torch import nn
 
 from zerorun.zero.comm import collectives
 from zerorun.zero.engine_api import LIVE_ENGINES
+from zerorun.zero.unit.record import by_state_home
 from zerorun.zero.unit.storage import ParamState
 
 
@@ -165,9 +166,9 @@ class GatheredParameters:
                     collectives.broadcast(tensor, src=src, group=group)
                 for record in self._records:
                     _refresh_from_full(record, self._engine.optimizer)
-                flush = getattr(self._engine.updater.placement, "flush", None)
-                if flush is not None:
-                    flush()  # NVMe: the masters' writes land before anything reads the files
+                # NVMe: the masters' writes land before anything reads the files.
+                for home, records in by_state_home(self._records).items():
+                    home.settle(records)
             if self._materialized and dist.is_initialized() and dist.get_world_size() > 1:
                 for param, _ in self._materialized:
                     dist.broadcast(param.data, src=src)
@@ -181,8 +182,5 @@ def _refresh_from_full(record, optimizer) -> None:
         unit.shard.copy_(unit.full[lo:hi])
     if record.master_is_model_storage:
         return
-    record.placement.begin_update(record, optimizer)
-    try:
+    with record.state_home.resident(record, optimizer):
         record.master.copy_(unit.shard)
-    finally:
-        record.placement.end_update(record, optimizer)

@@ -390,9 +390,9 @@ def _check_optimizer(engine, manifest: dict, directory: Path) -> None:
     group_of = manifest.get("group_of", {})
     for record in engine.records:
         for seg in record.segments:
-            if seg.name in group_of and group_of[seg.name] != record.group_index:
+            if seg.name in group_of and group_of[seg.name] != record.unit.group_index:
                 raise CheckpointError(f"checkpoint {str(directory)!r} has parameter {seg.name!r} in optimizer param "
-                                      f"group {group_of[seg.name]}; this optimizer has it in group {record.group_index}",
+                                      f"group {group_of[seg.name]}; this optimizer has it in group {record.unit.group_index}",
                                       hint=hint)
 
 
