@@ -26,8 +26,8 @@ engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3
     "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[2], "buffer_count": 2, "buffer_size": 816}}})
 for step in range(40):
     if step == 3 and engine.rank == 0:
-        engine.updater.placement.flush()
-        victim = sorted(engine.updater.placement.directory.glob("unit*.bin"))[0]
+        engine.quiesce()
+        victim = sorted(engine.records[0].state_home.directory.glob("unit*.bin"))[0]
         if sys.argv[1] == "delete":
             victim.unlink()
         else:
@@ -56,7 +56,7 @@ def test_a_damaged_scratch_file_ends_the_job_in_seconds_with_one_line(tmp_path, 
     print(f"{fault}: the job ended {took:.1f} s after the fault")
     assert took < 10, f"the job took {took:.1f} s to end after the fault"
     why = "the file ends at 0 bytes: truncated" if fault == "truncate" else "No such file or directory"
-    lines = [line for line in done.stderr.splitlines() if "StorageError: rank 0: NVMe read of" in line]
+    lines = [line for line in done.stderr.splitlines() if "zerorun: error: rank 0: NVMe read of" in line]
     assert lines and lines[-1].rstrip().endswith(f"({why})"), done.stderr[-3000:]
     print(done.stderr.strip().splitlines()[-1])
     assert "optim0/unit" in lines[-1] and " moved 0 of " in lines[-1]

@@ -86,7 +86,7 @@ def _owners(engine) -> dict[int, object]:
     table = _OWNERS.get(engine)
     if table is None:
         table = {id(p): record for record in engine.records for p in record.unit.params}
-        table.update({id(p): None for p in engine.partition.frozen})
+        table.update({id(p): None for p in engine.module.parameters() if id(p) not in table})
         _OWNERS[engine] = table
     return table
 
