@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import zerorun  # noqa: E402
-from zerorun.zero.activation_checkpointing import is_checkpointed  # noqa: E402
-from gpt import GPT, count_parameters, preset, rank_slice, synthetic_batch  # noqa: E402
+import zerorun
+from zerorun.zero.activation_checkpointing import is_checkpointed
+from gpt import GPT, count_parameters, preset, rank_slice, synthetic_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

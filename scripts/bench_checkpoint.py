@@ -94,12 +94,12 @@ def zerorun_rank(rank: int, world: int, options: dict, root: Path) -> dict:
     fresh = build()
     for repeat in range(options["repeats"]):
         target = root / "zerorun" / f"r{repeat}"
-        saves.append(_timed(lambda: engine.save_checkpoint(target), dist.barrier))
-        loads.append(_timed(lambda: fresh.load_checkpoint(target), dist.barrier))
+        saves.append(_timed(lambda target=target: engine.save_checkpoint(target), dist.barrier))
+        loads.append(_timed(lambda target=target: fresh.load_checkpoint(target), dist.barrier))
     tag = root / "zerorun" / "r0" / f"global_step{engine.global_step}"
     own = [f"rank{rank}.safetensors"] + (["manifest.json", "engine.pt"] if rank == 0 else [])
     written = sum((tag / name).stat().st_size for name in own)
-    same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), fresh.full_state_dict().values()))
+    same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), fresh.full_state_dict().values(), strict=True))
     return {"save_s": saves, "load_s": loads, "bytes": written, "loaded_equal": same}
 
 
@@ -145,8 +145,8 @@ def dcp_rank(rank: int, world: int, options: dict, root: Path) -> dict:
     saves, loads = [], []
     for repeat in range(options["repeats"]):
         target = root / "dcp" / f"r{repeat}"
-        saves.append(_timed(lambda: save(target), dist.barrier))
-        loads.append(_timed(lambda: load(target), dist.barrier))
+        saves.append(_timed(lambda target=target: save(target), dist.barrier))
+        loads.append(_timed(lambda target=target: load(target), dist.barrier))
     first = root / "dcp" / "r0"
     own = [p for p in first.iterdir() if p.name.startswith(f"__{rank}_")] + ([first / ".metadata"] if rank == 0 else [])
     return {"save_s": saves, "load_s": loads, "bytes": sum(p.stat().st_size for p in own)}
@@ -171,7 +171,7 @@ def summarize(ranks: list[dict]) -> dict:
     for system in ("zerorun", "dcp"):
         per = [r[system] for r in ranks]
         repeats = len(per[0]["save_s"])
-        slowest = lambda key: [max(p[key][i] for p in per) for i in range(repeats)]  # noqa: E731
+        slowest = lambda key, per=per, repeats=repeats: [max(p[key][i] for p in per) for i in range(repeats)]
         out[system] = {"save_s": statistics.median(slowest("save_s")), "load_s": statistics.median(slowest("load_s")),
                        "bytes_per_rank": [p["bytes"] for p in per]}
     out["ratio"] = {k: out["zerorun"][k] / out["dcp"][k] for k in ("save_s", "load_s")}

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         if r.error:
             table.add_row(system, "failed", "", "", "", "", "", r.error[:40])
             continue
-        fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
+        fmt = lambda v: "" if v is None else f"{v:.2f}"
         table.add_row(system, f"{r.step_s:.3f}", fmt(ratio(r.step_s, base.step_s)), f"{r.step_cpu_s:.3f}",
                       fmt(ratio(r.step_cpu_s, base.step_cpu_s)), f"{r.peak_rss_mib:.0f}",
                       fmt(ratio(r.peak_rss_mib, base.peak_rss_mib)), f"{r.last_loss:.5f}")

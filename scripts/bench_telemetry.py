@@ -113,7 +113,7 @@ def worker(args) -> None:
     if rank == 0:
         off, on = statistics.median(per_mode["off"]), statistics.median(per_mode["on"])
         # Each ON block against the OFF block just before it: slow drifts of a shared machine cancel.
-        ratios = [b / a for a, b in zip(per_mode["off"], per_mode["on"])]
+        ratios = [b / a for a, b in zip(per_mode["off"], per_mode["on"], strict=True)]
         ratio = statistics.median(ratios)
         noise = 2 * statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else float("nan")
         what = "plain collectives" if engine is None else f"zerorun.initialize stage {args.stage}"

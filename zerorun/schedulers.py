@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -94,7 +95,7 @@ class WarmupLR(_DeepSpeedSchedule):
         if iteration < 0:
             return list(self.min_lrs)
         gamma = self.gamma(iteration)
-        return [low + (high - low) * gamma for low, high in zip(self.min_lrs, self.max_lrs)]
+        return [low + (high - low) * gamma for low, high in zip(self.min_lrs, self.max_lrs, strict=True)]
 
     def gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -250,7 +251,7 @@ class OneCycle(_DeepSpeedSchedule):
             return list(self.min_lrs)
         if iteration < self.total_size:
             scale = self.scale(iteration)
-            return [low + (high - low) * scale for low, high in zip(self.min_lrs, self.max_lrs)]
+            return [low + (high - low) * scale for low, high in zip(self.min_lrs, self.max_lrs, strict=True)]
         if self.skip_lr_decay:
             return list(self.min_lrs)
         factor = 1.0 + self.decay_lr_rate * (iteration - self.total_size + 1) / self.decay_step_size
@@ -261,7 +262,7 @@ class OneCycle(_DeepSpeedSchedule):
             return list(self.min_moms)
         if iteration < self.total_size:
             scale = self.scale(iteration)
-            return [high - (high - low) * scale for low, high in zip(self.min_moms, self.max_moms)]
+            return [high - (high - low) * scale for low, high in zip(self.min_moms, self.max_moms, strict=True)]
         if self.skip_mom_decay:
             return list(self.max_moms)
         factor = 1.0 + self.decay_mom_rate * (iteration - self.total_size + 1) / self.decay_step_size
@@ -270,7 +271,7 @@ class OneCycle(_DeepSpeedSchedule):
     def step(self, epoch=None) -> None:
         super().step(epoch)
         if self.cycle_momentum:
-            for group, beta1 in zip(self.optimizer.param_groups, self.moms_at(self.last_epoch - 1)):
+            for group, beta1 in zip(self.optimizer.param_groups, self.moms_at(self.last_epoch - 1), strict=True):
                 group["betas"] = (beta1, *tuple(group["betas"])[1:])
 
 

@@ -120,7 +120,7 @@ def test_accelerate_loop_on_the_engine_matches_ddp(results, name):
         assert "error" not in got, got.get("error")
         assert got["wrapped"] == "EngineModule" and want["wrapped"] == "DistributedDataParallel"
         assert len(got["losses"]) == len(want["losses"]) == 8  # 32 rows, 2 per micro-batch, 2 ranks
-        for step, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
             assert g == pytest.approx(w, rel=1e-5), f"rank {rank} micro-step {step}: {g} vs {w}"
         assert got["lrs"] == pytest.approx(want["lrs"], rel=1e-5)
         assert len(set(want["lrs"])) > 2, "the schedule never moved the learning rate"
@@ -129,5 +129,5 @@ def test_accelerate_loop_on_the_engine_matches_ddp(results, name):
         assert want["losses"][-1] < want["losses"][0]
         assert got["worst_weight_diff"] < 2e-5
         assert got["least_moved"] > 50 * 2e-5
-        worst = max(abs(g - w) / abs(w) for g, w in zip(got["losses"], want["losses"]))
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got["losses"], want["losses"], strict=True))
         print(f"{name} rank {rank}: max rel loss diff {worst:.2e}, worst weight diff {got['worst_weight_diff']:.2e}")

@@ -180,7 +180,7 @@ def worker(rank: int, out_dir: str) -> None:
                 results[name] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
             dist.barrier()
         if rank == 0:
-            for name, (config, _, reference) in RUNS.items():
+            for name, (_config, _, reference) in RUNS.items():
                 if reference is not None and "error" not in results[name]:
                     try:
                         results[name]["saved"] = compare_saved(out_dir, name, reference)
@@ -214,17 +214,17 @@ def test_logged_losses_and_learning_rates_match_ddp(results, name):
         assert got["wrapped"] == "EngineModule" and want["wrapped"] == "DistributedDataParallel"
         assert got["engine_stage"] == RUNS[name][0]["zero_optimization"]["stage"]
         for key in ("loss", "learning_rate"):
-            for step, (g, w) in enumerate(zip(got[key], want[key])):
+            for step, (g, w) in enumerate(zip(got[key], want[key], strict=True)):
                 assert g == pytest.approx(w, rel=1e-4), f"rank {rank} step {step} {key}: {g} vs {w}"
         # The comparison means something: the loss fell, clipping acted, the lr moved.
         assert want["loss"][-1] < want["loss"][0] - 0.1
         assert sum(norm > MAX_GRAD_NORM for norm in want["grad_norm"]) >= STEPS // 2
-        for g, w in zip(got["grad_norm"], want["grad_norm"]):
+        for g, w in zip(got["grad_norm"], want["grad_norm"], strict=True):
             assert g == pytest.approx(w, rel=1e-3)
         assert len(set(want["learning_rate"])) > 2
         print(f"{name} rank {rank}: max rel loss diff "
-              f"{max(_relative(g, w) for g, w in zip(got['loss'], want['loss'])):.2e}, lr "
-              f"{max(_relative(g, w) for g, w in zip(got['learning_rate'], want['learning_rate'])):.2e}")
+              f"{max(_relative(g, w) for g, w in zip(got['loss'], want['loss'], strict=True)):.2e}, lr "
+              f"{max(_relative(g, w) for g, w in zip(got['learning_rate'], want['learning_rate'], strict=True)):.2e}")
 
 
 @pytest.mark.slow

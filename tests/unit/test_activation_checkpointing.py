@@ -20,7 +20,7 @@ from zerorun.zero.activation_checkpointing import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
+from gpt import GPT, Block, GPTConfig, synthetic_batch
 
 CFG = GPTConfig(vocab_size=37, seq_len=16, n_layer=2, n_head=2, d_model=30, dropout=0.1)
 

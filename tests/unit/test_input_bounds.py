@@ -14,7 +14,7 @@ from zerorun.launch.hostfile import expand_nodelist, expand_tasks_per_node, pars
 
 BOMB = "".join(
     f"{name}: &{name} [{', '.join([f'*{prev}'] * 10) if prev else ', '.join(['lol'] * 10)}]\n"
-    for prev, name in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh")
+    for prev, name in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh", strict=True)
 )
 
 

@@ -84,7 +84,7 @@ def test_plan_invariants(slot_lists):
     ranks = [w.rank for w in plan.workers]
     assert ranks == list(range(sum(map(len, slot_lists))))
     assert all(w.env["WORLD_SIZE"] == str(len(ranks)) for w in plan.workers)
-    for node, slots in zip(plan.nodes, slot_lists):
+    for node, slots in zip(plan.nodes, slot_lists, strict=True):
         assert [w.local_rank for w in node.workers] == list(range(len(slots)))
         assert all(w.env["LOCAL_WORLD_SIZE"] == str(len(slots)) for w in node.workers)
     assert len({w.env["MASTER_ADDR"] for w in plan.workers}) == 1

@@ -94,7 +94,7 @@ def test_unknown_preset_suggests_the_close_name():
     assert "llama-7b" in err.value.hint
 
 
-def _meta_count(config) -> "object":
+def _meta_count(config) -> object:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     return count_module(model, "reference")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -43,7 +45,7 @@ def test_chunks_tile_the_unit_and_segments_cover_every_element_once(numels, worl
     assert layout.chunk_numel % alignment == 0
     ends = [layout.chunk_range(r) for r in range(world)]
     assert ends[0][0] == 0 and ends[-1][1] == layout.padded_numel
-    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ends))
     covered = {spec.name: [0] * spec.numel for spec in layout.params}
     for rank in range(world):
         for seg in layout.segments(rank):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -16,7 +15,7 @@ from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units, max_ga
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
-TRAINABLE = lambda p: p.trainable  # noqa: E731
+TRAINABLE = lambda p: p.trainable
 
 
 def leaf(name: str, *sizes: int) -> ModuleNode:

@@ -17,7 +17,8 @@ docs/config.md carries the same table for users.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from zerorun.config.problems import Problems, join_path, unknown_key_message
 

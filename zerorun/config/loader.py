@@ -12,7 +12,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from zerorun.config import build as typed
 from zerorun.config import deepspeed, rules, sources

@@ -86,7 +86,7 @@ def warn_overridden(cfg: ZerorunConfig, optimizer, script_config, launcher_confi
     if script_config is not None and launcher_config:
         try:
             launcher_cfg = load_config(launcher_config, environ={})
-        except Exception:  # noqa: BLE001 - the launcher validated it; unreadable now: nothing to compare
+        except Exception:
             launcher_cfg = None
         if launcher_cfg is not None:
             label = str(script_config) if isinstance(script_config, (str, os.PathLike)) else type(script_config).__name__

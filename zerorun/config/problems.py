@@ -11,7 +11,8 @@ import itertools
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from zerorun.errors import ConfigError
 
@@ -42,7 +43,7 @@ class Problems:
         if problem not in self.items:
             self.items.append(problem)
 
-    def extend(self, other: "Problems") -> None:
+    def extend(self, other: Problems) -> None:
         for problem in other.items:
             if problem not in self.items:
                 self.items.append(problem)

@@ -15,7 +15,8 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from zerorun.config.problems import Problems, did_you_mean, show
 from zerorun.errors import ConfigError

@@ -40,7 +40,8 @@ What each call does (docs/integrations.md has the same table):
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -90,7 +91,7 @@ class EngineOptimizer(torch.optim.Optimizer):
     engine steps it: zerorun/zero/update.py), so a scheduler built on the user's optimizer,
     on this wrapper or by the config drives the same groups."""
 
-    def __init__(self, engine, router: "EngineRouter"):
+    def __init__(self, engine, router: EngineRouter):
         self.engine = engine
         self._router = router
         self.step_was_skipped = False

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from zerorun.config.deepspeed import looks_like_deepspeed
 from zerorun.errors import ConfigError
@@ -221,7 +222,7 @@ def _get(config: dict, path: str) -> Any:
 
 def _same(have: Any, want: Any) -> bool:
     if isinstance(have, (list, tuple)) and isinstance(want, (list, tuple)):
-        return len(have) == len(want) and all(_same(h, w) for h, w in zip(have, want))
+        return len(have) == len(want) and all(_same(h, w) for h, w in zip(have, want, strict=True))
     if isinstance(have, bool) or isinstance(want, bool):
         return isinstance(have, bool) and isinstance(want, bool) and have == want
     if isinstance(have, (int, float)) and isinstance(want, (int, float)):

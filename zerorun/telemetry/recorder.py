@@ -143,7 +143,7 @@ class Recorder:
                 if len(self._pending_steps) == self._pending_steps.maxlen:
                     self.steps_dropped += 1  # the oldest goes: the sampler has not run for a long time
                 self._pending_steps.append(message)
-        except Exception:  # noqa: BLE001 - telemetry must never break training
+        except Exception:
             pass
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -214,7 +214,7 @@ class Recorder:
             for message in steps:
                 self.writer.write(events.encode(message))
             self._send("sample", **fields)
-        except Exception:  # noqa: BLE001 - a failed sample is skipped, never fatal
+        except Exception:
             pass
 
     def _oldest_in_flight(self) -> dict | None:
@@ -251,7 +251,7 @@ def sample_memory() -> dict:
             pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")
             if pinned is not None:
                 mem["pinned"] = int(pinned)
-        except Exception:  # noqa: BLE001 - older torch: pinned memory is not knowable
+        except Exception:
             pass
     return mem
 
@@ -287,7 +287,7 @@ def _device_info(environ=os.environ) -> dict:
             return info  # not a GPU this worker has: say cpu rather than fail the worker
         info["device"] = f"cuda:{index}"
         info["device_total_bytes"] = torch.cuda.get_device_properties(index).total_memory
-    except Exception:  # noqa: BLE001 - telemetry must never break training
+    except Exception:
         pass
     return info
 
