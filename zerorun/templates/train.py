@@ -42,10 +42,12 @@ def main() -> None:
     device = torch.device(device)
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
-    # The optimizer comes from the config's optimizer section (type, lr, weight decay), and under
-    # the launcher the engine reads the launcher's config itself (config=None): one source for
-    # both, so nothing in zerorun.yaml is silently overridden.
-    engine = zerorun.initialize(model, None, None if launched else config)
+    # The optimizer comes from the config's optimizer section (type, lr, weight decay) when it
+    # has one, and under the launcher the engine reads the launcher's config itself (config=None):
+    # one source for both, so nothing in zerorun.yaml is silently overridden. Without a config,
+    # plain AdamW.
+    optimizer = None if config.optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = zerorun.initialize(model, optimizer, None if launched else config)
 
     micro_batch = config.batch.micro_batch_size or 4
     # Scaled so targets have unit variance: the loss starts near 1 and visibly falls.
