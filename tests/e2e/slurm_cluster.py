@@ -216,9 +216,11 @@ if __name__ == "__main__":
     reason = slurm_available()
     if reason:
         sys.exit(reason)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # sigwait below takes them, not a handler
     cluster = SlurmCluster(Path(sys.argv[1])).start()
     print(f"export SLURM_CONF={cluster.conf}", flush=True)
     try:
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(stop_signals)
     finally:
         cluster.stop()

@@ -39,7 +39,7 @@ ALIASES = {
 OUR_OPTIONS = frozenset({
     "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
     "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
-    "--no-dashboard", "--dry-run", "--grace", "--help",
+    "--no-dashboard", "--dry-run", "--grace", "--help", "--launcher",
 })
 
 
@@ -143,6 +143,11 @@ def register(app: typer.Typer) -> None:
                  "(config telemetry.hang_timeout_s, default 600; 0 = never).",
         ),
         resume: bool = typer.Option(False, "--resume", help="Load the latest checkpoint of checkpoint.dir on start (= --set checkpoint.resume=true)."),
+        launcher: Optional[str] = typer.Option(
+            None, "--launcher", metavar="ssh|slurm|local",
+            help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
+                 "ssh, or local (this machine only, ignoring Slurm).",
+        ),
     ) -> None:
         from zerorun.launch.launcher import LaunchOptions, dry_run_text, execute, prepare
         from zerorun.launch.plan import Target
@@ -166,7 +171,7 @@ def register(app: typer.Typer) -> None:
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
             ssh_options=list(ssh_opt or []), env_file=env_file, config=config,
             config_overrides=overrides, run_dir=run_dir,
-            dashboard=not no_dashboard, grace_s=grace,
+            dashboard=not no_dashboard, grace_s=grace, launcher=launcher,
         )
         if dry_run and gpus is not None:
             # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.
@@ -185,8 +190,10 @@ def register(app: typer.Typer) -> None:
         print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
         stopped = stopped_clause(result.leftovers)
         if result.interrupted:
-            print(f"zerorun: interrupted; {stopped} (logs in {logs})", file=sys.stderr)
+            print(f"zerorun: {stop_reason(job, result.signal or 2)}; {stopped} (logs in {logs})", file=sys.stderr)
             raise typer.Exit(interrupted_exit_code(result))
+        if result.checkpoint_signal is not None and result.failure is None:
+            finish_after_checkpoint(job, result, logs)
         if result.failure is not None:
             failure = result.failure
             show_root_cause(format_failure(failure))
@@ -202,6 +209,34 @@ def stopped_clause(leftovers: dict[str, str]) -> str:
         return "every worker was stopped"
     return "could not confirm that every worker stopped: " + "; ".join(
         f"host {host}: {problem}" for host, problem in sorted(leftovers.items()))
+
+
+def stop_reason(job, signum: int) -> str:
+    """What the signal that stopped the job meant (Note [Slurm signals] in launch/launcher.py)."""
+    import time
+
+    from zerorun.launch.launcher import signal_meaning, slurm_job_state
+
+    ctx = job.slurm
+    state = slurm_job_state(ctx.job_id) if ctx is not None and signum == 15 else None
+    return signal_meaning(signum, state, ctx.end_time if ctx else None, time.time())
+
+
+def finish_after_checkpoint(job, result, logs: str) -> None:
+    """Every rank saved a checkpoint on SIGUSR1/2 and stopped: say so, requeue when asked, and
+    exit 128+signal (the job did not finish; Slurm must not count it as completed)."""
+    from zerorun.launch.launcher import requeue_slurm_job
+
+    reason = stop_reason(job, result.checkpoint_signal)
+    message = f"zerorun: {reason}: every rank saved a checkpoint and stopped (logs in {logs})"
+    if job.requeue and job.slurm is not None:
+        problem = requeue_slurm_job(job.slurm.job_id)
+        message += (f"; {problem}" if problem else
+                    f"; job {job.slurm.job_id} requeued (checkpoint.resume picks the checkpoint up)")
+    elif job.requeue:
+        message += "; not requeued: not a Slurm job"
+    print(message, file=sys.stderr)
+    raise typer.Exit(128 + result.checkpoint_signal)
 
 
 def interrupted_exit_code(result) -> int:

@@ -49,6 +49,9 @@ def resolve_process_group(model_device: torch.device) -> ProcessGroupInfo:
         return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), model_device)
     if _env_int("WORLD_SIZE") is None and _env_int("RANK") is None:
         adopt_slurm_step(os.environ)
+    from zerorun.launch import save_on_signal
+
+    save_on_signal.arm()  # checkpoint.on_signal: SIGUSR1 only noted, never fatal (save_on_signal.py)
     world_size = _env_int("WORLD_SIZE") or 1
     if world_size == 1:
         return ProcessGroupInfo(None, 0, 1, model_device)
