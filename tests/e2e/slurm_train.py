@@ -4,9 +4,11 @@ The tiny training job of the Slurm tests (test_slurm.py): ZeRO-2 on a 7->15->3 M
 initial weights on every rank and each rank's batch a function of (rank, step) only, so a run
 resumed from a checkpoint sees exactly the batches the uninterrupted run saw. Rank 0 writes
 OUT_DIR/losses.json (the global mean loss of every step it ran) and OUT_DIR/world.json (what
-world it found itself in, and on which node each rank ran).
+world it found itself in, on which node each rank ran, and a digest of the final parameters'
+bytes); every rank writes OUT_DIR/pid.RANK first, so a test can watch the workers.
 """
 
+import hashlib
 import json
 import os
 import socket
@@ -28,6 +30,8 @@ def main() -> None:
     config = os.environ.get("ZERORUN_CONFIG") or {"zero": {"stage": 2}}
     engine = zerorun.initialize(model, optimizer, config)
     rank, world = engine.rank, engine.world_size
+    with open(os.path.join(out, f"pid.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     nodes = [None] * world
     if world > 1:
@@ -59,7 +63,9 @@ def main() -> None:
         time.sleep(pause)
     if rank == 0:
         with open(os.path.join(out, "world.json"), "w") as f:
-            json.dump({"world_size": world, "nodes": nodes}, f)
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            json.dump({"world_size": world, "nodes": nodes,
+                       "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,217 @@
+"""pytest -m slurm tests/e2e/test_slurm.py — zerorun on a real (private) Slurm cluster, no SSH.
+
+A module fixture starts munged, slurmctld and two slurmd daemons (nodes n1 and n2, both this
+host; slurm_cluster.py). No sshd is started: every node is reached by srun. The training job is
+slurm_train.py (ZeRO-2, 2 ranks); its losses are compared with a local ``zerorun --nproc 2``
+run of the same script, which sees the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from launch_helpers import REPO
+from slurm_cluster import SlurmCluster, slurm_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+
+TRAIN = Path(__file__).with_name("slurm_train.py")
+BIN = Path(sys.executable).parent
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = slurm_available()
+    if reason:
+        pytest.skip(reason)
+    started = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield started
+    started.stop()
+
+
+def job_env(cluster: SlurmCluster) -> dict:
+    env = cluster.env
+    env["PYTHONPATH"] = str(REPO)
+    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+    env.pop("ZERORUN_SSH_OPTS", None)
+    return env
+
+
+def zerorun_cmd(*args: str) -> str:
+    return " ".join([str(BIN / "zerorun"), "--no-dashboard", *args])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses and final parameters of a local 2-rank run of slurm_train.py (no Slurm)."""
+    out = tmp_path_factory.mktemp("reference")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([str(BIN / "zerorun"), "--no-dashboard", "--launcher", "local", "--nproc", "2",
+                           str(TRAIN), str(STEPS), str(out)], cwd=out, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / "losses.json").read_text()), json.loads((out / "world.json").read_text())
+
+
+def assert_same_training(out: Path, reference) -> None:
+    losses, world = json.loads((out / "losses.json").read_text()), json.loads((out / "world.json").read_text())
+    assert world["world_size"] == 2 and world["nodes"] == ["n1", "n2"], world  # one rank per node
+    assert losses == reference[0]  # bit-identical: same batches, same reduction order
+    assert world["params"] == reference[1]["params"]
+
+
+def test_salloc_two_nodes_trains_like_a_local_run(cluster, reference, tmp_path):
+    done = cluster.run(["salloc", "-N2", "--quiet", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],
+                       cwd=tmp_path, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_training(tmp_path, reference)
+
+
+def wait_job(cluster: SlurmCluster, job_id: str, timeout_s: float = 120.0) -> str:
+    """Until the job has left the queue; its final state from the jobcomp file."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
+            break
+        time.sleep(0.5)
+    for line in reversed(cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []):
+        if f"JobId={job_id} " in line:
+            return line.split("JobState=")[1].split()[0]
+    return "?"
+
+
+def sbatch(cluster: SlurmCluster, cwd: Path, script: str, *options: str) -> str:
+    path = cwd / "job.sh"
+    path.write_text("#!/bin/bash\n" + script + "\n")
+    done = cluster.run(["sbatch", "--parsable", "-o", str(cwd / "slurm-%j.out"), *options, str(path)],
+                       cwd=cwd, env=job_env(cluster), timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def test_sbatch_two_nodes_trains_like_a_local_run(cluster, reference, tmp_path):
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)), "-N2")
+    state = wait_job(cluster, job)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log[-2000:]
+    assert_same_training(tmp_path, reference)
+
+
+def test_srun_one_launcher_per_node_and_srun_python_train_the_same(cluster, reference, tmp_path):
+    launchers, plain = tmp_path / "launchers", tmp_path / "plain"
+    launchers.mkdir(), plain.mkdir()
+    done = cluster.run(["srun", "-N2", "--ntasks-per-node=1", *zerorun_cmd(str(TRAIN), str(STEPS), str(launchers)).split()],
+                       cwd=launchers, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_training(launchers, reference)
+    assert (launchers / "zerorun-runs").is_dir()
+    done = cluster.run(["srun", "-N2", "-n2", str(BIN / "python"), str(TRAIN), str(STEPS), str(plain)],
+                       cwd=plain, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_training(plain, reference)
+
+
+def test_two_launchers_on_one_node_are_refused_at_once(cluster, tmp_path):
+    started = time.monotonic()
+    done = cluster.run(["srun", "-N1", "-n2", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],
+                       cwd=tmp_path, env=job_env(cluster), timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("zerorun: error:")]
+    assert errors and all("2 zerorun launchers on node n1" in line for line in errors), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "losses.json").exists() and not list(tmp_path.glob("pid.*"))
+    # Refused before any worker starts: srun's own start-up is most of this (1.8 s measured).
+    assert elapsed < 10, elapsed
+
+
+def live_workers(out: Path) -> list[int]:
+    pids = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def started_training(out: Path) -> bool:
+    return len(list(out.glob("pid.*"))) == 2 and (out / "losses.json").exists()
+
+
+@pytest.mark.parametrize("how", ["salloc", "sbatch"])
+def test_scancel_ends_every_worker_within_10_s(cluster, tmp_path, how):
+    command = zerorun_cmd(str(TRAIN), "100000", str(tmp_path), "0.2")
+    if how == "salloc":
+        proc = subprocess.Popen(["salloc", "-N2", "--quiet", "-J", "scancel-me", *command.split()], cwd=tmp_path,
+                                env=job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        job = wait_for(lambda: cluster.run(["squeue", "-h", "-n", "scancel-me", "-o", "%i"]).stdout.strip(), 60,
+                       "the salloc job")
+    else:
+        job = sbatch(cluster, tmp_path, "exec " + command, "-N2")
+    try:
+        wait_for(lambda: started_training(tmp_path), 120, "both ranks to train")
+        pids = live_workers(tmp_path)
+        assert len(pids) == 2
+        cancelled = time.monotonic()
+        assert cluster.run(["scancel", job]).returncode == 0
+        wait_for(lambda: not live_workers(tmp_path), 10, f"workers {pids} to end after scancel")
+        gone_after = time.monotonic() - cancelled
+        assert gone_after < 10
+    finally:
+        cluster.run(["scancel", job])
+        if how == "salloc":
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+CHECKPOINT_CONFIG = "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, requeue: true, resume: true}\n"
+
+
+def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_path):
+    """USR1 to the batch script (what --signal=B:USR1@N sends before the time limit): every rank
+    saves, the job requeues itself, and the second start resumes from the checkpoint."""
+    steps = 12
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    done = cluster.run(["salloc", "-N2", "--quiet",
+                        *zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(steps), str(reference)).split()],
+                       cwd=reference, env=job_env(cluster), timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (tmp_path / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(steps),
+                                                          str(tmp_path), "1.0"),
+                 "-N2", "--requeue", "--open-mode=append")
+    wait_for(lambda: started_training(tmp_path), 120, "both ranks to train")
+    assert cluster.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+    wait_for(lambda: list((tmp_path / "ckpt").glob("global_step*")), 60, "the checkpoint on SIGUSR1")
+    state = wait_job(cluster, job, timeout_s=240)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in log, log[-3000:]
+    assert f"job {job} requeued" in log, log[-3000:]
+    assert "zerorun: resumed from" in log, log[-3000:]
+    assert state == "COMPLETED", log[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses == json.loads((reference / "losses.json").read_text())
+    assert json.loads((tmp_path / "world.json").read_text())["params"] == \
+        json.loads((reference / "world.json").read_text())["params"]
