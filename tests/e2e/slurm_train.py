@@ -52,14 +52,13 @@ def main() -> None:
         if world > 1:
             dist.all_reduce(mean)
             mean /= world
-        step = engine.global_step
-        engine.step()
-        if rank == 0:
-            losses[str(step)] = mean.item()
+        if rank == 0:  # before engine.step(): with checkpoint.on_signal the worker may stop in it
+            losses[str(engine.global_step)] = mean.item()
             with open(path + ".tmp", "w") as f:
                 json.dump(losses, f)
             os.replace(path + ".tmp", path)
-            print(f"step {step} loss {mean.item():.6f}", flush=True)
+            print(f"step {engine.global_step} loss {mean.item():.6f}", flush=True)
+        engine.step()
         time.sleep(pause)
     if rank == 0:
         with open(os.path.join(out, "world.json"), "w") as f:

@@ -77,17 +77,20 @@ def test_salloc_two_nodes_trains_like_a_local_run(cluster, reference, tmp_path):
     assert_same_training(tmp_path, reference)
 
 
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
 def wait_job(cluster: SlurmCluster, job_id: str, timeout_s: float = 120.0) -> str:
-    """Until the job has left the queue; its final state from the jobcomp file."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
-            break
-        time.sleep(0.5)
-    for line in reversed(cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []):
-        if f"JobId={job_id} " in line:
-            return line.split("JobState=")[1].split()[0]
-    return "?"
+    """Until the job has ended for good (not requeued): its final state from the jobcomp file."""
+
+    def final_state():
+        if cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
+            return None
+        lines = cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []
+        states = [line.split("JobState=")[1].split()[0] for line in lines if f"JobId={job_id} " in line]
+        return states[-1] if states and states[-1] in FINAL_STATES else None
+
+    return wait_for(final_state, timeout_s, f"job {job_id} to end")
 
 
 def sbatch(cluster: SlurmCluster, cwd: Path, script: str, *options: str) -> str:
@@ -194,6 +197,9 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_p
     reference = tmp_path / "reference"
     reference.mkdir()
     (reference / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    # checkpoint.resume wants the directory to exist on the first start (the engine's rule).
+    (reference / "ckpt").mkdir()
+    (tmp_path / "ckpt").mkdir()
     done = cluster.run(["salloc", "-N2", "--quiet",
                         *zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(steps), str(reference)).split()],
                        cwd=reference, env=job_env(cluster), timeout=180)
@@ -205,7 +211,12 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_p
     wait_for(lambda: started_training(tmp_path), 120, "both ranks to train")
     assert cluster.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
     wait_for(lambda: list((tmp_path / "ckpt").glob("global_step*")), 60, "the checkpoint on SIGUSR1")
-    state = wait_job(cluster, job, timeout_s=240)
+    assert len(json.loads((tmp_path / "losses.json").read_text())) < steps  # saved mid-way, not at the end
+    # Slurm holds a requeued job back for a while (BeginTime); let it start now.
+    wait_for(lambda: "requeued" in (tmp_path / f"slurm-{job}.out").read_text(), 60, "the requeue")
+    wait_for(lambda: cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0, 30,
+             "the requeued job to be pending")
+    state = wait_job(cluster, job, timeout_s=120)
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in log, log[-3000:]
     assert f"job {job} requeued" in log, log[-3000:]
