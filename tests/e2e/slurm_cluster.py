@@ -1,4 +1,4 @@
-"""A private Slurm cluster on this machine for the Slurm tests (used by test_slurm*.py beside it).
+"""A private Slurm cluster on this machine for the Slurm tests (used by test_slurm_jobs.py beside it).
 
     python tests/e2e/slurm_cluster.py DIR     # start one by hand, print its SLURM_CONF; Ctrl-C stops it
 

@@ -1,6 +1,6 @@
 """zerorun slurm_train.py STEPS OUT_DIR [SECONDS_PER_STEP]   (or srun python slurm_train.py ...)
 
-The tiny training job of the Slurm tests (test_slurm.py): ZeRO-2 on a 7->15->3 MLP, the same
+The tiny training job of the Slurm tests (test_slurm_jobs.py): ZeRO-2 on a 7->15->3 MLP, the same
 initial weights on every rank and each rank's batch a function of (rank, step) only, so a run
 resumed from a checkpoint sees exactly the batches the uninterrupted run saw. Rank 0 writes
 OUT_DIR/losses.json (the global mean loss of every step it ran) and OUT_DIR/world.json (what

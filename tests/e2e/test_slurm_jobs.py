@@ -1,4 +1,4 @@
-"""pytest -m slurm tests/e2e/test_slurm.py — zerorun on a real (private) Slurm cluster, no SSH.
+"""pytest -m slurm tests/e2e/test_slurm_jobs.py — zerorun on a real (private) Slurm cluster, no SSH.
 
 A module fixture starts munged, slurmctld and two slurmd daemons (nodes n1 and n2, both this
 host; slurm_cluster.py). No sshd is started: every node is reached by srun. The training job is
