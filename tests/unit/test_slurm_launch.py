@@ -135,3 +135,15 @@ def test_signals_say_what_they_meant():
     assert signal_meaning(signal.SIGTERM) == "terminated (SIGTERM)"
     assert signal_meaning(signal.SIGHUP).startswith("hung up")
     assert signal_meaning(signal.SIGINT) == "interrupted (Ctrl-C)"
+
+
+def test_zerorun_env_reports_the_allocation_and_how_nodes_are_reached():
+    from zerorun.cli.env import slurm_facts
+
+    lines = "\n".join(slurm_facts(BATCH, "c7", "c7.cluster")["lines"])
+    assert "batch script on n1" in lines and "n1: reached by local" in lines and "n2: reached by srun" in lines
+    assert f"rendezvous port {slurm.master_port(2, None)}" in lines and "SIGUSR1" in lines
+    step = "\n".join(slurm_facts(SRUN_TASK, "c7", "c7")["lines"])
+    assert "n2: reached by this launcher" in step and "n1: reached by its own srun task's launcher" in step
+    assert slurm_facts({}, "c7", "c7")["lines"] == ["Slurm: not in an allocation (no SLURM_JOB_ID)"]
+    assert "cannot be read" in slurm_facts({"SLURM_JOB_ID": "x"}, "c7", "c7")["lines"][0]
