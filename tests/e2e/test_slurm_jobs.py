@@ -143,6 +143,17 @@ def live_workers(out: Path) -> list[int]:
     return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
 
 
+def busy_agent_steps(cluster: SlurmCluster, job: str) -> list[str]:
+    """The job's steps with at least a second of CPU time, from sstat (JobID|AveCPU lines)."""
+    done = cluster.run(["sstat", "-a", "-n", "-P", "-j", job, "--format=JobID,AveCPU"])
+    steps = []
+    for line in done.stdout.splitlines():
+        step, _, cpu = line.partition("|")
+        if step.split(".")[-1].isdigit() and cpu and cpu not in ("00:00:00", "00:00.000"):
+            steps.append(step)
+    return steps
+
+
 def wait_for(condition, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -172,6 +183,10 @@ def test_scancel_ends_every_worker_within_10_s(cluster, tmp_path, how):
         wait_for(lambda: started_training(tmp_path), 120, "both ranks to train")
         pids = live_workers(tmp_path)
         assert len(pids) == 2
+        if how == "salloc":
+            # Both nodes' workers run inside srun steps, so Slurm accounts their CPU time there
+            # (sstat: this cluster has no slurmdbd for sacct).
+            wait_for(lambda: len(busy_agent_steps(cluster, job)) == 2, 60, "CPU time in both agent steps")
         cancelled = time.monotonic()
         assert cluster.run(["scancel", job]).returncode == 0
         wait_for(lambda: not live_workers(tmp_path), 10, f"workers {pids} to end after scancel")
@@ -226,3 +241,59 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_p
     assert losses == json.loads((reference / "losses.json").read_text())
     assert json.loads((tmp_path / "world.json").read_text())["params"] == \
         json.loads((reference / "world.json").read_text())["params"]
+
+
+FAILER = r"""
+import os, sys, time, zerorun, torch
+model = torch.nn.Linear(3, 2)
+engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 1}})
+if engine.rank == 1:
+    time.sleep(2)
+    raise ValueError("bad batch on rank 1")
+time.sleep(300)
+"""
+
+
+def test_a_rank_that_raises_ends_the_job_within_10_s_with_the_root_cause(cluster, tmp_path):
+    (tmp_path / "fail.py").write_text(FAILER)
+    started = time.monotonic()
+    done = cluster.run(["salloc", "-N2", "--quiet", *zerorun_cmd("fail.py").split()], cwd=tmp_path,
+                       env=job_env(cluster), timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "rank 1 on host n2 failed: exit code 1" in done.stderr
+    assert "ValueError: bad batch on rank 1" in done.stderr
+    # Start-up (two srun steps, torch imports) plus the 2 s sleep is most of it; the end takes
+    # the grace period (3 s) at most.
+    assert time.monotonic() - started < 60
+
+
+def test_two_jobs_on_one_node_at_once_do_not_collide_on_ports(cluster, tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = []
+    for out in outs:
+        out.mkdir()
+        procs.append(subprocess.Popen(
+            ["salloc", "-N1", "-w", "n1", "--quiet", *zerorun_cmd("--nproc", "2", str(TRAIN), "4", str(out), "1.0").split()],
+            cwd=out, env=job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [proc.communicate(timeout=180) for proc in procs]
+    for proc, (_, err) in zip(procs, results):
+        assert proc.returncode == 0, err[-2000:]
+    ports = {json.loads(next(out.glob("zerorun-runs/*/plan.json")).read_text())["master_port"] for out in outs}
+    assert len(ports) == 2  # derived from two different job ids (Note [Slurm port])
+    assert all(len(json.loads((out / "losses.json").read_text())) == 4 for out in outs)
+
+
+def test_the_sbatch_template_runs_as_a_new_user_would(cluster, tmp_path):
+    env = job_env(cluster)
+    done = subprocess.run([str(BIN / "zerorun"), "init", "--slurm"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "sbatch job.sbatch" in done.stdout, done.stderr
+    # Only the resources this 4-CPU test cluster lacks are changed, on the command line.
+    done = cluster.run(["sbatch", "--parsable", "--cpus-per-task=1", "job.sbatch"], cwd=tmp_path, env=env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip()
+    state = wait_job(cluster, job, timeout_s=180)
+    log = (tmp_path / f"zerorun-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert "rank 1" in log or "│    1 │ n2" in log, log[-3000:]
+    assert list((tmp_path / "zerorun-runs").glob("*/logs/rank1.log"))
