@@ -192,6 +192,13 @@ def test_scancel_ends_every_worker_within_10_s(cluster, tmp_path, how):
         wait_for(lambda: not live_workers(tmp_path), 10, f"workers {pids} to end after scancel")
         gone_after = time.monotonic() - cancelled
         assert gone_after < 10
+        if how == "salloc":
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 143, err[-2000:]
+        else:
+            wait_job(cluster, job, timeout_s=60)
+            err = (tmp_path / f"slurm-{job}.out").read_text()
+        assert "zerorun: cancelled (" in err, err[-2000:]  # not a worker failure
     finally:
         cluster.run(["scancel", job])
         if how == "salloc":

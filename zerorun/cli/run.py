@@ -194,6 +194,13 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(interrupted_exit_code(result))
         if result.checkpoint_signal is not None and result.failure is None:
             finish_after_checkpoint(job, result, logs)
+        if result.failure is not None and job.slurm is not None:
+            ended = slurm_ended(job)
+            if ended is not None:
+                # scancel / time limit under salloc: Slurm signalled the steps (the workers died
+                # of it) before, or instead of, the launcher; that is the cause, not the worker.
+                print(f"zerorun: {ended}: Slurm ended the job's steps; {stopped} (logs in {logs})", file=sys.stderr)
+                raise typer.Exit(128 + 15)
         if result.failure is not None:
             failure = result.failure
             show_root_cause(format_failure(failure))
@@ -220,6 +227,16 @@ def stop_reason(job, signum: int) -> str:
     ctx = job.slurm
     state = slurm_job_state(ctx.job_id) if ctx is not None and signum == 15 else None
     return signal_meaning(signum, state, ctx.end_time if ctx else None, time.time())
+
+
+def slurm_ended(job) -> str | None:
+    """What ended the job when Slurm says it is over (cancelled, time limit, preempted), else None."""
+    from zerorun.launch.launcher import signal_meaning, slurm_job_state
+
+    state = slurm_job_state(job.slurm.job_id)
+    if state is None or not any(word in state.upper() for word in ("CANCEL", "TIMEOUT", "PREEMPT")):
+        return None
+    return signal_meaning(15, state).replace(" (SIGTERM, scancel)", " (scancel)").replace(" (SIGTERM)", "")
 
 
 def finish_after_checkpoint(job, result, logs: str) -> None:
