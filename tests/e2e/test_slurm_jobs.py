@@ -193,7 +193,7 @@ def test_scancel_ends_every_worker_within_10_s(cluster, tmp_path, how):
         gone_after = time.monotonic() - cancelled
         assert gone_after < 10
         if how == "salloc":
-            _, err = proc.communicate(timeout=60)
+            err = proc.communicate(timeout=60)[1].decode(errors="replace")
             assert proc.returncode == 143, err[-2000:]
         else:
             wait_job(cluster, job, timeout_s=60)

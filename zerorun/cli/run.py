@@ -225,7 +225,8 @@ def stop_reason(job, signum: int) -> str:
     from zerorun.launch.launcher import signal_meaning, slurm_job_state
 
     ctx = job.slurm
-    state = slurm_job_state(ctx.job_id) if ctx is not None and signum == 15 else None
+    # No waiting for a settled state here: Slurm's SIGKILL follows its SIGTERM after KillWait.
+    state = slurm_job_state(ctx.job_id, settle_s=0.0) if ctx is not None and signum == 15 else None
     return signal_meaning(signum, state, ctx.end_time if ctx else None, time.time())
 
 

@@ -431,19 +431,25 @@ def signal_meaning(signum: int, job_state: str | None = None, end_time: int | No
     return f"terminated ({name})"
 
 
-def slurm_job_state(job_id: int, timeout_s: float = 3.0) -> str | None:
-    """JobState of a Slurm job as scontrol reports it, or None when it cannot be asked."""
+def slurm_job_state(job_id: int, timeout_s: float = 3.0, settle_s: float = 5.0) -> str | None:
+    """JobState of a Slurm job as scontrol reports it, or None when it cannot be asked.
+
+    A cancelled job shows COMPLETING until its steps are gone; it is asked again (for at most
+    ``settle_s``) until the final state (CANCELLED, TIMEOUT, PREEMPTED...) shows.
+    """
     import subprocess
 
-    try:
-        done = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for word in done.stdout.split():
-        if word.startswith("JobState="):
-            return word.partition("=")[2]
-    return None
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            done = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        state = next((word.partition("=")[2] for word in done.stdout.split() if word.startswith("JobState=")), None)
+        if state != "COMPLETING" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
 
 
 def requeue_slurm_job(job_id: int) -> str | None:
