@@ -236,9 +236,18 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_p
     assert len(json.loads((tmp_path / "losses.json").read_text())) < steps  # saved mid-way, not at the end
     # Slurm holds a requeued job back for a while (BeginTime); let it start now.
     wait_for(lambda: "requeued" in (tmp_path / f"slurm-{job}.out").read_text(), 60, "the requeue")
-    wait_for(lambda: cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"]).returncode == 0, 30,
-             "the requeued job to be pending")
-    state = wait_job(cluster, job, timeout_s=120)
+    def started_again() -> bool:
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        if state == "PENDING":
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        return "resumed from" in (tmp_path / f"slurm-{job}.out").read_text()
+
+    try:
+        wait_for(started_again, 120, "the requeued job to resume")
+        state = wait_job(cluster, job, timeout_s=120)
+    except AssertionError as err:
+        queue = cluster.run(["scontrol", "-o", "show", "job", job]).stdout
+        raise AssertionError(f"{err}\n{queue}\n{(tmp_path / f'slurm-{job}.out').read_text()[-3000:]}") from None
     log = (tmp_path / f"slurm-{job}.out").read_text()
     assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in log, log[-3000:]
     assert f"job {job} requeued" in log, log[-3000:]

@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from zerorun.launch import save_on_signal
 from zerorun.launch.processes import end_groups
 from zerorun.telemetry.events import MAX_LINE_BYTES
 
@@ -295,7 +296,7 @@ class NodeAgent:
 
     @property
     def saves_on_signal(self) -> bool:
-        return any(worker["env"].get("ZERORUN_SAVE_ON_SIGNAL") == "1" for worker in self.workers)
+        return any(worker["env"].get(save_on_signal.ENV_NAME) == "1" for worker in self.workers)
 
     def reap_leftovers(self) -> None:
         """KILL whatever is left in the worker groups (children a finished worker left behind)."""

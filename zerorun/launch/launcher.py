@@ -21,6 +21,7 @@ from pathlib import Path
 
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.launch import slurm
+from zerorun.launch.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
 from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
 from zerorun.config.sources import read_small_file
 from zerorun.launch.hostfile import MAX_SLOTS_PER_HOST, HostSlots, parse_hostfile, select_hosts, slurm_hosts
@@ -396,7 +397,6 @@ class ForgivingStream:
 # USR1/USR2 stop the job like TERM. The last message says what the signal meant, asking
 # Slurm for the job's state where SIGTERM alone cannot tell (``signal_meaning``).
 
-SAVE_ON_SIGNAL_ENV = "ZERORUN_SAVE_ON_SIGNAL"
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 CHECKPOINT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
