@@ -132,7 +132,7 @@ def test_signals_say_what_they_meant():
     assert signal_meaning(signal.SIGTERM, "TIMEOUT") == "time limit (SIGTERM)"
     assert signal_meaning(signal.SIGTERM, "RUNNING", end_time=1000, now=995.0) == "time limit (SIGTERM)"
     assert signal_meaning(signal.SIGTERM, "PREEMPTED") == "preempted (SIGTERM)"
-    assert signal_meaning(signal.SIGTERM) == "terminated (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM) == "interrupted (SIGTERM)"
     assert signal_meaning(signal.SIGHUP).startswith("hung up")
     assert signal_meaning(signal.SIGINT) == "interrupted (Ctrl-C)"
 

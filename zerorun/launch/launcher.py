@@ -428,7 +428,7 @@ def signal_meaning(signum: int, job_state: str | None = None, end_time: int | No
         return f"preempted ({name})"
     if "CANCEL" in state or job_state is not None:
         return f"cancelled ({name}, scancel)"
-    return f"terminated ({name})"
+    return f"interrupted ({name})"  # outside Slurm: someone (kill, a supervisor) stopped it
 
 
 def slurm_job_state(job_id: int, timeout_s: float = 3.0, settle_s: float = 5.0) -> str | None:
