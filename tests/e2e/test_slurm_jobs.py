@@ -80,17 +80,17 @@ def test_salloc_two_nodes_trains_like_a_local_run(cluster, reference, tmp_path):
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
+def final_state(cluster: SlurmCluster, job_id: str) -> str | None:
+    """The job's state once it has ended for good (not requeued), from the jobcomp file; else None."""
+    if cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
+        return None
+    lines = cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []
+    states = [line.split("JobState=")[1].split()[0] for line in lines if f"JobId={job_id} " in line]
+    return states[-1] if states and states[-1] in FINAL_STATES else None
+
+
 def wait_job(cluster: SlurmCluster, job_id: str, timeout_s: float = 120.0) -> str:
-    """Until the job has ended for good (not requeued): its final state from the jobcomp file."""
-
-    def final_state():
-        if cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
-            return None
-        lines = cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []
-        states = [line.split("JobState=")[1].split()[0] for line in lines if f"JobId={job_id} " in line]
-        return states[-1] if states and states[-1] in FINAL_STATES else None
-
-    return wait_for(final_state, timeout_s, f"job {job_id} to end")
+    return wait_for(lambda: final_state(cluster, job_id), timeout_s, f"job {job_id} to end")
 
 
 def sbatch(cluster: SlurmCluster, cwd: Path, script: str, *options: str) -> str:
@@ -213,8 +213,9 @@ CHECKPOINT_CONFIG = "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, 
 
 
 def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_path):
-    """USR1 to the batch script (what --signal=B:USR1@N sends before the time limit): every rank
-    saves, the job requeues itself, and the second start resumes from the checkpoint."""
+    """USR1 to the batch script (what --signal=B:USR1@N sends before the time limit, sent here with
+    scancel --batch so the test need not wait for Slurm's timer): every rank saves, the job
+    requeues itself, and the second start resumes from the checkpoint."""
     steps = 12
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -257,6 +258,25 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_p
     assert losses == json.loads((reference / "losses.json").read_text())
     assert json.loads((tmp_path / "world.json").read_text())["params"] == \
         json.loads((reference / "world.json").read_text())["params"]
+
+
+def test_a_real_time_limit_signal_reaches_zerorun_which_saves_and_requeues(cluster, tmp_path):
+    """sbatch --time=1 --signal=B:USR1@50: Slurm's own timer (it runs every few seconds to half a
+    minute) sends SIGUSR1 to the batch script well before the limit; zerorun saves and requeues."""
+    (tmp_path / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    (tmp_path / "ckpt").mkdir()
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), "1000",
+                                                          str(tmp_path), "0.5"),
+                 "-N2", "--time=1", "--signal=B:USR1@50", "--requeue", "--open-mode=append")
+    log = tmp_path / f"slurm-{job}.out"
+    try:
+        wait_for(lambda: log.exists() and f"job {job} requeued" in log.read_text(), 75, "the save and requeue")
+    finally:
+        cluster.run(["scancel", job])
+    text = log.read_text()
+    assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in text, text[-3000:]
+    assert list((tmp_path / "ckpt").glob("global_step*"))
+    wait_job(cluster, job, timeout_s=60)
 
 
 FAILER = r"""

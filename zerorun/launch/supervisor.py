@@ -390,6 +390,7 @@ class Supervisor:
         self._signal: int | None = None
         self._checkpoint_signal: int | None = None
         self._checkpoint_asked = False
+        self._checkpoint_deferred = False
 
     def interrupt(self, signum: int = 2) -> None:
         """Ctrl-C / SIGTERM: safe to call from a signal handler."""
@@ -426,11 +427,7 @@ class Supervisor:
                 if self._interrupt.is_set() and self._stopping_since is None and self._dumping_since is None:
                     self._stop_all()
                 if self._checkpoint_signal is not None and not self._checkpoint_asked:
-                    self._checkpoint_asked = True
-                    self._sink.output("launcher", None, f"{signal_name(self._checkpoint_signal)}: asking every rank "
-                                      "to save a checkpoint at its next step and stop (checkpoint.on_signal)")
-                    for channel in self.channels:
-                        channel.checkpoint()
+                    self._pass_on_checkpoint_request()
                 if self._stopping_since is not None and now - self._stopping_since > self.grace_s + 8.0:
                     break  # hosts that do not answer: finish() below closes their sessions
                 if now >= next_check:
@@ -451,6 +448,28 @@ class Supervisor:
             self.view.stop(self._failure is not None or self._interrupt.is_set())
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
                          self._signal if self._interrupt.is_set() else None, self._checkpoint_signal)
+
+    def _pass_on_checkpoint_request(self) -> None:
+        """Note [save request waits for training]: a worker installs its SIGUSR1 handler in
+        ``zerorun.initialize``; before that SIGUSR1 would kill it (Slurm's timer can fire
+        within a second of the job's start). So the request goes to the workers only once every
+        rank has reported a step: until then there is nothing to save anyway. A job that never
+        reports steps keeps running until Slurm's SIGTERM at the time limit."""
+        name = signal_name(self._checkpoint_signal)
+        collector = getattr(self.view, "collector", None)
+        if collector is not None:
+            steps = {v.rank: v.step for v in collector.snapshot(output_lines=0).ranks}
+            if any((steps.get(rank) or 0) < 1 for rank in self._tails):
+                if not self._checkpoint_deferred:
+                    self._checkpoint_deferred = True
+                    self._sink.output("launcher", None, f"{name}: the ranks have not all made a step yet; the "
+                                      "checkpoint is asked for once they have (checkpoint.on_signal)")
+                return
+        self._checkpoint_asked = True
+        self._sink.output("launcher", None, f"{name}: asking every rank to save a checkpoint at its next step "
+                          "and stop (checkpoint.on_signal)")
+        for channel in self.channels:
+            channel.checkpoint()
 
     def _handle(self, host: str, event: dict) -> None:
         kind, rank = event.get("t"), event.get("rank")
