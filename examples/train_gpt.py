@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zerorun  # noqa: E402
+from zerorun.zero.activation_checkpointing import is_checkpointed  # noqa: E402
 from gpt import GPT, count_parameters, preset, rank_slice, synthetic_batch  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"GPT {args.preset}: {count_parameters(model):,} parameters, world size {world}, "
         f"{args.micro_batch} x {cfg.seq_len} tokens per rank per step", flush=True)
-    checkpointed = getattr(engine, "checkpointed_modules", None)
+    checkpointed = [name for name, module in model.named_modules() if is_checkpointed(module)]
     if checkpointed:
         say(f"activation checkpointing: {len(checkpointed)} modules ({', '.join(checkpointed)})", flush=True)
 

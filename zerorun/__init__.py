@@ -16,6 +16,16 @@ def initialize(model, optimizer=None, config=None, *, weights=None, param_init_f
     return _initialize(model, optimizer, config, weights=weights, param_init_fn=param_init_fn)
 
 
+def __getattr__(name):
+    # zerorun.Weights(source, strict=False, cast=True) for initialize(weights=...); imported
+    # lazily, as everything here is, so ``import zerorun`` stays free of torch.
+    if name == "Weights":
+        from zerorun.zero.construct import Weights
+
+        return Weights
+    raise AttributeError(f"module 'zerorun' has no attribute {name!r}")
+
+
 def leave_together(group=None):
     """End a script's process group: a barrier, then destroy it without gloo's exit abort
     (Note [clean exit] in zerorun/zero/comm/process_group.py). The engine does this by itself at

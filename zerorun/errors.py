@@ -51,3 +51,29 @@ class RuntimeConfigError(ZerorunError):
 class CheckpointError(ZerorunError):
     """A checkpoint cannot be written or read: missing, damaged (the message names the file),
     from an incompatible model (it names the first mismatching parameter), or a bad tag."""
+
+
+class StorageError(ZerorunError):
+    """Scratch or checkpoint storage failed under a running job: a short read or write, an I/O
+    error, a file removed or truncated. The message names the rank, the file and the byte counts."""
+
+    exit_code = 1
+
+
+class UnsupportedFeature(ZerorunError):
+    """A DeepSpeed name (pipeline parallelism, MoE, tensor or sequence parallelism, compression)
+    that has no meaning in zerorun; raised when it is first used, naming the feature."""
+
+
+class UsageError(ZerorunError):
+    """An engine method was called with an argument or at a moment its contract does not allow."""
+
+
+class InternalError(ZerorunError):
+    """A state machine of zerorun reached a transition it forbids: a bug in zerorun, not in the
+    user's script. Raised explicitly (an ``assert`` would vanish under ``python -O``)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message, hint or "this is a zerorun bug: rerun with ZERORUN_DEBUG=1 and report the traceback")

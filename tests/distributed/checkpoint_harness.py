@@ -251,7 +251,7 @@ def crash_world(rank: int, world: int, tmp: str) -> dict:
     import signal
 
     import zerorun
-    from zerorun.zero.checkpoint.engine_state import tensor_files
+    from zerorun.zero.checkpoint import tensor_files
 
     model = build_dropnet()
     case = ResumeCase("crash", 3)

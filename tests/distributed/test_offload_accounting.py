@@ -63,7 +63,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             engine.step()
             losses.append(float(loss.detach()))
         if offload["device"] == "nvme":
-            engine.updater.placement.flush()
+            engine.quiesce()
         trim_host_heap()  # what is resident now is what is held, not what glibc kept
         result = {"losses": losses, "breakdown": engine.memory_breakdown(),
                   "params": sum(p.numel() for p in model.parameters()),

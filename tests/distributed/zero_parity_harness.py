@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerorun.zero.comm.process_group import leaving_together
+from zerorun.zero.engine import initialize
+from zerorun.zero.offload.placements import OnDevice, OnFile
 
 VOCAB, WIDTH, NARROW, SEQ = 17, 15, 7, 5
 GLOBAL_BATCH = 12  # sequences per optimizer step: divides by world x accumulation for 1-3 ranks
@@ -84,6 +86,7 @@ class Case:
     accumulation: int = 1
     clipping: float = 0.0
     extra: dict = field(default_factory=dict)
+    embeddings_on_device: bool = False  # the per-unit policy below, instead of one placement
 
     def config(self) -> dict:
         precision = {"dtype": self.dtype, **self.extra.get("precision", {})}
@@ -125,6 +128,19 @@ NVME = {"device": "nvme", "nvme_path": str(Path(tempfile.gettempdir()) / "zeroru
         "buffer_count": 3, "buffer_size": 1000}
 
 
+class EmbeddingsOnDevice:
+    """A per-unit placement policy (``initialize(..., state_home_for=)``): the unit holding the
+    (tied) embedding keeps master and optimizer state on the device, every other unit's live in
+    NVMe files."""
+
+    def __init__(self, rank: int):
+        self.device = OnDevice()
+        self.files = OnFile(NVME["nvme_path"], rank, buffer_count=NVME["buffer_count"], buffer_size=NVME["buffer_size"])
+
+    def __call__(self, unit):
+        return self.device if any(name.startswith("embed.") for name in unit.names) else self.files
+
+
 def offload_cases() -> list[Case]:
     """Optimizer offload (cpu, nvme) at stages 1-3 and parameter offload (cpu, nvme) at stage 3; each has a
     twin without offload among cases() (same name less the suffix) that it must match exactly.
@@ -150,6 +166,10 @@ def offload_cases() -> list[Case]:
         Case("s3-adamw-fp16-accum-clip+cpu", 3, dtype="fp16", accumulation=2, clipping=0.5,
              extra={"precision": {"initial_scale_power": 8}, "zero": {"offload_optimizer": CPU}}),
         Case("s2-adamw-bf16+nvme", 2, dtype="bf16", extra={"zero": {"offload_optimizer": NVME}}),
+        # Mixed homes: one optimizer call for the device's units, the files' one at a time.
+        Case("s3-adamw-fp32+embed-device-rest-nvme", 3, embeddings_on_device=True),
+        Case("s2-sgd-accum-clip-fp32+embed-device-rest-nvme", 2, "sgd", accumulation=2, clipping=0.3,
+             embeddings_on_device=True),
     ]
     return found
 
@@ -172,12 +192,12 @@ def train_step(engine, case: Case, rank: int, world: int, step: int) -> float:
 
 
 def train_engine(case: Case, rank: int, world: int) -> dict:
-    """Train 10 steps on this rank's rows of each global batch; return what rank 0 reports."""
-    import zerorun
-
+    """Train 10 steps on this rank's rows of each global batch; return what rank 0 reports.
+    (zerorun.zero.engine.initialize: the package's own takes no placement policy.)"""
     model = build_model()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = zerorun.initialize(model, build_optimizer(model, case.optimizer), case.config())
+    homes = EmbeddingsOnDevice(rank) if case.embeddings_on_device else None
+    engine = initialize(model, build_optimizer(model, case.optimizer), case.config(), state_home_for=homes)
     losses, scales, skipped = [], [], []
     for step in range(STEPS):
         losses.append(train_step(engine, case, rank, world, step))

@@ -47,10 +47,10 @@ def test_interval_saves_keep_last_and_resume(tmp_path):
     assert first.returncode == 0, first.stdout + first.stderr
     out = first.stdout + first.stderr
     assert "starts at step 0" in out and "checkpoint global_step4 saved" in out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step4", "latest"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".zerorun-owner", "global_step4", "latest"]
     second = launch(tmp_path, "--resume", "train.py", "6")
     out = second.stdout + second.stderr
     assert second.returncode == 0, out
     assert "rank 0 starts at step 4" in out and "rank 1 starts at step 4" in out
     assert "resumed from" in out and "rank 1 ends at step 6" in out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step6", "latest"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".zerorun-owner", "global_step6", "latest"]

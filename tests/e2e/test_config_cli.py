@@ -91,6 +91,8 @@ def test_offload_combinations_that_cannot_work_are_refused_before_anything_start
         (["--set", "zero.stage=2", "--set", "zero.offload_optimizer.device=nvme"], "zero.offload_optimizer.nvme_path"),
         (["--set", "zero.stage=2", "--set", "zero.offload_optimizer.device=nvme",
           "--set", "zero.offload_optimizer.nvme_path=blocker/sub"], "is not a directory"),
+        (["--set", "zero.stage=3", "--set", "zero.offload_param.device=nvme",
+          "--set", "zero.offload_param.nvme_path=blocker/sub"], "zero.offload_param.nvme_path: "),
     ]
     for settings, message in cases:
         result = zerorun(["--dry-run", "--nproc", "2", *settings, "train.py"], workdir)

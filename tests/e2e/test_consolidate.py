@@ -155,6 +155,7 @@ MEASURE = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a 201M-parameter checkpoint
 def test_consolidating_200m_parameters_stays_within_a_third_of_the_model(tmp_path):
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False, device="meta") for _ in range(LAYERS)])
     model.to_empty(device="cpu")

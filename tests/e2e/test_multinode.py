@@ -27,7 +27,7 @@ from launch_helpers import (
 )
 from sshd_server import LoopbackSshd, sshd_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.ssh]
+pytestmark = [pytest.mark.slow, pytest.mark.ssh, pytest.mark.long]  # a real sshd
 
 ECHO_ARGS = r'''
 import os, sys, torch, torch.distributed as dist

@@ -5,6 +5,7 @@ A real ``zerorun`` subprocess with one worker that does not import torch (fast).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -65,3 +66,14 @@ def test_script_config_and_optimizer_overrides_warn_once_through_the_launcher(tm
     assert "zero.stage: script 1, --config 3" in out
     assert out.count("optimizer.params.lr = 0.01 in the config is ignored") == 1
     assert "lr = 0.0003" in out
+
+
+def test_env_and_version_as_real_subprocesses(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "zerorun", "env", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout)
+    assert facts["torch"] and facts["gloo"] is True and "matplotlib" in facts["extras"]
+    assert facts["host_memory_bytes"] > 0
+    assert "Failed to initialize NumPy" not in done.stderr

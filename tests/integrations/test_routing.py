@@ -19,9 +19,9 @@ from zerorun.integrations.accelerate import EngineOptimizer, EngineRouter, fill_
 
 
 class RecordingEngine:
-    def __init__(self, accumulation=2, clipping=0.5, takes_scale=False, optimizer=None):
+    def __init__(self, accumulation=2, clipping=0.5, optimizer=None):
         self.calls = []
-        self.gradient_accumulation_steps = accumulation
+        self.accumulation_steps = accumulation
         self.micro_steps = 0
         self.skipped_steps = 0
         self.config = SimpleNamespace(gradient_clipping=clipping)
@@ -29,17 +29,19 @@ class RecordingEngine:
         self.lr_scheduler = None
         self.module = torch.nn.Linear(2, 2)
         self.optimizer = optimizer or torch.optim.SGD(self.module.parameters(), lr=0.1)
-        if takes_scale:
-            self.backward = self._backward_with_scale
+        self.boundary_override = None
 
     def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
 
-    def backward(self, loss):
-        self.calls.append(("backward", float(loss)))
+    def gradient_accumulation_steps(self):  # a method, as on DeepSpeed's engine and zerorun's
+        return self.accumulation_steps
 
-    def _backward_with_scale(self, loss, scale_wrt_gas=True):
-        self.calls.append(("backward", float(loss), scale_wrt_gas))
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self.boundary_override = is_boundary
+
+    def backward(self, loss, scale_wrt_gas=True):
+        self.calls.append(("backward", float(loss)) if scale_wrt_gas else ("backward", float(loss), False))
 
     def step(self):
         boundary = self.is_gradient_accumulation_boundary()
@@ -47,6 +49,12 @@ class RecordingEngine:
         if boundary:
             self.last_grad_norm = 2.0
         self.calls.append(("step", boundary))
+
+    def was_step_applied(self):
+        return self.skipped_steps == 0
+
+    def get_global_grad_norm(self):
+        return self.last_grad_norm
 
 
 def router_for(engine, *, step_in_backward=False, scaled=False, sync=True):
@@ -67,12 +75,12 @@ def test_every_backward_gets_exactly_one_engine_step():
 
 
 def test_a_loss_already_divided_by_the_caller_is_not_divided_again():
-    old = RecordingEngine(accumulation=4)
-    router_for(old, scaled=True, step_in_backward=True).backward(torch.tensor(0.25))
-    assert old.calls[0] == ("backward", 1.0)  # x4, which this engine divides by 4 again
-    new = RecordingEngine(accumulation=4, takes_scale=True)
-    router_for(new, scaled=True).backward(torch.tensor(0.25))
-    assert new.calls[0] == ("backward", 0.25, False)
+    engine = RecordingEngine(accumulation=4)
+    router_for(engine, scaled=True).backward(torch.tensor(0.25))
+    assert engine.calls[0] == ("backward", 0.25, False)
+    unscaled = RecordingEngine(accumulation=4)
+    router_for(unscaled).backward(torch.tensor(0.25))
+    assert unscaled.calls[0] == ("backward", 0.25)  # the engine divides by its 4
 
 
 def test_clip_grad_norm_checks_the_config_and_returns_the_steps_norm():

@@ -75,7 +75,7 @@ def test_optimizer_names_follow_deepspeed_semantics():
     assert any("runs as torch.optim.AdamW" in note for note in adam.notes)
     plain = load_config({"optimizer": {"type": "adam", "params": {"adam_w_mode": False, "lr": 1e-3}},
                          "train_batch_size": 8}, environ={})
-    assert plain.optimizer == OptimizerConfig(type="Adam", params={"lr": 1e-3})
+    assert plain.optimizer == OptimizerConfig(type="Adam", params={"lr": 1e-3, "weight_decay": 0.0})
     sgd = load_config({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
                        "train_batch_size": 8}, environ={})
     assert sgd.optimizer == OptimizerConfig(type="SGD", params={"lr": 0.1, "momentum": 0.9})

@@ -147,7 +147,7 @@ def test_set_total_steps_reaches_the_step_messages():
     engine._recorder.send_sample()
     steps = [m for m in sink.lines if m["kind"] == "step"]
     assert steps and steps[0]["total_steps"] == 40
-    with pytest.raises(zerorun.errors.RuntimeConfigError):
+    with pytest.raises(zerorun.errors.UsageError):
         engine.set_total_steps(0)
 
 
@@ -172,3 +172,36 @@ def test_a_tuple_batch_counts_its_samples():
     engine.module = wrapper
     engine(batch)
     assert engine._window_samples == 10
+
+
+def test_a_launcher_config_left_at_its_defaults_is_not_warned_about(tmp_path, monkeypatch):
+    """ZerorunTrainer under the launcher without --config (issue 19): the launcher's config.json
+    holds only defaults, so the script's config loses nothing and no warning is due."""
+    from zerorun.config import load_config, to_dict
+
+    launcher = tmp_path / "config.json"
+    launcher.write_text(json.dumps(to_dict(load_config(None, environ={}, world_size=1))))
+    monkeypatch.setenv("ZERORUN_CONFIG", str(launcher))
+    model = nn.Linear(3, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                           {"zero": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    assert not [w for w in caught if issubclass(w.category, ConfigPrecedenceWarning)]
+
+
+def test_the_init_starter_runs_without_a_precedence_warning(tmp_path, monkeypatch):
+    """``zerorun init``'s train.py and zerorun.yaml agree: the optimizer comes from the yaml."""
+    import runpy
+    import sys
+
+    from zerorun.cli.init import planned_files, write_files
+
+    write_files(planned_files("zero2", tmp_path, False), force=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ZERORUN_CONFIG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--steps", "2"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runpy.run_path(str(tmp_path / "train.py"), run_name="__main__")
+    assert not [w for w in caught if issubclass(w.category, ConfigPrecedenceWarning)]

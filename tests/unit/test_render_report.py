@@ -46,6 +46,7 @@ def test_summarize_folds_records_per_rank(tmp_path):
 
 
 def test_png_report_through_the_cli(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="PNG plots need the report extra (matplotlib)")
     write_run(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["report", str(tmp_path)])
@@ -57,6 +58,7 @@ def test_png_report_through_the_cli(tmp_path, capsys):
 
 
 def test_html_report_is_one_self_contained_page(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="plots in the HTML page need the report extra (matplotlib)")
     write_run(tmp_path, ranks=3)
     out = tmp_path / "out" / "r.html"
     with pytest.raises(SystemExit):
@@ -89,40 +91,46 @@ def test_bad_input_is_one_line_error(tmp_path, capsys, setup, args, message):
     assert err.startswith("zerorun: error: ")
 
 
-# A Python that cannot import matplotlib, as after the README's first command (no [report] extra).
-NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from zerorun.cli.main import main; main(sys.argv[1:])"
-
-
-def _without_matplotlib(args, cwd):
-    import os
-    import subprocess
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """This interpreter as after the README's first command (no [report] extra): importing
+    matplotlib fails, also where an earlier test imported it."""
     import sys
-    from pathlib import Path
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.run([sys.executable, "-c", NO_MATPLOTLIB, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
 
 
-def test_report_without_matplotlib_prints_a_terminal_report(tmp_path):
+def _report(args, capsys) -> tuple[int, str, str]:
+    try:
+        main(["report", *args])
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_report_without_matplotlib_prints_a_terminal_report(tmp_path, capsys, no_matplotlib):
     """Used to end in a raw ModuleNotFoundError: matplotlib."""
     write_run(tmp_path)
-    done = _without_matplotlib(["report", str(tmp_path)], tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "Traceback" not in done.stderr
-    assert "zerorun report" in done.stdout and "all_reduce" in done.stdout
-    assert "loss (rank 0, 2.0000 -> 0.5000)" in done.stdout
-    assert "pip install 'zerorun[report]'" in done.stderr
+    code, out, err = _report([str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "Traceback" not in err
+    assert "zerorun report" in out and "all_reduce" in out
+    assert "loss (rank 0, 2.0000 -> 0.5000)" in out
+    assert "pip install 'zerorun[report]'" in err
 
 
-def test_png_without_matplotlib_names_the_extra_in_one_line(tmp_path):
+def test_png_without_matplotlib_names_the_extra_in_one_line(tmp_path, capsys, no_matplotlib):
     write_run(tmp_path)
-    done = _without_matplotlib(["report", str(tmp_path), "--format", "png"], tmp_path)
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.splitlines()[0] == ("zerorun: error: PNG plots need matplotlib, which is not installed: "
-                                           "pip install 'zerorun[report]'")
-    html = _without_matplotlib(["report", str(tmp_path), "--format", "html"], tmp_path)
-    assert html.returncode == 0, html.stderr
+    code, _, err = _report([str(tmp_path), "--format", "png"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[0] == ("zerorun: error: PNG plots need matplotlib, which is not installed: "
+                                   "pip install 'zerorun[report]'")
+    code, _, err = _report([str(tmp_path), "--format", "html"], capsys)
+    assert code == 0, err
     assert "No plots: matplotlib is not installed" in (tmp_path / "report.html").read_text()
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerorun.zero.unit.layout import ParamSpec, ShardPlan, UnitLayout, pack_buckets, reassemble, round_up
+from zerorun.zero.unit.layout import ParamSpec, UnitLayout, pack_buckets, round_up
 
 sizes = st.lists(st.integers(min_value=0, max_value=60), min_size=1, max_size=6)
 
@@ -60,17 +60,17 @@ def test_shards_reassemble_into_the_original_parameters(units, world):
     layouts = tuple(UnitLayout(specs_of(n, prefix=f"u{u}."), world) for u, n in enumerate(units))
     specs = [spec for layout in layouts for spec in layout.params]
     values = {spec.name: [hash((spec.name, i)) % 997 for i in range(spec.numel)] for spec in specs}
-    plans = [ShardPlan(layouts, rank) for rank in range(world)]
-    shards = []
-    for plan in plans:
-        shard = [None] * plan.shard_numel
-        for layout, base in zip(layouts, plan.chunk_offsets):
-            flat = [v for spec in layout.params for v in values[spec.name]]
-            flat += [0] * (layout.padded_numel - len(flat))
-            start, end = layout.chunk_range(plan.rank)
-            shard[base : base + layout.chunk_numel] = flat[start:end]
-        shards.append(shard)
-    assert reassemble(specs, shards, plans) == values
+    whole = {spec.name: [None] * spec.numel for spec in specs}
+    for layout in layouts:
+        flat = [v for spec in layout.params for v in values[spec.name]]
+        flat += [0] * (layout.padded_numel - len(flat))
+        for rank in range(world):
+            start, end = layout.chunk_range(rank)
+            chunk = flat[start:end]
+            for seg in layout.segments(rank):
+                piece = chunk[seg.shard_offset : seg.shard_offset + seg.length]
+                whole[seg.name][seg.param_offset : seg.param_offset + seg.length] = piece
+    assert whole == values
 
 
 def test_pack_buckets_keeps_order_and_never_splits_a_parameter():

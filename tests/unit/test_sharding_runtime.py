@@ -9,7 +9,7 @@ from torch import nn
 
 import zerorun
 from zerorun.config import PrecisionConfig
-from zerorun.errors import RuntimeConfigError, ZerorunError
+from zerorun.errors import InternalError, RuntimeConfigError, ZerorunError
 from zerorun.zero.precision import LossScaler
 from zerorun.zero.unit.storage import FlatUnit, ParamState
 
@@ -144,7 +144,7 @@ def test_partitioned_unit_state_transitions_are_checked():
     assert unit.state is ParamState.GATHERED and torch.equal(params[0].detach(), torch.arange(6.0))
     unit.release()
     assert unit.state is ParamState.SHARDED and unit.full.untyped_storage().nbytes() == 0
-    with pytest.raises(AssertionError):
+    with pytest.raises(InternalError):
         unit._move(ParamState.SHARDED)  # SHARDED -> SHARDED is not a transition
 
 
@@ -243,7 +243,7 @@ def test_stage3_gathers_a_tied_unit_once_per_step():
     model = Tied()
     config = {"zero": {"stage": 3, "param_persistence_threshold": 0}}
     engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
-    tied = next(u for u in engine.partition.units if any(p is emb.weight for p in u.params))
+    tied = next(u for u in (r.unit for r in engine.records) if any(p is emb.weight for p in u.params))
     gathers = [0, 0, 0]
     original = Unit.start_gather
 
@@ -261,7 +261,7 @@ def test_stage3_gathers_a_tied_unit_once_per_step():
         Unit.start_gather = original
     # The first forward records the order: embedding, head and head's backward each gather.
     assert gathers == [3, 1, 1]
-    assert all(u.state is ParamState.SHARDED for u in engine.partition.units if u.partitioned)
+    assert all(u.state is ParamState.SHARDED for u in (r.unit for r in engine.records) if u.partitioned)
 
 
 class _MLP(nn.Module):
@@ -302,7 +302,7 @@ def test_stage3_backward_finds_every_unit_prefetched_within_the_planned_bound():
     zero = {"stage": 3, "param_persistence_threshold": 0, "allgather_bucket_size": 1500}
     model = _nested_blocks_model()
     engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": zero})
-    owners = {engine.partition.units.index(u) for us in engine.partition.module_units.values() for u in us}
+    owners = {r.index for rs in engine.gatherer.module_records.values() for r in rs}
     assert len(owners) == 7  # three blocks, three MLPs, the head
     with torch.device("meta"):
         spec = count_module(_nested_blocks_model(), "blocks")
@@ -315,7 +315,7 @@ def test_stage3_backward_finds_every_unit_prefetched_within_the_planned_bound():
         if in_backward[0]:
             if self.state is ParamState.SHARDED:
                 synchronous.append(self.index)
-            alive = sum(u.layout.numel for u in engine.partition.units
+            alive = sum(u.layout.numel for u in (r.unit for r in engine.records)
                         if u.partitioned and u.state is not ParamState.SHARDED)
             most_gathered[0] = max(most_gathered[0], alive + (self.layout.numel if self.state is ParamState.SHARDED else 0))
         original(self, group)
@@ -375,13 +375,13 @@ def test_nvme_offload_keeps_state_in_files_and_host_memory_in_its_buffers(tmp_pa
     for _ in range(2):
         engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
         engine.step()
-    engine.updater.placement.flush()
+    engine.quiesce()
     breakdown = engine.memory_breakdown()
     n = sum(p.numel() for p in model.parameters())
     assert breakdown["optimizer_state"] == 0
     assert breakdown["offloaded_nvme"] >= 12 * n  # master + two Adam moments, fp32
     assert breakdown["offloaded_host"] == 2 * 3 * 4160 * 4  # the two buffers, nothing more
-    files = list(tmp_path.glob("zerorun-rank0-*/unit*.bin"))
+    files = list(tmp_path.glob("zerorun-*-rank0/optim*/unit*.bin"))
     assert sum(f.stat().st_size for f in files) == breakdown["offloaded_nvme"]
     assert all(r.master.numel() == 0 for r in engine.records)  # nothing resident between steps
 
@@ -394,12 +394,12 @@ def test_stage3_parameters_offloaded_to_nvme_live_in_files(tmp_path):
     before = engine.full_state_dict()["0.weight"].clone()
     engine.backward(engine(torch.randn(8, 64)).pow(2).mean())
     engine.step()
-    files = list(tmp_path.glob("zerorun-params-rank0-*/unit*.bin"))
+    files = list(tmp_path.glob("zerorun-*-rank0/params*/unit*.bin"))
     breakdown = engine.memory_breakdown()
     assert files and breakdown["parameters"] == 0  # nothing partitioned is held on the device
     assert breakdown["offloaded_nvme"] == sum(f.stat().st_size for f in files)
     on_disk = torch.from_file(str(files[0]), size=files[0].stat().st_size // 4, dtype=torch.float32)
-    assert torch.equal(on_disk, next(u.shard for u in engine.partition.units if u.index == int(files[0].stem[4:])))
+    assert torch.equal(on_disk, next(u.shard for u in (r.unit for r in engine.records) if u.index == int(files[0].stem[4:])))
     assert not torch.equal(before, engine.full_state_dict()["0.weight"])  # the update wrote through
 
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from zerorun.launch.watchdog import (
+    COLLECTIVE_FILES,
+    LIBRARY_FILES,
     Frame,
     ProgressWatch,
+    activity,
     blame,
+    describe_activity,
     in_collective,
     main_stack,
     parse_fault_stacks,
@@ -65,3 +69,52 @@ def test_progress_watch_times_out_only_without_any_change():
     watch.progress(11.0)  # e.g. a line of output
     assert not watch.expired(20.0)
     assert not ProgressWatch(0.0, now=0.0).expired(1e9)  # 0 = never
+
+
+def test_start_up_is_not_a_hang_until_every_rank_has_joined():
+    watch = ProgressWatch(10.0, now=0.0, ranks=(0, 1))
+    assert not watch.expired(100.0) and watch.idle_s(100.0) == 0.0  # both still importing
+    watch.rank_started(0, now=100.0)
+    assert not watch.expired(200.0)  # rank 1 is still starting
+    watch.rank_started(1, now=200.0)
+    assert not watch.expired(209.0) and watch.expired(210.0)  # the clock starts at the last join
+    assert not watch.startup_expired(1e9)  # no start-up limit by default
+
+
+def test_start_up_limit_counts_from_launch_and_only_while_starting():
+    watch = ProgressWatch(10.0, now=0.0, ranks=(0, 1), startup_timeout_s=60.0)
+    watch.rank_started(1, now=5.0)
+    assert not watch.startup_expired(59.0) and watch.startup_expired(60.0)
+    assert watch.starting == {0}
+    watch.rank_started(0, now=61.0)
+    assert not watch.startup_expired(1e9)
+
+
+IMPORTING = """\
+Fatal Python error: Aborted
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "<frozen importlib._bootstrap>", line 241 in _call_with_frames_removed
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 12 in <module>
+  File "<frozen importlib._bootstrap>", line 1204 in _find_and_load
+  File "/venv/lib/python3.11/site-packages/torch/optim/sgd.py", line 30 in __init__
+  File "/job/train.py", line 8 in <module>
+""".splitlines()
+
+
+def test_a_rank_importing_torch_distributed_is_not_waiting_in_a_collective():
+    importing = main_stack(parse_fault_stacks(IMPORTING))
+    waiting = main_stack(parse_fault_stacks(WAITING))
+    assert activity(importing) == "importing" and not in_collective(importing)
+    assert describe_activity(importing) == "importing modules"
+    assert activity(waiting) == "collective" and describe_activity(waiting) == "waiting in a collective"
+    # Nobody waits in a collective, so nobody is blamed for holding the others up.
+    assert blame({0: importing, 1: main_stack(parse_fault_stacks(STUCK))}) == []
+
+
+def test_runtime_paths_follow_the_modules():
+    import zerorun.telemetry.recorder
+    import zerorun.zero.comm.collectives
+
+    assert any(part in zerorun.zero.comm.collectives.__file__ for part in COLLECTIVE_FILES)
+    assert any(part in zerorun.telemetry.recorder.__file__ for part in LIBRARY_FILES)

@@ -11,7 +11,9 @@ never taken as ours.
 DeepSpeed and torchrun spellings work too (``canonical_option``): ``--num_gpus`` (= ``--gpus``),
 ``--deepspeed``/``--deepspeed_config`` (= ``--config``), ``--nnodes`` (= ``--num-nodes``),
 ``--nproc_per_node`` (= ``--gpus`` where GPUs are visible, else ``--nproc``), and the
-underscore form of every option (``--master_port``).
+underscore form of every option (``--master_port``). A job started with DeepSpeed's spellings,
+or whose script is given ``--deepspeed``/``--deepspeed_config``, gets ``--local_rank=N`` appended
+to the script's arguments as under DeepSpeed's launcher (``--no-local-rank-arg`` turns it off).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import typer
 from zerorun.errors import JobFailed, LaunchError
 
 # Our options that take no value; every other option takes one (unless written --opt=value).
-FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume"})
+FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume", "--local-rank-arg",
+                          "--no-local-rank-arg"})
 MODULE_OPTIONS = ("-m", "--module")
 
 
@@ -39,8 +42,11 @@ ALIASES = {
 OUR_OPTIONS = frozenset({
     "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
     "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
-    "--no-dashboard", "--dry-run", "--grace", "--help", "--launcher",
+    "--no-dashboard", "--dry-run", "--grace", "--help", "--local-rank-arg", "--no-local-rank-arg", "--launcher",
 })
+# Spellings only DeepSpeed's launcher uses: a job started with them gets --local_rank=N appended
+# to the script's arguments, as DeepSpeed's launcher does (unless --no-local-rank-arg).
+DEEPSPEED_SPELLINGS = frozenset({"--num_gpus", "--deepspeed_config", "--deepspeed", "--num_nodes"})
 
 
 def canonical_option(word: str) -> str:
@@ -103,9 +109,23 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def wants_local_rank_arg(launcher_words: list[str], script_args: list[str]) -> bool:
+    """DeepSpeed habits on either side: its launcher's spellings, or ``--deepspeed`` /
+    ``--deepspeed_config`` among the script's own arguments (pure)."""
+    names = {word.partition("=")[0] for word in launcher_words}
+    script = {word.partition("=")[0] for word in script_args}
+    return bool(names & DEEPSPEED_SPELLINGS) or bool(script & {"--deepspeed", "--deepspeed_config"})
+
+
 def route_run_argv(argv: list[str], gpu_counter=None) -> list[str]:
-    """``[opts] SCRIPT args`` -> ``[opts] -- SCRIPT args`` so click never parses script args."""
+    """``[opts] SCRIPT args`` -> ``[opts] -- SCRIPT args`` so click never parses script args;
+    ``--local-rank-arg`` added where DeepSpeed habits ask for it and no choice was given."""
+    raw = list(argv)
     ours, theirs = split_argv(argv)
+    chosen = {"--local-rank-arg", "--no-local-rank-arg"} & set(ours)
+    module_job = any(w in MODULE_OPTIONS or w.startswith(("--module=", "-m")) for w in ours)
+    if not chosen and wants_local_rank_arg(raw[: len(ours)], theirs if module_job else theirs[1:]):
+        ours = [*ours, "--local-rank-arg"]
     if any(w == "--nproc-per-node" or w.startswith("--nproc-per-node=") for w in ours):
         if gpu_counter is None:
             from zerorun.launch.launcher import count_gpus as gpu_counter
@@ -140,9 +160,19 @@ def register(app: typer.Typer) -> None:
         hang_timeout: Optional[float] = typer.Option(
             None, "--hang-timeout", metavar="SECONDS",
             help="End the job when no rank made progress this long, showing every rank's stack "
-                 "(config telemetry.hang_timeout_s, default 600; 0 = never).",
+                 "(config telemetry.hang_timeout_s, default 600; 0 = never). Its clock starts when every "
+                 "rank has joined the rendezvous: start-up is not a hang.",
+        ),
+        startup_timeout: Optional[float] = typer.Option(
+            None, "--startup-timeout", metavar="SECONDS",
+            help="End the job when some rank has not joined the rendezvous this long after launch "
+                 "(config telemetry.startup_timeout_s, default 0 = never).",
         ),
         resume: bool = typer.Option(False, "--resume", help="Load the latest checkpoint of checkpoint.dir on start (= --set checkpoint.resume=true)."),
+        local_rank_arg: bool = typer.Option(
+            False, "--local-rank-arg/--no-local-rank-arg",
+            help="Append --local_rank=N to the script's arguments, as DeepSpeed's launcher does (on by "
+                 "default with DeepSpeed launcher flags or a script given --deepspeed/--deepspeed_config)."),
         launcher: Optional[str] = typer.Option(
             None, "--launcher", metavar="ssh|slurm|local",
             help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
@@ -156,9 +186,9 @@ def register(app: typer.Typer) -> None:
 
         words = list(target or [])
         if module is not None:
-            job_target = Target(module=module, args=tuple(words))
+            job_target = Target(module=module, args=tuple(words), local_rank_arg=local_rank_arg)
         elif words:
-            job_target = Target(script=words[0], args=tuple(words[1:]))
+            job_target = Target(script=words[0], args=tuple(words[1:]), local_rank_arg=local_rank_arg)
         else:
             raise LaunchError("no script given", hint="zerorun --nproc 2 train.py [script args...]  or  zerorun -m package.module")
         overrides = parse_settings(list(settings or []) + (["checkpoint.resume=true"] if resume else []))
@@ -166,6 +196,10 @@ def register(app: typer.Typer) -> None:
             if not hang_timeout >= 0:
                 raise LaunchError(f"--hang-timeout must be 0 (never) or a number of seconds, got {hang_timeout}")
             overrides["telemetry.hang_timeout_s"] = hang_timeout
+        if startup_timeout is not None:
+            if not startup_timeout >= 0:
+                raise LaunchError(f"--startup-timeout must be 0 (never) or a number of seconds, got {startup_timeout}")
+            overrides["telemetry.startup_timeout_s"] = startup_timeout
         options = LaunchOptions(
             target=job_target, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,

@@ -214,6 +214,11 @@ DEEPSPEED_MARKERS = frozenset(TOP_LEVEL) - {"optimizer", "scheduler", "gradient_
 OPTIMIZER_NAMES = {"adam": "AdamW", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad"}
 DEEPSPEED_ONLY_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muadam",
                              "muadamw", "musgd", "muon", "fusedadam", "cpuadam"}
+# DeepSpeed's own defaults where they differ from the torch class it runs as: its FusedAdam and
+# DeepSpeedCPUAdam (behind "Adam" and "AdamW") decay by 0 unless told, torch's AdamW by 0.01.
+# SGD and Adagrad are torch's classes in DeepSpeed too, so their defaults already agree. A
+# DeepSpeed config that leaves the key out must train as it does under DeepSpeed.
+DEEPSPEED_DEFAULTS = {"adam": {"weight_decay": 0.0}, "adamw": {"weight_decay": 0.0}}
 AUTO_FIX = "'auto' is filled in only by the Hugging Face integration (HfDeepSpeedConfig / Trainer)"
 
 
@@ -337,7 +342,15 @@ def _optimizer(section: Any, out: Translation) -> None:
         if switch in params:
             del params[switch]
             out.notes.append(f"optimizer.params.{switch}: accepted; zerorun runs a torch.optim class")
+    if "bias_correction" in params:  # FusedAdam's switch; torch's Adam/AdamW always correct
+        if params.pop("bias_correction") is not True:
+            out.problems.add("optimizer.params.bias_correction", "torch's Adam and AdamW always apply bias "
+                             "correction; remove it or set it to true", False)
     lowered = name.lower()
+    for key, value in DEEPSPEED_DEFAULTS.get(lowered, {}).items():
+        if key not in params:
+            params[key] = value
+            out.notes.append(f"optimizer.params.{key}: not given; DeepSpeed's default {value!r} applies")
     if lowered in DEEPSPEED_ONLY_OPTIMIZERS:
         out.problems.add("optimizer.type", "is a DeepSpeed-only optimizer; use a torch.optim class "
                          "such as AdamW, Adam or SGD", name)

@@ -53,6 +53,7 @@ RANGES: dict[str, Check] = {
     "telemetry.total_steps": _at_least(1),
     "telemetry.hang_after_s": _above(0),
     "telemetry.hang_timeout_s": ((lambda v: v >= 0), "must be 0 (never) or a number of seconds"),
+    "telemetry.startup_timeout_s": ((lambda v: v >= 0), "must be 0 (never) or a number of seconds"),
     "checkpoint.interval_steps": ((lambda v: v >= 0), "must be 0 (only when asked) or a step count"),
     "checkpoint.keep_last": _at_least(1),
     "seed": _within(0, 2**32 - 1),

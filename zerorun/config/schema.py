@@ -108,6 +108,9 @@ class TelemetryConfig:
     # The launcher ends the job when no rank has made progress (output, steps, collectives) for
     # this long, naming the rank the others wait for; 0 = never. CLI: --hang-timeout.
     hang_timeout_s: float = 600.0
+    # Seconds a rank may take to join the rendezvous before the job is ended as "still
+    # starting"; 0 = never (Note [start-up is not a hang]). CLI: --startup-timeout.
+    startup_timeout_s: float = 0.0
 
 
 @dataclass

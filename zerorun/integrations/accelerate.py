@@ -22,7 +22,7 @@ What each call does (docs/integrations.md has the same table):
   accumulation steps, which must equal the Accelerator's (``"auto"`` in the config takes the
   Accelerator's; a different number is an error naming both), so the gradients are the ones
   Accelerate's own division would give. The accumulation boundary is the Accelerator's
-  ``sync_gradients`` when the engine can be told it, else the engine's own count.
+  ``sync_gradients``.
 - ``optimizer.step()`` runs ``engine.step()`` (a counter on micro-steps between boundaries, the
   update at a boundary); ``optimizer.zero_grad()`` does nothing.
 - ``accelerator.clip_grad_norm_(params, max_norm)``: the engine clips at its step by the
@@ -39,7 +39,6 @@ What each call does (docs/integrations.md has the same table):
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Callable
 
@@ -169,20 +168,12 @@ class EngineRouter:
         self._pending = False  # a backward ran and its engine.step() has not yet
         self._just_updated = False  # the last engine.step() was an update
         self.update_lrs: list[float] | None = None  # learning rates of the last update, per group
-        self._backward_takes_scale = "scale_wrt_gas" in inspect.signature(engine.backward).parameters
 
     def backward(self, loss: torch.Tensor) -> None:
         if self._pending:
             self._step()
-        if hasattr(self.engine, "set_gradient_accumulation_boundary"):
-            self.engine.set_gradient_accumulation_boundary(bool(self._sync_gradients()))
-        if not self.loss_scaled:
-            self.engine.backward(loss)
-        elif self._backward_takes_scale:
-            self.engine.backward(loss, scale_wrt_gas=False)
-        else:
-            # This engine always divides by its accumulation steps: undo it, exactly (x k / k).
-            self.engine.backward(loss * self.engine.gradient_accumulation_steps)
+        self.engine.set_gradient_accumulation_boundary(bool(self._sync_gradients()))
+        self.engine.backward(loss, scale_wrt_gas=not self.loss_scaled)
         self._pending = True
         if self.step_in_backward:
             self._step()
@@ -215,16 +206,11 @@ class EngineRouter:
         if boundary:
             # The engine steps its own scheduler inside step(): keep the rates this update used.
             self.update_lrs = [group["lr"] for group in self.engine.optimizer.param_groups]
-        skipped_before = getattr(self.engine, "skipped_steps", 0)
         self.engine.step()
         self._pending = False
         self._just_updated = boundary
         if boundary and self.optimizer is not None:
-            if hasattr(self.engine, "was_step_applied"):
-                applied = bool(self.engine.was_step_applied())
-            else:
-                applied = getattr(self.engine, "skipped_steps", 0) == skipped_before
-            self.optimizer.step_was_skipped = not applied
+            self.optimizer.step_was_skipped = not self.engine.was_step_applied()
 
 
 def whole_model_state(engine) -> dict[str, torch.Tensor]:
@@ -242,7 +228,7 @@ def whole_model_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else engine.last_grad_norm
+    norm = engine.get_global_grad_norm()
     return None if norm is None else float(norm)
 
 
@@ -292,8 +278,8 @@ def prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer | No
     steps = int(getattr(accelerator, "gradient_accumulation_steps", 1) or 1)
     filled = fill_for_accelerator(raw, steps, max_grad_norm)
     engine = zerorun.initialize(model, optimizer, filled)
-    if engine.gradient_accumulation_steps != steps:
-        raise ConfigError(f"the engine accumulates {engine.gradient_accumulation_steps} micro-steps but "
+    if engine.gradient_accumulation_steps() != steps:
+        raise ConfigError(f"the engine accumulates {engine.gradient_accumulation_steps()} micro-steps but "
                           f"Accelerator(gradient_accumulation_steps={steps})",
                           hint="make the config's accumulation steps 'auto' or equal to the Accelerator's")
     router = EngineRouter(engine, sync_gradients=lambda: accelerator.sync_gradients,

@@ -16,7 +16,7 @@ evaluation, data loading and its own optimizer and schedule unless the config na
 | config has   | optimizer                              | scheduler                                 |
 |--------------|----------------------------------------|-------------------------------------------|
 | neither      | Trainer's (create_optimizer)           | Trainer's, built on the engine's groups   |
-| optimizer    | the engine's, from the config          | Trainer's, built on the engine's groups   |
+| optimizer    | the config's, over Trainer's two groups| Trainer's, built on the engine's groups   |
 | scheduler    | either of the above                    | the engine's, from the config             |
 
 Checkpoints: ``save_model`` gathers the whole model (every rank calls it; rank 0 writes a
@@ -142,8 +142,8 @@ class ZerorunTrainer(Trainer):
             self.lr_scheduler = None
             self._created_lr_scheduler = False
         config = self.zerorun_config_for(max_steps)
-        user_optimizer = None if "optimizer" in config else self.create_optimizer()
-        self.engine = engine = zerorun.initialize(self.model, user_optimizer, config)
+        optimizer = self._config_optimizer(config) if "optimizer" in config else self.create_optimizer()
+        self.engine = engine = zerorun.initialize(self.model, optimizer, config)
         self._router = EngineRouter(
             engine, sync_gradients=lambda: self.accelerator.sync_gradients,
             step_in_backward=True,  # Trainer reads the gradient norm before optimizer.step()
@@ -168,6 +168,26 @@ class ZerorunTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return model, train_dataloader
+
+    def _config_optimizer(self, config: dict):
+        """Note [config optimizer over Trainer's groups]: the config's optimizer (type and
+        hyper-parameters) built over Trainer's own two parameter groups, so biases and norm
+        weights are spared weight decay exactly as Trainer spares them (HF with DeepSpeed decays
+        every parameter instead, which is why its weights drift from the same run under DDP)."""
+        import torch
+
+        from zerorun.config import load_config
+
+        section = load_config(config).optimizer
+        cls = getattr(torch.optim, section.type, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise RuntimeConfigError(f"optimizer.type {section.type!r} is not a torch.optim optimizer")
+        params = dict(section.params)
+        decayed = set(self.get_decay_parameter_names(self.model))
+        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for name, p in trainable if name in decayed], "weight_decay": params.get("weight_decay", 0.0)},
+                  {"params": [p for name, p in trainable if name not in decayed], "weight_decay": 0.0}]
+        return cls([group for group in groups if group["params"]], **params)
 
     def _clip_grad_norm(self, model):
         """The engine already clipped at its step (config gradient_clipping, as under DeepSpeed);

@@ -13,7 +13,8 @@ worker started with checkpoint.on_signal saves a checkpoint and stops (Note [Slu
 launcher.py). The agent itself takes SIGUSR1/SIGUSR2 (Slurm's ``--signal`` without ``B:``
 reaches the steps) as ``checkpoint`` when its workers save on signals, else as ``stop``. EOF on stdin (the ssh session is gone) also ends every
 worker, so a launcher that dies cannot leave workers behind. stdout: events
-    {"t": "started", "rank", "pid"}      a worker is running
+    {"t": "joined", "rank"}              it has opened or reached the rendezvous (MASTER_PORT):
+                                         its start-up is over (Note [start-up is not a hang])
     {"t": "out", "rank", "line"[, "more": true]}
                                          a line of its stdout/stderr; "more": the line goes on
                                          in the next event (cut at MAX_OUTPUT_LINE bytes)
@@ -50,6 +51,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+import psutil
 
 from zerorun.launch import save_on_signal
 from zerorun.launch.processes import end_groups
@@ -204,8 +207,10 @@ class NodeAgent:
             stopped = self._stopped
         if stopped:  # a stop raced with the spawn: end this worker at once
             end_groups([proc.pid], 0.0)
-        self.emit({"t": "started", "rank": rank, "pid": proc.pid})
         output = self._thread(self._pump_output, rank, proc)
+        port = env.get("MASTER_PORT", "")
+        if port.isdigit():
+            self._thread(self._watch_rendezvous, rank, proc, int(port))
         telemetry = self._thread(self._pump_telemetry, rank, read_fd)
         self._waiters.append(self._thread(self._await_exit, rank, proc, (output, telemetry)))
 
@@ -248,6 +253,16 @@ class NodeAgent:
                     self.emit({"t": "tel_dropped", "rank": rank, "reason": "oversized"})
                     continue
                 self.emit({"t": "tel", "rank": rank, "line": stamp_telemetry(raw, rank, self.host)})
+
+    def _watch_rendezvous(self, rank: int, proc: subprocess.Popen, port: int) -> None:
+        """Tell the launcher when the worker joins the rendezvous (Note [start-up is not a hang]):
+        rank 0's store listens on MASTER_PORT, every other rank connects to it. Polled, a few
+        times a second, only until then."""
+        while proc.poll() is None:
+            if socket_on_port(proc.pid, port):
+                self.emit({"t": "joined", "rank": rank})
+                return
+            time.sleep(0.25)
 
     def _await_exit(self, rank: int, proc: subprocess.Popen, readers: tuple[threading.Thread, ...]) -> None:
         rc = proc.wait()
@@ -298,6 +313,18 @@ class NodeAgent:
     def saves_on_signal(self) -> bool:
         return any(worker["env"].get(save_on_signal.ENV_NAME) == "1" for worker in self.workers)
 
+    def remove_scratch(self) -> None:
+        """The NVMe scratch its workers recorded (a rank ended by a signal cannot remove its own)."""
+        from zerorun.zero.offload.scratch import sweep_recorded
+
+        by_run_dir: dict[str, list[int]] = {}
+        for worker in self.workers:
+            run_dir = worker["env"].get("ZERORUN_RUN_DIR") or self.base_env.get("ZERORUN_RUN_DIR")
+            if run_dir:
+                by_run_dir.setdefault(run_dir, []).append(worker["rank"])
+        for run_dir, ranks in by_run_dir.items():
+            sweep_recorded(run_dir, ranks)
+
     def reap_leftovers(self) -> None:
         """KILL whatever is left in the worker groups (children a finished worker left behind)."""
         with self._stop_lock:
@@ -312,6 +339,42 @@ class NodeAgent:
         """
         for thread in list(self._waiters):
             thread.join()
+
+
+def become_subreaper(prctl) -> bool:
+    """Note [adopted orphans]: a worker may start a daemon in a session of its own with a clean
+    environment (``setsid env -i ...``); it then leaves the worker's process group and carries
+    no run token, so neither the group signals nor the launcher's sweep find it. As a child
+    subreaper (PR_SET_CHILD_SUBREAPER), the agent inherits every orphan among its descendants
+    instead of init, so at the end of the job everything still below the agent is this job's."""
+    return prctl is not None and prctl(36, 1, 0, 0, 0) == 0  # 36 = PR_SET_CHILD_SUBREAPER
+
+
+def end_adopted(spare: tuple[int, ...], grace_s: float) -> None:
+    """TERM, then after ``grace_s`` KILL, every descendant of this process but ``spare``; reaped."""
+    try:
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in spare]
+    except psutil.Error:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        for proc in left:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+        _, left = psutil.wait_procs(left, timeout=wait_s)
+        if not left:
+            return
+
+
+def socket_on_port(pid: int, port: int) -> bool:
+    """Whether process ``pid`` listens on or is connected to TCP ``port``."""
+    try:
+        connections = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    return any((c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+               or (c.raddr and c.raddr.port == port) for c in connections)
 
 
 def stamp_telemetry(raw: bytes, rank: int, host: str | None) -> str:
@@ -374,6 +437,7 @@ def _serve() -> int:
     job = json.loads(first)
     write_job_files(job.get("files", {}))
     grace_s = float(job.get("grace_s", 3.0))
+    adopts_orphans = become_subreaper(_libc_prctl())
     guardian = Guardian(grace_s)
     agent = NodeAgent(
         job["workers"],
@@ -418,6 +482,9 @@ def _serve() -> int:
     if broken.is_set():
         agent.stop()
     agent.reap_leftovers()
+    agent.remove_scratch()
+    if adopts_orphans:
+        end_adopted((guardian.proc.pid,) if guardian.proc is not None else (), grace_s)
     guardian.release()
     emit({"t": "done"})
     return 0

@@ -68,6 +68,8 @@ class PreparedJob:
     hang_timeout_s: float = 0.0
     # A quiet spell this long gets one warning line (telemetry.hang_after_s / ZERORUN_HANG_AFTER_S).
     hang_warn_s: float = 0.0
+    # Seconds a rank may take to join the rendezvous (0: no limit); Note [start-up is not a hang].
+    startup_timeout_s: float = 0.0
     # The Slurm allocation found (None outside one) and how the job is launched (choose_launcher).
     slurm: slurm.SlurmContext | None = None
     mode: str = "ssh"
@@ -270,15 +272,16 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
         torch_in_child=True,
     )
-    nvme = config.zero.offload_optimizer
-    if nvme.device == "nvme" and nvme.nvme_path and all(is_local_host(h, local_names) for h in hosts):
-        from zerorun.errors import ConfigError
-        from zerorun.launch.preflight import nvme_path_problem
+    for key in ("offload_optimizer", "offload_param"):
+        nvme = getattr(config.zero, key)
+        if nvme.device == "nvme" and nvme.nvme_path and all(is_local_host(h, local_names) for h in hosts):
+            from zerorun.errors import ConfigError
+            from zerorun.launch.preflight import nvme_path_problem
 
-        problem = nvme_path_problem(os.path.join(cwd, nvme.nvme_path))
-        if problem:
-            raise ConfigError(f"zero.offload_optimizer.nvme_path: {problem}",
-                              hint="point nvme_path at a directory on a local disk you can write")
+            problem = nvme_path_problem(os.path.join(cwd, nvme.nvme_path))
+            if problem:
+                raise ConfigError(f"zero.{key}.nvme_path: {problem}",
+                                  hint="point nvme_path at a directory on a local disk you can write")
     config_json = json.dumps(to_dict(config), indent=2)
     notes = list(config.notes)
     if options.nproc is not None and has_nvidia_gpu():
@@ -292,7 +295,8 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
                        hang_timeout_s=config.telemetry.hang_timeout_s,
                        hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s),
                        slurm=context, mode=mode, save_on_signal=save_on_signal,
-                       requeue=config.checkpoint.requeue)
+                       requeue=config.checkpoint.requeue,
+                       startup_timeout_s=config.telemetry.startup_timeout_s)
 
 
 def step_hosts(options: LaunchOptions, environ: Mapping[str, str], ctx: slurm.SlurmContext):
@@ -485,8 +489,9 @@ def execute(job: PreparedJob, view_factory=None):
     supervisor = Supervisor(
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
         files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
-        hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s,
+        hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s, startup_timeout_s=job.startup_timeout_s,
     )
+
     def on_signal(signum, _frame):
         if signum in CHECKPOINT_SIGNALS and job.save_on_signal:
             supervisor.request_checkpoint(signum)

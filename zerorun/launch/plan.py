@@ -28,15 +28,19 @@ class Target:
     script: str | None = None
     module: str | None = None
     args: tuple[str, ...] = ()
+    # DeepSpeed's launcher appends --local_rank=N to every worker's arguments; scripts written
+    # for it read that (zerorun --local-rank-arg, docs/deepspeed.md).
+    local_rank_arg: bool = False
 
     def __post_init__(self):
         if (self.script is None) == (self.module is None):
             raise LaunchError("give either a script or -m MODULE (exactly one)")
 
-    def argv(self, python: str) -> list[str]:
+    def argv(self, python: str, local_rank: int = 0) -> list[str]:
         # -u: unbuffered, so output and tracebacks reach the launcher line by line.
         head = ["-m", self.module] if self.module else [self.script]
-        return [python, "-u", *head, *self.args]
+        tail = [f"--local_rank={local_rank}"] if self.local_rank_arg else []
+        return [python, "-u", *head, *self.args, *tail]
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,7 @@ def build_plan(
                 env[DEVICE_ENV] = device
             if set_visible_devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
-            workers.append(WorkerSpec(rank, local_rank, host, node_rank, target.argv(python), env))
+            workers.append(WorkerSpec(rank, local_rank, host, node_rank, target.argv(python, local_rank), env))
             rank += 1
         local = is_local_host(host, local_names)
         nodes.append(NodeSpec(host, node_rank, local, workers, "local" if local else remote_reach))

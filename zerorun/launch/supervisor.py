@@ -98,10 +98,10 @@ def format_failure(failure: Failure) -> str:
     who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
     lines = [f"first failure: {who}: {failure.reason}"]
     if failure.stacks:
-        lines.append("Python stacks when the hang was detected (innermost call first):")
+        lines.append("Python stacks when the job was ended (innermost call first):")
         for rank, stack in sorted(failure.stacks.items()):
             at = watchdog.stuck_at(stack)
-            state = "waiting in a collective" if watchdog.in_collective(stack) else "not in a collective"
+            state = watchdog.describe_activity(stack)
             lines.append(f"  rank {rank}: {state}; at {at}" if at else f"  rank {rank}: no stack")
             frames = [frame for frame in stack if not frame.file.startswith("<frozen")]
             lines += [f"  |   {frame}" for frame in frames[:SHOWN_FRAMES]]
@@ -367,7 +367,8 @@ def signal_name(signum: int) -> str:
 class Supervisor:
     def __init__(self, plan: LaunchPlan, view, *, grace_s: float = 3.0, ssh_port: int | None = None,
                  ssh_options: list[str] | None = None, files: dict[str, str] | None = None,
-                 token: str = "", hang_timeout_s: float = 0.0, hang_warn_s: float = 0.0):
+                 token: str = "", hang_timeout_s: float = 0.0, hang_warn_s: float = 0.0,
+                 startup_timeout_s: float = 0.0):
         self.plan = plan
         self.view = view
         self.grace_s = grace_s
@@ -380,7 +381,8 @@ class Supervisor:
         self._interrupt = threading.Event()
         self._tails = {w.rank: collections.deque(maxlen=TAIL_LINES) for w in plan.workers}
         self._host_of = {w.rank: w.host for w in plan.workers}
-        self._watch = watchdog.ProgressWatch(hang_timeout_s, time.monotonic())
+        self._watch = watchdog.ProgressWatch(hang_timeout_s, time.monotonic(), ranks=tuple(self._tails),
+                                             startup_timeout_s=startup_timeout_s)
         # One warning line per quiet spell, after hang_warn_s (telemetry.hang_after_s); 0 = none.
         self._hang_warn_s = hang_warn_s
         self._warned_at: float | None = None
@@ -473,7 +475,9 @@ class Supervisor:
 
     def _handle(self, host: str, event: dict) -> None:
         kind, rank = event.get("t"), event.get("rank")
-        if kind == "exit" and rank in self._running:
+        if kind == "joined" and rank in self._running:
+            self._watch.rank_started(rank, time.monotonic())  # Note [start-up is not a hang]
+        elif kind == "exit" and rank in self._running:
             rc = int(event["rc"])
             self._running.discard(rank)
             self._exit_codes[rank] = rc
@@ -529,7 +533,19 @@ class Supervisor:
         collector = getattr(self.view, "collector", None)
         if collector is not None:
             ranks = collector.snapshot(output_lines=0).ranks
-            self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm)) for v in ranks}, now)
+            for view in ranks:
+                if view.step is not None or view.entered_seq is not None or view.comm:
+                    self._watch.rank_started(view.rank, now)
+            # A checkpoint being written moves ``activity`` (bytes so far): progress too.
+            self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
+                                 for v in ranks}, now)
+        if self._watch.startup_expired(now):
+            starting = ", ".join(map(str, sorted(self._watch.starting)))
+            self._sink.output("launcher", None, f"START-UP: rank(s) {starting} still starting after "
+                              f"{self._watch.startup_timeout_s:g} s (--startup-timeout); collecting every rank's "
+                              "Python stack and ending the job")
+            self._begin_dump(now)
+            return
         idle = self._watch.idle_s(now)
         if self._warned_at is not None and self._watch.last_progress > self._warned_at:
             self._warned_at = None  # progress resumed: a later quiet spell is warned about again
@@ -542,9 +558,12 @@ class Supervisor:
             self._sink.output("launcher", None, f"HANG: no rank has made progress for {self._watch.timeout_s:g} s "
                               "(--hang-timeout); collecting every rank's Python stack and ending the job")
             self._hang_missing = self._collective_missing()
-            self._dumping_since = now
-            for channel in self.channels:
-                channel.dump_stacks()
+            self._begin_dump(now)
+
+    def _begin_dump(self, now: float) -> None:
+        self._dumping_since = now
+        for channel in self.channels:
+            channel.dump_stacks()
 
     def _collective_missing(self) -> tuple[int, ...]:
         """Ranks that have not entered the zerorun collective others are blocked in, if any."""
@@ -561,8 +580,18 @@ class Supervisor:
             rank: watchdog.main_stack(watchdog.parse_fault_stacks(list(tail))) for rank, tail in self._tails.items()
         }
         stacks = {rank: stack for rank, stack in stacks.items() if stack}
-        culprits = watchdog.blame(stacks, self._hang_missing)
         timeout = self._watch.timeout_s
+        if self._watch.starting:
+            starting = sorted(self._watch.starting)
+            names = "rank " + str(starting[0]) if len(starting) == 1 else "ranks " + ", ".join(map(str, starting))
+            reason = (f"still starting after {self._watch.startup_timeout_s:g} s (--startup-timeout): {names} "
+                      f"had not joined the rendezvous (torch.distributed.init_process_group)")
+            hosts = sorted({self._host_of[rank] for rank in starting})
+            failure = Failure(", ".join(hosts), starting[0] if len(starting) == 1 else None, reason, stacks=stacks)
+            self._dumping_since = None
+            self._fail(failure)
+            return
+        culprits = watchdog.blame(stacks, self._hang_missing)
         if culprits:
             others = sorted(set(stacks) - set(culprits))
             waiting = ""

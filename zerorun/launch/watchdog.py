@@ -1,36 +1,74 @@
 """Hang handling (pure): is the job still making progress, whose stack shows it is the one stuck.
 
 Note [hang timeout]: zerorun's own collectives tell the dashboard which rank a collective is
-waiting for, but a rank can just as well hang in the script's own ``dist.all_reduce`` or
-before ``initialize``, where zerorun sees no collective at all. The watchdog therefore asks
-only whether *anything* moves: a line of output from any rank, a new step, a collective
-entered or finished. When nothing has moved for ``--hang-timeout`` seconds, the launcher has
-every worker print its Python stacks (faulthandler, on SIGABRT) and ends the job. The stacks
-name the cause: ranks waiting for the others sit inside a collective (torch.distributed or
-zerorun.zero.comm.collectives); the rank that is elsewhere is the one they wait for.
+waiting for, but a rank can just as well hang in the script's own ``dist.all_reduce``, where
+zerorun sees no collective at all. The watchdog therefore asks only whether *anything* moves:
+a line of output from any rank, a new step, a collective entered or finished, a checkpoint
+being written. When nothing has moved for ``--hang-timeout`` seconds, the launcher has every
+worker print its Python stacks (faulthandler, on SIGABRT) and ends the job. The stacks name
+the cause: ranks waiting for the others sit inside a collective (torch.distributed or
+zerorun.zero.comm); the rank that is elsewhere is the one they wait for.
+
+Note [start-up is not a hang]: importing torch from a slow shared file system, reading a data
+set or compiling can keep a rank silent for minutes before it does anything collective, and a
+silent rank there is slow, not stuck. So the hang clock runs only once *every* rank has started:
+joined the rendezvous (its agent sees a TCP connection to, or the listening socket on,
+MASTER_PORT: what ``init_process_group`` opens), or reported a step or a collective. Until then
+only the start-up limit applies (``--startup-timeout``, off by default), and its report says
+which ranks were still starting, with their stacks.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+
+def _package_path(package: str) -> str:
+    """``zerorun/zero/comm/`` for ``zerorun.zero.comm``: derived from where the package is, so a
+    moved module cannot leave the watchdog looking in the wrong place (nothing is imported)."""
+    import zerorun
+
+    root = Path(zerorun.__file__).resolve().parent.parent
+    path = root.joinpath(*package.split("."))
+    return path.relative_to(root).as_posix() + "/"
+
 
 # Frames in these files mean "waiting in a collective" (or in the rendezvous, which is one).
-COLLECTIVE_FILES = ("torch/distributed/", "zerorun/zero/comm/collectives.py", "zerorun/zero/comm/process_group.py")
+COLLECTIVE_FILES = ("torch/distributed/", _package_path("zerorun.zero.comm"))
 # Frames in these files are machinery; the first frame outside them is "the line it is stuck on".
-LIBRARY_FILES = ("<frozen", "/site-packages/", "/dist-packages/", "/lib/python3", "zerorun/zero/", "zerorun/telemetry/")
+LIBRARY_FILES = ("<frozen", "/site-packages/", "/dist-packages/", "/lib/python3",
+                 _package_path("zerorun.zero"), _package_path("zerorun.telemetry"))
+# A frame of the import system: the rank is importing modules (torch.distributed's own module
+# bodies included), which is start-up, never "waiting in a collective".
+IMPORT_FRAMES = ("<frozen importlib._bootstrap",)
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 
 
 class ProgressWatch:
-    """When did anything last move? ``timeout_s`` 0 means never time out."""
+    """When did anything last move? ``timeout_s`` 0 means never time out.
 
-    def __init__(self, timeout_s: float, now: float):
+    ``ranks``: the ranks still starting (Note [start-up is not a hang]); the hang clock starts
+    when the last of them has started. ``startup_timeout_s`` (0 = never) bounds start-up.
+    """
+
+    def __init__(self, timeout_s: float, now: float, *, ranks: tuple[int, ...] = (),
+                 startup_timeout_s: float = 0.0):
         self.timeout_s = timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self.launched_at = now
         self.last_progress = now
+        self.starting = set(ranks)
         self._marks: dict = {}
+
+    def rank_started(self, rank: int, now: float) -> None:
+        if rank in self.starting:
+            self.starting.discard(rank)
+            if not self.starting:
+                self.last_progress = max(self.last_progress, now)  # the hang clock starts now
 
     def progress(self, now: float) -> None:
         self.last_progress = max(self.last_progress, now)
@@ -42,10 +80,14 @@ class ProgressWatch:
             self.progress(now)
 
     def idle_s(self, now: float) -> float:
-        return now - self.last_progress
+        """Seconds without progress; 0 while some rank is still starting (not a hang)."""
+        return 0.0 if self.starting else now - self.last_progress
 
     def expired(self, now: float) -> bool:
-        return self.timeout_s > 0 and self.idle_s(now) >= self.timeout_s
+        return self.timeout_s > 0 and not self.starting and self.idle_s(now) >= self.timeout_s
+
+    def startup_expired(self, now: float) -> bool:
+        return self.startup_timeout_s > 0 and bool(self.starting) and now - self.launched_at >= self.startup_timeout_s
 
 
 @dataclass(frozen=True)
@@ -86,8 +128,27 @@ def main_stack(threads: list[list[Frame]]) -> list[Frame]:
     return threads[0] if threads else []
 
 
+def activity(stack: list[Frame]) -> str:
+    """What the stack shows the rank doing: "collective", "importing" or "elsewhere".
+
+    The innermost telling frame decides: an import-system frame (even one running
+    torch.distributed's module body) is start-up; a call into a collective module is waiting.
+    """
+    for frame in stack:
+        if frame.file.startswith(IMPORT_FRAMES):
+            return "importing"
+        if frame.func != "<module>" and any(part in frame.file for part in COLLECTIVE_FILES):
+            return "collective"
+    return "elsewhere"
+
+
 def in_collective(stack: list[Frame]) -> bool:
-    return any(any(part in frame.file for part in COLLECTIVE_FILES) for frame in stack)
+    return activity(stack) == "collective"
+
+
+def describe_activity(stack: list[Frame]) -> str:
+    return {"collective": "waiting in a collective", "importing": "importing modules",
+            "elsewhere": "not in a collective"}[activity(stack)]
 
 
 def stuck_at(stack: list[Frame]) -> Frame | None:

@@ -93,7 +93,9 @@ def measure_factory(target: str, plan, *, ranks: int = 2, steps: int = 3, micro_
                 nprocs=ranks, join=True, start_method="spawn",
             )
         except mp.ProcessRaisedException as err:
-            raise PlannerError(f"--measure failed in a worker: {str(err).strip().splitlines()[-1]}") from None
+            last = str(err).strip().splitlines()[-1]
+            own = "zerorun.errors.PlannerError: "
+            raise PlannerError(last[len(own):] if last.startswith(own) else f"--measure failed in a worker: {last}") from None
         except mp.ProcessExitedException as err:
             raise PlannerError(f"--measure: a worker died ({err})") from None
         finally:
@@ -193,7 +195,17 @@ def _measure_stage(factory, batch_fn, stage, rank, device, precision, steps, mic
     gc.collect()
     probe.reset_peak()  # from here on: the training steps only
     for step in range(steps):
-        loss = _loss_of(engine(*inputs))
+        try:
+            output = engine(*inputs)
+        except TypeError as exc:
+            if batch_fn is not None:
+                raise
+            shapes = ", ".join(str(tuple(t.shape)) if hasattr(t, "shape") else type(t).__name__ for t in inputs)
+            raise PlannerError(f"the model's forward refused the input --measure guessed ({shapes}): {exc}; "
+                               "define example_batch(micro_batch, seq_len) beside the model function, returning "
+                               "the forward's arguments (a tensor or a tuple)") from None
+        loss = _loss_of(output)
+        del output
         engine.backward(loss)
         if step == steps - 1:
             before_update = engine.memory_breakdown()

@@ -182,10 +182,13 @@ def estimate(model: ModelSpec, job: Job, training: Training,
             nvme, host = offloaded, _offload_staging_bytes(model, job, training)
         else:
             host = offloaded + _offload_staging_bytes(model, job, training)
-    if stage == 3 and (training.offload == "cpu-optimizer+params" or training.nvme_params):
+    # Parameters on NVMe (a config's offload_param) go with an offloaded optimizer: a row
+    # labelled "none" offloads nothing, whatever the config held.
+    nvme_params = training.nvme_params and training.offload != "none"
+    if stage == 3 and (training.offload == "cpu-optimizer+params" or nvme_params):
         moved = p * shard(sharded, n)
         params -= moved
-        if training.nvme_params:
+        if nvme_params:
             nvme += moved
         else:
             host += moved

@@ -8,6 +8,8 @@ Contract with the runtime (zerorun/zero):
         # sums ranks for job throughput. Numbers or 0-d tensors; None when unknown.
     rec.set_memory_breakdown(dict)  # engine.memory_breakdown(), sent with the next sample
     rec.set_total_steps(n)          # engine.set_total_steps(n): each step message carries it
+    rec.record_activity(what, n)    # "saving" and the bytes written so far (None: done); each
+                                    # sample carries it, so a long save counts as progress
 Collectives reach the recorder as an observer of zerorun.zero.comm.collectives.
 
 Contract with the launcher: workers write newline-delimited JSON messages to the file
@@ -35,6 +37,9 @@ class NullRecorder:
         pass
 
     def set_total_steps(self, total_steps: int) -> None:
+        pass
+
+    def record_activity(self, what, nbytes: int) -> None:
         pass
 
 

@@ -76,6 +76,9 @@ class RankView:
     heartbeat_age_s: float | None = None
     entered_seq: int | None = None
     blocked: Blocked | None = None
+    # (what, bytes so far) of long work outside steps and collectives, e.g. ("saving", n):
+    # Note [saving is progress] in recorder.py. The hang watchdog counts a change as progress.
+    activity: tuple | None = None
     exit_code: int | None = None
     straggler: bool = False
 
@@ -125,6 +128,7 @@ class _RankState:
     entered_seq: int | None = None
     blocked: dict | None = None
     blocked_seen: float | None = None
+    activity: tuple | None = None
     exit_code: int | None = None
 
 
@@ -246,6 +250,8 @@ class Collector:
             state.entered_seq = m["entered_seq"]
             state.blocked = m.get("blocked")
             state.blocked_seen = now
+            activity = m.get("activity")
+            state.activity = (activity["what"], activity["bytes"]) if activity else None
 
     # --- output ------------------------------------------------------------------------
     def snapshot(self, output_lines: int = 20) -> Snapshot:
@@ -315,6 +321,7 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
         heartbeat_age_s=None if s.last_seen is None else now - s.last_seen,
         entered_seq=s.entered_seq,
         blocked=blocked,
+        activity=s.activity,
         exit_code=s.exit_code,
     )
 

@@ -10,7 +10,10 @@ and one of these kinds (fields beyond the envelope):
              sample, comm_seconds_total (wall seconds with some collective in flight, see Note
              [comm share] in recorder.py), entered_seq (highest collective seq started, -1 none),
              blocked: null | {seq, op, for_s} (the collective this rank is waiting in now),
-             breakdown: optional dict from engine.memory_breakdown()
+             breakdown: optional dict from engine.memory_breakdown(),
+             activity: optional {what: str, bytes: int}, long work that is neither a step nor
+             a collective ("saving": bytes of the checkpoint written so far); progress while
+             ``bytes`` grows (Note [saving is progress] in recorder.py)
     step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens, total_steps
              (``t`` is when the step ended; steps are written in a burst before each sample)
     bye      sent at interpreter exit, after the last sample
@@ -108,6 +111,11 @@ def _check_sample(m: dict) -> None:
     breakdown = m.get("breakdown")
     if breakdown is not None and not isinstance(breakdown, dict):
         raise SchemaError("breakdown is not an object")
+    activity = m.get("activity")
+    if activity is not None:
+        if not isinstance(activity, dict) or not isinstance(activity.get("what"), str) or len(activity["what"]) > 32:
+            raise SchemaError("bad activity")
+        _require_int(activity, "bytes")
 
 
 def _check_step(m: dict) -> None:

@@ -96,6 +96,7 @@ class Recorder:
         self._in_flight: dict[int, tuple[str, float]] = {}  # seq -> (op, monotonic start)
         self._breakdown: dict | None = None
         self._total_steps: int | None = None  # engine.set_total_steps(n): sent with every step
+        self._activity: dict | None = None  # Note [saving is progress]
         # Steps wait here for the next sample (at most interval_s): one burst of writes per
         # interval, not a syscall per step in the training thread nor a launcher wake-up per step.
         self._pending_steps: deque = deque(maxlen=_MAX_PENDING_STEPS)
@@ -149,6 +150,14 @@ class Recorder:
         """The run's optimizer steps, for the dashboard's progress bar and ETA."""
         self._total_steps = int(total_steps)
 
+    def record_activity(self, what: str | None, nbytes: int) -> None:
+        """Note [saving is progress]: long work with no step and no collective (writing or
+        consolidating a checkpoint: minutes on slow storage) reports what it is doing and the
+        bytes done so far; every sample carries it as ``activity`` while it lasts, so the
+        launcher's hang watchdog can see it move. ``what`` None: the work ended."""
+        with self._lock:
+            self._activity = None if what is None else {"what": str(what), "bytes": int(nbytes)}
+
     def set_memory_breakdown(self, breakdown: dict) -> None:
         with self._lock:
             self._breakdown = {str(k): _number(v) for k, v in dict(breakdown).items()}
@@ -200,6 +209,8 @@ class Recorder:
                               entered_seq=self._entered_seq, blocked=blocked)
                 if self._breakdown is not None:
                     fields["breakdown"] = self._breakdown
+                if self._activity is not None:
+                    fields["activity"] = dict(self._activity)
             for message in steps:
                 self.writer.write(events.encode(message))
             self._send("sample", **fields)

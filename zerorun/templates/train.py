@@ -25,7 +25,8 @@ def main() -> None:
     args = parser.parse_args()
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if "ZERORUN_CONFIG" in os.environ:
+    launched = "ZERORUN_CONFIG" in os.environ
+    if launched:
         # The launcher validated the config (file, environment, flags) and hands every rank the
         # result; environ={} because the environment is already applied in it.
         config = load_config(os.environ["ZERORUN_CONFIG"], world_size=world_size, environ={})
@@ -41,8 +42,10 @@ def main() -> None:
     device = torch.device(device)
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = zerorun.initialize(model, optimizer, config)
+    # The optimizer comes from the config's optimizer section (type, lr, weight decay), and under
+    # the launcher the engine reads the launcher's config itself (config=None): one source for
+    # both, so nothing in zerorun.yaml is silently overridden.
+    engine = zerorun.initialize(model, None, None if launched else config)
 
     micro_batch = config.batch.micro_batch_size or 4
     # Scaled so targets have unit variance: the loss starts near 1 and visibly falls.

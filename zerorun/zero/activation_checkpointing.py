@@ -150,13 +150,3 @@ def apply_from_config(model: nn.Module, ac_config) -> list[str]:
             hint="list the class names to checkpoint, e.g. modules: [Block] or [GPT2Block]",
         )
     return apply_activation_checkpointing(model, ac_config.modules)
-
-
-def remove_activation_checkpointing(model: nn.Module) -> int:
-    """Undo ``apply_activation_checkpointing``; returns how many modules were restored."""
-    restored = 0
-    for module in model.modules():
-        if type(module) in _checkpointed_classes.values():
-            module.__class__ = type(module).__mro__[1]
-            restored += 1
-    return restored

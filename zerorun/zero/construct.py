@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -35,45 +36,89 @@ from zerorun.errors import RuntimeConfigError
 from zerorun.zero.host_memory import trim_host_heap
 
 
+INDEX_FILE = "model.safetensors.index.json"
+INDEX_LIMIT = 64 << 20  # bytes: an index names files, it never holds tensors
+
+
+@dataclass(frozen=True)
+class Weights:
+    """``initialize(..., weights=Weights(source, strict=False, cast=True))``: where pretrained
+    weights come from and how strictly they must fit (a bare path or state dict means the
+    defaults). Note [strict weights]: as torch's ``load_state_dict``, a parameter or buffer the
+    weights lack, or a tensor they hold that the model has no name for, is an error unless
+    ``strict=False``, which warns with the exact counts and the first names instead (so a
+    ``model.`` prefix never trains silently from random values). Integer or boolean data for a
+    floating-point parameter is refused unless ``cast=True``."""
+
+    source: object
+    strict: bool = True
+    cast: bool = False
+
+
+def _safetensors():
+    try:
+        import safetensors
+    except ModuleNotFoundError:
+        raise RuntimeConfigError("reading .safetensors weights needs the safetensors package, which is not installed",
+                                 hint="pip install safetensors") from None
+    return safetensors
+
+
 class WeightSource:
     """Named tensors from a ``.safetensors`` file, a Hugging Face checkpoint directory (one
     file or sharded with an index), a torch file, or an in-memory state dict. Files are
     opened per tensor, so only the tensor being read is ever mapped (Note [materialize per
-    unit])."""
+    unit]). Every error names the file."""
 
     def __init__(self, source: str | Path | Mapping[str, torch.Tensor]):
         self._state: Mapping[str, torch.Tensor] | None = None
         self._file_of: dict[str, Path] = {}
+        self.label = "the given state dict"
         if isinstance(source, Mapping):
             self._state = source
             return
         path = Path(source)
+        self.label = repr(str(path))
         if path.is_dir():
-            index = next((path / n for n in ("model.safetensors.index.json",) if (path / n).is_file()), None)
+            index = path / INDEX_FILE
             single = path / "model.safetensors"
-            if index is not None:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                self._file_of = {name: path / file for name, file in weight_map.items()}
+            if index.is_file():
+                self._file_of = _read_index(index)
             elif single.is_file():
                 self._index_file(single)
             else:
-                raise RuntimeConfigError(f"weights directory {str(path)!r} has no model.safetensors or "
-                                         "model.safetensors.index.json",
+                raise RuntimeConfigError(f"weights directory {str(path)!r} has no model.safetensors or {INDEX_FILE}",
                                          hint="save it with save_pretrained(safe_serialization=True)")
         elif path.is_file() and path.suffix == ".safetensors":
             self._index_file(path)
         elif path.is_file():
             # A torch file: mapped, not read, so tensors load one at a time on access.
-            self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # pickle and zip errors are many types
+                raise RuntimeConfigError(f"weights file {str(path)!r} cannot be loaded as a torch state dict "
+                                         f"({_first_line(exc)})", hint="pass a .safetensors file or a state dict") from None
+            if not isinstance(self._state, Mapping):
+                raise RuntimeConfigError(f"weights file {str(path)!r} holds a {type(self._state).__name__}, not a state dict")
         else:
             raise RuntimeConfigError(f"weights {str(path)!r} is not a file or directory")
 
     def _index_file(self, path: Path) -> None:
-        from safetensors import safe_open
+        safe_open = _safetensors().safe_open
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    self._file_of[name] = path
+        except Exception as exc:  # SafetensorError and OSError
+            raise RuntimeConfigError(f"weights file {str(path)!r} is not a readable safetensors file ({_first_line(exc)})",
+                                     hint="the file is damaged or not safetensors") from None
 
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                self._file_of[name] = path
+    def keys(self) -> list[str]:
+        return list(self._state.keys()) if self._state is not None else list(self._file_of)
+
+    def where(self, name: str) -> str:
+        """The file holding ``name`` (for error messages)."""
+        return repr(str(self._file_of[name])) if name in self._file_of else self.label
 
     def get(self, names: list[str]) -> torch.Tensor | None:
         """The tensor stored under the first of ``names`` present (tied weights have several)."""
@@ -81,11 +126,59 @@ class WeightSource:
             if self._state is not None and name in self._state:
                 return self._state[name]
             if name in self._file_of:
-                from safetensors import safe_open
-
-                with safe_open(str(self._file_of[name]), framework="pt") as handle:
-                    return handle.get_tensor(name)
+                path = self._file_of[name]
+                try:
+                    with _safetensors().safe_open(str(path), framework="pt") as handle:
+                        return handle.get_tensor(name)
+                except Exception as exc:  # SafetensorError and OSError
+                    raise RuntimeConfigError(f"weights file {str(path)!r}: tensor {name!r} cannot be read "
+                                             f"({_first_line(exc)})", hint="the file is damaged or missing") from None
         return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    """The index's weight_map, each file confined to the index's own directory (Note
+    [untrusted files] in checkpoint/tensor_files.py: a name from disk is data, so ``../x`` or
+    an absolute path is refused rather than read)."""
+    from zerorun.zero.checkpoint.tensor_files import read_small
+
+    try:
+        weight_map = json.loads(read_small(index, INDEX_LIMIT))["weight_map"]
+    except Exception as exc:  # OSError, ValueError, KeyError, TypeError, CheckpointError
+        raise RuntimeConfigError(f"weights index {str(index)!r} is unreadable ({_first_line(exc)})") from None
+    if not isinstance(weight_map, dict):
+        raise RuntimeConfigError(f"weights index {str(index)!r}: weight_map is not an object")
+    files = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or file in ("", ".", "..") or Path(file).name != file or "\\" in file:
+            raise RuntimeConfigError(f"weights index {str(index)!r} maps {name!r} to {file!r}, which is not a file "
+                                     "in the index's directory", hint="an index names files beside it, never paths")
+        files[name] = index.parent / file
+    return files
+
+
+def _persistent(model: nn.Module):
+    from zerorun.zero.checkpoint.format import persistent_buffers
+
+    return persistent_buffers(model)
+
+
+def _common_prefix(missing: list[str], unexpected: list[str]) -> str | None:
+    """``"model."`` when every missing name is an unexpected one with that prefix."""
+    if not missing or not unexpected:
+        return None
+    found = set()
+    for name in missing:
+        match = next((u[: -len(name)] for u in unexpected if u.endswith(name) and len(u) > len(name)), None)
+        if match is None:
+            return None
+        found.add(match)
+    return found.pop() if len(found) == 1 else None
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
@@ -103,15 +196,18 @@ class Materializer:
                  param_init_fn: Callable[[nn.Module], None] | None = None, seed: int = 0):
         self.model = model
         self.device = device
-        self.source = WeightSource(weights) if weights is not None else None
+        spec = weights if isinstance(weights, Weights) else Weights(weights)
+        self.cast = spec.cast
+        self.source = WeightSource(spec.source) if weights is not None else None
         self.param_init_fn = param_init_fn
         self.aliases = _aliases(model)
+        if self.source is not None:
+            self._check_names(spec.strict)
         self.owners: dict[int, list[nn.Module]] = {}
         for module in model.modules():
             for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
                 self.owners.setdefault(id(tensor), []).append(module)
         self._rng = torch.Generator().manual_seed(seed)
-        self.initialized: list[str] = []  # parameters the source lacked, initialized instead
 
     def ensure(self, params: list[nn.Parameter]) -> None:
         """Give ``params`` their values before a unit copies them (Note [materialize per unit])."""
@@ -140,6 +236,7 @@ class Materializer:
                     continue
                 value = self.source.get(self.aliases.get(id(buffer), [])) if self.source is not None else None
                 if value is not None:
+                    self._check_shape(buffer, value)
                     module._buffers[name] = value.to(self.device, buffer.dtype)
                 elif buffer.is_meta:
                     if not self._initialize_module(module) or module._buffers[name].is_meta:
@@ -147,16 +244,53 @@ class Materializer:
                             f"buffer {self.aliases.get(id(buffer), [name])[0]!r} is still on the meta device "
                             f"after {type(module).__name__} was initialized",
                             hint="give initialize(param_init_fn=...) that fills it, or include it in the weights")
-        if self.source is not None and self.initialized:
-            warnings.warn(f"{len(self.initialized)} parameter(s) were not in the weights and were initialized "
-                          f"instead, e.g. {self.initialized[0]!r}", stacklevel=3)
+
+    def _check_names(self, strict: bool) -> None:
+        """Note [strict weights]: which of the model's tensors the weights lack, and which of
+        theirs the model has no name for, counted exactly before any value is read."""
+        present = self._present = set(self.source.keys())
+        known = set()
+        missing = []
+        needed = {id(t) for _, t in _persistent(self.model)} | {id(p) for p in self.model.parameters()}
+        for tensor_id, names in self.aliases.items():
+            known.update(names)
+            if tensor_id in needed and not present.intersection(names):
+                missing.append(names[0])
+        unexpected = [name for name in self.source.keys() if name not in known]
+        if not missing and not unexpected:
+            return
+        total = len(needed)
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} of the model's {total} parameters and buffers are missing "
+                         f"(first: {', '.join(map(repr, missing[:3]))})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} tensors have no name in the model (first: {', '.join(map(repr, unexpected[:3]))})")
+        message = f"weights from {self.source.label}: " + "; ".join(parts)
+        prefix = _common_prefix(missing, unexpected)
+        hint = (f"the weights' names carry a prefix {prefix!r} the model's lack: strip it from the state dict"
+                if prefix else "pass weights=zerorun.Weights(source, strict=False) to initialize what is missing")
+        if strict:
+            raise RuntimeConfigError(message, hint=hint)
+        warnings.warn(message + " (strict=False: the missing ones are initialized)", stacklevel=4)
 
     def _check_shape(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        name = self.aliases[id(param)][0]
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeConfigError(
-                f"weights for {self.aliases[id(param)][0]!r} have shape {tuple(value.shape)}, "
+                f"weights for {name!r} in {self._where(param)} have shape {tuple(value.shape)}, "
                 f"the model's parameter has {tuple(param.shape)}",
                 hint="load weights saved from the same model configuration")
+        if param.dtype.is_floating_point and not (value.dtype.is_floating_point or self.cast):
+            raise RuntimeConfigError(
+                f"weights for {name!r} in {self._where(param)} are {str(value.dtype).replace('torch.', '')}, "
+                f"the model's parameter is {str(param.dtype).replace('torch.', '')}",
+                hint="pass weights=zerorun.Weights(source, cast=True) if converting them is meant")
+
+    def _where(self, tensor) -> str:
+        names = self.aliases.get(id(tensor), [])
+        found = next((n for n in names if n in self._present), names[0] if names else "")
+        return self.source.where(found)
 
     def _assign(self, param: nn.Parameter, value: torch.Tensor) -> None:
         with torch.no_grad():
@@ -177,7 +311,6 @@ class Materializer:
                 hint="pass initialize(..., param_init_fn=fn) that initializes a module in place "
                      "(for a Hugging Face model: param_init_fn=model._init_weights), or weights=")
         if self.source is not None:
-            self.initialized.append(self.aliases[id(param)][0])
             for other in owner.parameters(recurse=False):  # the initializer wrote every parameter
                 value = self.source.get(self.aliases[id(other)])
                 if value is not None and other is not param:

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from zerorun.config import ZerorunConfig, load_config
-from zerorun.errors import RuntimeConfigError
+from zerorun.errors import RuntimeConfigError, UsageError
 from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
 from zerorun.zero.comm import collectives
+from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI
 from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
@@ -31,9 +33,11 @@ from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
 from zerorun.zero.param_gather import ParamGatherer, tensors_in
 from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
-from zerorun.zero.comm.process_group import resolve_process_group
-from zerorun.zero.offload.placements import ParamFiles, param_home_from_config, placement_from_config
-from zerorun.zero.unit.record import UnitRecord, chunk_segments
+from zerorun.zero.comm.process_group import ProcessGroupInfo, resolve_process_group
+from zerorun.zero.offload.placements import Placement, placement_from_config
+from zerorun.zero.unit.record import UnitRecord, by_state_home
+from zerorun.zero.unit.storage import FlatUnit
+from zerorun.zero.train_state import TrainState
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
 
@@ -43,7 +47,8 @@ CHUNK_ALIGNMENT = 8
 BROADCAST_BUCKET_NUMEL = 4_000_000
 
 
-def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None) -> "Engine":
+def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None,
+               model_parameters=None, state_home_for: Callable[[FlatUnit], Placement] | None = None) -> "Engine":
     """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
     a YAML/JSON path or a ZerorunConfig.
 
@@ -51,9 +56,13 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     ``weights`` (a .safetensors file, a Hugging Face checkpoint directory or a state dict) or by
     its modules' ``reset_parameters()`` / ``param_init_fn(module)`` (construct.py).
 
+    ``state_home_for(unit)``: a per-unit placement policy for master and optimizer state
+    (offload/placements.py); by default every unit gets the one ``zero.offload_optimizer`` names.
+
     The config is validated twice: once on its own, and once the process group exists, with the
     real world size, so the batch rule (train = micro x accumulation x world) is checked and the
-    missing batch size derived even for scripts started without the launcher.
+    missing batch size derived even for scripts started without the launcher. The engine is
+    built with that final config, and only then resumed (``checkpoint.resume``).
     """
     launcher_config = os.environ.get("ZERORUN_CONFIG")
     from_launcher = config is None and bool(launcher_config)
@@ -61,23 +70,27 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     # The launcher already applied CLI > env > file; applying the environment again here could
     # let a stale variable beat a --set flag.
     cfg = load_config(source, environ={} if from_launcher else None)
-    engine = Engine(model, optimizer, cfg, weights=weights, param_init_fn=param_init_fn)
-    engine.config = load_config(cfg, world_size=engine.world_size)
-    engine.gradient_accumulation_steps = engine.config.gradient_accumulation_steps
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
+    first = next(model.parameters(), None)
+    if first is None:
+        raise RuntimeConfigError("the model has no parameters to train")
+    pg = resolve_process_group(_compute_device(first.device))
+    cfg = load_config(cfg, world_size=pg.world_size)
+    engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
+                    model_parameters=model_parameters, state_home_for=state_home_for)
     if engine.rank == 0:  # one warning per job, not one per rank
         from zerorun.config.precedence import warn_overridden
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
-                        launcher_config)
+                        launcher_config, world_size=engine.world_size)
+    engine_state.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/engine_state.py)
     return engine
 
 
-def _check_supported(cfg: ZerorunConfig) -> None:
-    if cfg.zero.stage not in (0, 1, 2, 3):
-        raise RuntimeConfigError(f"zero.stage is {cfg.zero.stage!r}; it must be 0, 1, 2 or 3")
-
-
-def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.Optimizer:
+def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig, params=None) -> torch.optim.Optimizer:
+    """The config's optimizer over ``params`` (tensors or param-group dicts, as DeepSpeed's
+    ``model_parameters``), else over the model's trainable parameters."""
     if cfg.optimizer is None:
         raise RuntimeConfigError(
             "initialize() got no optimizer and the config has no 'optimizer' section",
@@ -86,7 +99,7 @@ def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig) -> torch.optim.
     cls = getattr(torch.optim, cfg.optimizer.type, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise RuntimeConfigError(f"optimizer.type {cfg.optimizer.type!r} is not a torch.optim optimizer")
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
     return cls(trainable, **cfg.optimizer.params)
 
 
@@ -110,33 +123,46 @@ def _broadcast_state(model: nn.Module, group) -> None:
                 continue
             flat = torch.cat([t.detach().reshape(-1) for t in bucket])
             collectives.broadcast(flat, src=0, group=group)
-            position = 0
-            for tensor in bucket:
-                tensor.copy_(flat[position : position + tensor.numel()].view_as(tensor))
-                position += tensor.numel()
+            for tensor, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                tensor.copy_(piece.view_as(tensor))
 
 
 def _compute_device(model_device: torch.device) -> torch.device:
-    """Where a model built on the meta device is materialized: the launcher's choice
-    (ZERORUN_DEVICE, docs/launch.md), else this rank's GPU when there is one, else the CPU."""
+    """Where the model trains: the launcher's choice (ZERORUN_DEVICE, docs/launch.md), which also
+    moves a model built elsewhere (a CPU-built model goes to cuda:LOCAL_RANK under --gpus, as
+    DeepSpeed moves it); else where it was built; for a model built on the meta device, this
+    rank's GPU when there is one, else the CPU."""
+    decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
+    if decided != AUTO:  # the launcher's choice moves a model built elsewhere, as DeepSpeed does
+        return torch.device(decided)
     if model_device.type != "meta":
         return model_device
-    decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
-    if decided != AUTO:
-        return torch.device(decided)
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
     return torch.device("cpu")
 
 
-class Engine:
-    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, *, weights=None, param_init_fn=None):
-        _check_supported(cfg)
+def _train_state_field(name: str) -> property:
+    return property(lambda self: getattr(self.train_state, name), lambda self, v: setattr(self.train_state, name, v))
+
+
+class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
+    """Built by ``initialize`` with the final config (world size known) and process group."""
+
+    global_step = _train_state_field("global_step")
+    micro_steps = _train_state_field("micro_steps")
+    skipped_steps = _train_state_field("skipped_steps")
+    # The config's accumulation steps; DeepSpeed's gradient_accumulation_steps() reads it (engine_api.py).
+    accumulation_steps = _train_state_field("gradient_accumulation_steps")
+    loss_scaler = _train_state_field("loss_scaler")
+    lr_scheduler = _train_state_field("lr_scheduler")
+
+    def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, pg: ProcessGroupInfo, *, weights=None,
+                 param_init_fn=None, model_parameters=None,
+                 state_home_for: Callable[[FlatUnit], Placement] | None = None):
         self.config = cfg
-        first = next(model.parameters(), None)
-        if first is None:
-            raise RuntimeConfigError("the model has no parameters to train")
-        self.pg = resolve_process_group(_compute_device(first.device))
+        self.pg = pg
+        first = next(model.parameters())
         materializer = None
         on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
         if on_meta or weights is not None:  # Note [materialize per unit] in construct.py
@@ -149,54 +175,58 @@ class Engine:
         if self.dtype != torch.float32:
             model.to(self.dtype)
         if optimizer is None:
-            optimizer = _optimizer_from_config(model, cfg)
+            optimizer = _optimizer_from_config(model, cfg, model_parameters)
         if cfg.zero.stage == 3 and self.pg.device.type == "cpu":
             return_large_frees_to_os()  # opt-in (ZERORUN_HOST_MALLOC_TUNING=1), see host_memory.py
         if not on_meta:  # a meta model: Note [same values on every rank] in construct.py
             _broadcast_state(model, self.group)  # (with weights=, the loaded tensors then overwrite)
         # Before any hook or partition: they must see the final module classes.
-        self.checkpointed_modules = apply_from_config(model, cfg.activation_checkpointing)
+        apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
         self.stage = cfg.zero.stage
-        self.param_home = param_home_from_config(cfg.zero.offload_param, rank=self.pg.rank)
-        self.partition = build_partition(
+        param_home = placement_from_config(cfg.zero.offload_param, rank=self.pg.rank, role="param")
+        partition = build_partition(
             model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
             bucket_numel=cfg.zero.reduce_bucket_size,
             persistence_threshold=cfg.zero.param_persistence_threshold,
             min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
-            shard_home=self.param_home,
+            shard_home=param_home,
             before_unit=materializer.ensure if materializer else None,
         )
         if materializer is not None:
             materializer.finish()
-        units = self.partition.units
-        placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
-        # One record per unit (unit/record.py): shard, master, gradient, segments, placement.
-        self.records = [UnitRecord(u, chunk_segments(u), placement.make_master(u), placement) for u in units]
+        if state_home_for is None:
+            placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
+            state_home_for = lambda unit: placement  # noqa: E731
+        # One record per unit (unit/record.py), the one unit list every pass walks.
+        self.records: list[UnitRecord] = []
+        for unit in partition.units:
+            home = state_home_for(unit)
+            segments = tuple(unit.layout.segments(unit.rank))  # the pieces this rank's chunk holds
+            self.records.append(UnitRecord(unit, segments, home.make_master(unit), home, param_home))
         self.gatherer = None
-        if self.stage == 3 and self.partition.module_units:
-            self.gatherer = ParamGatherer(model, self.partition.module_units, self.group,
+        if self.stage == 3 and partition.module_units:
+            module_records = {m: [self.records[u.index] for u in us] for m, us in partition.module_units.items()}
+            self.gatherer = ParamGatherer(model, module_records, self.group,
                                           max_reuse_distance=cfg.zero.max_reuse_distance)
-        policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
-        self.reducer = GradReducer(
-            self.records, self.partition.reduce_order, policy, self.group,
-            on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
-            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
-        )
         self.updater = UnitUpdater(
-            optimizer, self.records, placement, self.group,
+            optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
         )
-        self.reducer.on_unit_reduced = self.updater.unit_reduced
+        policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
+        self.reducer = GradReducer(
+            self.records, partition.reduce_order, policy, self.group,
+            on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
+            on_unit_reduced=self.updater.unit_reduced,
+            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
+        )
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
-        self.lr_scheduler = self._scheduler_from_config()
-        self.loss_scaler = LossScaler.from_config(cfg.precision)
-        self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
-        self.global_step = 0
-        self.micro_steps = 0
+        from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
+
+        self.train_state = TrainState(optimizer, LossScaler.from_config(cfg.precision),
+                                      build_scheduler(optimizer, cfg.scheduler), cfg.gradient_accumulation_steps)
         self._boundary_override: bool | None = None
         self._step_applied = False
-        self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self._window_loss = 0.0
         self._window_samples = 0
@@ -204,12 +234,7 @@ class Engine:
         self._recorder = get_recorder()
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
-        engine_state.resume_from_config(self)  # checkpoint.resume (zero/checkpoint/engine_state.py)
-
-    def _scheduler_from_config(self):
-        from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
-
-        return build_scheduler(self.optimizer, self.config.scheduler)
+        LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
 
     # -- the training loop ------------------------------------------------------------------
     @property
@@ -227,7 +252,7 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's override: the caller says whether the next backward/step ends the
@@ -239,11 +264,10 @@ class Engine:
 
     def forward(self, *args, **kwargs):
         if self.dtype != torch.float32:
-            args = _cast_floating(args, self.dtype)
-            kwargs = _cast_floating(kwargs, self.dtype)
-        first = next(tensors_in((args, kwargs)), None)  # a tuple batch counts its first tensor
-        if first is not None and first.dim() > 0:
-            self._window_samples += first.shape[0]
+            args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        tensors = tensors_in((args, kwargs))  # a tuple batch counts its first tensor
+        if tensors and tensors[0].dim() > 0:
+            self._window_samples += tensors[0].shape[0]
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
@@ -253,8 +277,10 @@ class Engine:
         self.reducer.communicate = boundary
         if boundary:
             self.updater.open_window(self.loss_scaler, self.config.gradient_clipping)
-        self._window_loss = self._window_loss + loss.detach().float()  # no sync per micro-step
-        factor = self.loss_scaler.scale / (self.gradient_accumulation_steps if scale_wrt_gas else 1)
+        # No sync per micro-step. scale_wrt_gas=False: the caller divided by the accumulation
+        # steps (Trainer), so the micro-batch's loss, the one recorded, is loss x steps.
+        self._window_loss = self._window_loss + loss.detach().float() * (1 if scale_wrt_gas else self.accumulation_steps)
+        factor = self.loss_scaler.scale / (self.accumulation_steps if scale_wrt_gas else 1)
         (loss.float() * factor).backward()
         self.reducer.finish_backward()
         if self.gatherer is not None:
@@ -286,7 +312,7 @@ class Engine:
         if self._recorder.enabled:
             self._recorder.record_step(
                 step=self.global_step,
-                loss=float(self._window_loss) / self.gradient_accumulation_steps,
+                loss=float(self._window_loss) / self.accumulation_steps,
                 loss_scale=self.loss_scale,
                 lr=self.optimizer.param_groups[0]["lr"],
                 samples=self._window_samples,  # this rank's; the collector sums ranks
@@ -317,25 +343,33 @@ class Engine:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now, counted from the tensors' storages."""
-        parameters = sum(u.param_nbytes() for u in self.partition.units)
-        parameters += sum(p.numel() * p.element_size() for p in self.partition.frozen)
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
+        params = {"device": frozen, "host": 0, "nvme": 0}
+        for record in self.records:  # a stage-3 chunk counts where its param home keeps it
+            params[record.param_home.location if record.unit.partitioned else "device"] += record.unit.param_nbytes()
         gradients, transient = self.reducer.nbytes()
         if self.gatherer is not None:
             transient += self.gatherer.pool_nbytes()
         placed = self.updater.placed_nbytes()
-        offloaded_parameters = sum(u.param_nbytes() for u in self.partition.units if u.shard_offloaded)
-        parameters_in_files = isinstance(self.param_home, ParamFiles)
         breakdown = {
-            "parameters": parameters - offloaded_parameters,
+            "parameters": params["device"],
             "gradients": gradients,
             "optimizer_state": placed["device"],
             "communication_buffers": transient,
         }
         breakdown["total"] = sum(breakdown.values())
         # Offloaded state (offload/placements.py): host memory and NVMe files, outside the device total.
-        breakdown["offloaded_host"] = placed["host"] + (0 if parameters_in_files else offloaded_parameters)
-        breakdown["offloaded_nvme"] = placed["nvme"] + (offloaded_parameters if parameters_in_files else 0)
+        breakdown["offloaded_host"] = placed["host"] + params["host"]
+        breakdown["offloaded_nvme"] = placed["nvme"] + params["nvme"]
         return breakdown
+
+    def quiesce(self) -> None:
+        """Before a checkpoint reads or rewrites the records: no unit left gathered (stage 3),
+        every write behind on disk (NVMe)."""
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        for home, records in by_state_home(self.records).items():
+            home.settle(records)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state dict (every rank must call this); stage 3 gathers
@@ -345,6 +379,7 @@ class Engine:
     # -- checkpoints (zero/checkpoint/engine_state.py) ---------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Write a sharded checkpoint to ``save_dir/tag`` (default ``global_step{N}``); every rank."""
+        self._check_same_checkpoint_dir(save_dir, tag)
         return engine_state.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
@@ -358,25 +393,12 @@ class Engine:
     def set_total_steps(self, n: int) -> None:
         """Tell the dashboard how many optimizer steps the run will take (progress bar and ETA)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise RuntimeConfigError(f"set_total_steps needs a positive number of steps, got {n!r}")
-        setter = getattr(self._recorder, "set_total_steps", None)
-        if setter is not None:
-            setter(n)
+            raise UsageError(f"set_total_steps needs a positive number of steps, got {n!r}")
+        self._recorder.set_total_steps(n)
 
 
 def _cast_floating(value, dtype: torch.dtype):
-    """Floating tensors, also inside tuples, lists, dicts and namedtuples, cast to ``dtype``;
-    integer tensors (token ids, labels) and everything else as they are."""
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple: rebuild by position
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, Mapping):
-        cast = {k: _cast_floating(v, dtype) for k, v in value.items()}
-        try:
-            return type(value)(cast)  # keeps OrderedDict / BatchEncoding-like mappings
-        except Exception:  # noqa: BLE001 - a mapping type that cannot be rebuilt from a dict
-            return cast
-    return value
+    """Floating tensors, also inside tuples, lists, dicts and namedtuples (torch's pytree), cast
+    to ``dtype``; integer tensors (token ids, labels) and everything else as they are."""
+    cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+    return pytree.tree_map(cast, value)

@@ -30,11 +30,13 @@ So the issue order is identical on every rank whatever the data did.
 from __future__ import annotations
 
 import enum
+import functools
 from collections import deque
 from typing import Callable
 
 import torch
 
+from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.unit.record import GradState, UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
@@ -89,9 +91,10 @@ class BucketPool:
 
 
 class GradReducer:
-    """Writes each record's gradient fields; ``on_unit_reduced(record)`` is told when a
-    unit's gradient chunk is final for this backward (its collective finished), so an update
-    can start while backward goes on (update.py, Note [update while backward runs])."""
+    """Writes each record's gradient fields and tells two listeners about a record:
+    ``on_unit_complete`` when all its gradients arrived (stage 3 may release the unit) and
+    ``on_unit_reduced`` when its chunk is final for this backward, so an update can start
+    while backward goes on (update.py, Note [update while backward runs])."""
 
     def __init__(
         self,
@@ -100,7 +103,8 @@ class GradReducer:
         policy: ReducePolicy,
         group,
         *,
-        on_unit_complete: Callable[[FlatUnit], None] | None = None,
+        on_unit_complete: Callable[[UnitRecord], None] | None = None,
+        on_unit_reduced: Callable[[UnitRecord], None] | None = None,
         lazy_shards: bool = False,
     ):
         self.records = records
@@ -108,19 +112,18 @@ class GradReducer:
         self.policy = policy
         self.group = group
         self.on_unit_complete = on_unit_complete
-        self.on_unit_reduced: Callable[[UnitRecord], None] | None = None
+        self.on_unit_reduced = on_unit_reduced
         self.communicate = True
         self._next = 0
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
         self.lazy_shards = lazy_shards and policy is ReducePolicy.REDUCE_SCATTER
-        self._hooks = []
         if policy is ReducePolicy.ALL_REDUCE:
             for record in records:
                 unit = record.unit
                 record.grad_full = torch.zeros_like(unit.full)
                 record.grad = record.grad_full[slice(*unit.layout.chunk_range(unit.rank))]
-                for param, offset in zip(unit.params, unit.layout.offsets):
+                for param, offset in zip(unit.params, unit.layout.offsets, strict=True):
                     param.grad = record.grad_full[offset : offset + param.numel()].view(param.shape)
         else:
             self._create_chunks()
@@ -131,15 +134,9 @@ class GradReducer:
                 if not self._reduces_in_place(unit):
                     largest = max(largest, unit.layout.padded_numel)
                 self._pools[key] = BucketPool(largest, unit.dtype, unit.device, keep=MAX_IN_FLIGHT + 1)
-        for record in records:
+        for record in records:  # the hooks live as long as the parameters
             for position, param in enumerate(record.unit.params):
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._hook(record, position)))
-
-    def _hook(self, record: UnitRecord, position: int):
-        def on_grad(param: torch.Tensor) -> None:
-            self._arrive(record, position, param)
-
-        return on_grad
+                param.register_post_accumulate_grad_hook(functools.partial(self._arrive, record, position))
 
     # -- during backward -------------------------------------------------------------------
     def _arrive(self, record: UnitRecord, position: int, param: torch.Tensor) -> None:
@@ -157,8 +154,6 @@ class GradReducer:
         else:
             bucket = record.bucket
             if bucket is None and self._reduces_in_place(unit):
-                # A lone parameter that needs no padding (a big embedding, typically): its
-                # gradient is already the bucket, so skip the copy and the second buffer.
                 record.bucket = param.grad.reshape(-1)
                 record.written = [True]
                 param.grad = None
@@ -177,7 +172,7 @@ class GradReducer:
         if record.arrived == len(unit.params):
             record.grad_state = GradState.READY
             if self.on_unit_complete is not None:
-                self.on_unit_complete(unit)
+                self.on_unit_complete(record)
             self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
@@ -186,7 +181,8 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, record: UnitRecord) -> None:
-        assert record.grad_state is GradState.READY
+        if record.grad_state is not GradState.READY:
+            raise InternalError(f"unit {record.index}: gradient launched while {record.grad_state.name}")
         record.grad_state = GradState.REDUCING
         unit = record.unit
         if self.policy is ReducePolicy.ALL_REDUCE:
@@ -236,7 +232,7 @@ class GradReducer:
             record = self.records[index]
             if record.grad_state is not GradState.READY:
                 if self.on_unit_complete is not None and record.grad_state is GradState.FILLING:
-                    self.on_unit_complete(record.unit)
+                    self.on_unit_complete(record)
                 record.grad_state = GradState.READY
         self._launch_ready_prefix()
         while self._in_flight:

@@ -29,18 +29,22 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 _applied = False
 
 
+def _libc(symbol: str):
+    """The C library's ``symbol`` (a ctypes function), or None off glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name), symbol) if name else None
+    except (OSError, AttributeError):
+        return None
+
+
 def return_large_frees_to_os() -> bool:
     """Returns True when the threshold was set (once per process)."""
     global _applied
     if _applied or os.environ.get("ZERORUN_HOST_MALLOC_TUNING", "0") != "1":
         return _applied
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -79,11 +83,7 @@ def trim_host_heap() -> bool:
     """
     global _libc_trim
     if _libc_trim is None:
-        name = ctypes.util.find_library("c")
-        try:
-            _libc_trim = ctypes.CDLL(name).malloc_trim if name else False
-        except (OSError, AttributeError):
-            _libc_trim = False
+        _libc_trim = _libc("malloc_trim") or False
         if _libc_trim:
             _libc_trim.argtypes = [ctypes.c_size_t]
             _libc_trim.restype = ctypes.c_int

@@ -41,28 +41,33 @@ the recorded order keeps nothing, and a forward without autograd keeps nothing a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from zerorun.zero.activation_checkpointing import is_recomputing
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
-from zerorun.zero.unit.storage import FlatUnit, GatherPool, ParamState
+from zerorun.zero.unit.record import UnitRecord
+from zerorun.zero.unit.storage import GatherPool, ParamState
 
 
 class ParamGatherer:
-    def __init__(self, root: nn.Module, module_units: dict[nn.Module, list[FlatUnit]], group,
+    """Gathers and releases records' units; each record carries its own counts and plan
+    (``in_use``, ``users``, ``keep_after``, ``keep_for_backward``)."""
+
+    def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
                  *, max_reuse_distance: int = 0):
-        self.root = root
         self.max_reuse_distance = max_reuse_distance
-        self.module_units = module_units
+        self.module_records = module_records
         self.group = group
-        self.units = sorted({u.index: u for us in module_units.values() for u in us}.values(), key=lambda u: u.index)
-        self.in_use = {u.index: 0 for u in self.units}
+        self.records = sorted({r.index: r for rs in module_records.values() for r in rs}.values(), key=lambda r: r.index)
         self.pool = None
-        if self.units and self.units[0].device.type == "cpu" and GatherPool.SUPPORTED:
-            self.pool = GatherPool(self.units[0].device)  # Note [gather pool] in unit/storage.py
-            for unit in self.units:
-                unit.pool = self.pool
+        if self.records and self.records[0].unit.device.type == "cpu" and GatherPool.SUPPORTED:
+            self.pool = GatherPool(self.records[0].unit.device)  # Note [gather pool] in unit/storage.py
+            for record in self.records:
+                record.unit.pool = self.pool
         self.forward_order: list[nn.Module] = []
         self._recording: list[nn.Module] = []
         # Note [execution order]: modules in the order their backward hooks fire, and where
@@ -70,23 +75,15 @@ class ParamGatherer:
         self.backward_order: list[nn.Module] = []
         self._backward_position: dict[nn.Module, int] = {}
         self._finished: list[nn.Module] = []
-        # Note [kept gathered]: position in forward_order -> units to hold after that call,
-        # and the units held from the end of forward into backward.
-        self._keep_after: dict[int, set[int]] = {}
-        self._keep_for_backward: set[int] = set()
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
-        self._handles = []
-        for module in module_units:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
-        users: dict[int, int] = {}
-        for units in module_units.values():
-            for unit in units:
-                users[unit.index] = users.get(unit.index, 0) + 1
-        self.shared = {m: [u for u in us if users[u.index] > 1] for m, us in module_units.items()}
-        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post_forward))
+        for module, records in module_records.items():  # hooks for the model's lifetime
+            module.register_forward_pre_hook(self._pre_forward)
+            module.register_forward_hook(self._post_forward)
+            for record in records:
+                record.users += 1
+        root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        root.register_forward_hook(self._root_post_forward)
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -103,9 +100,9 @@ class ParamGatherer:
                               and self.forward_order[position] is module)
             self._calls.append(position)
             self._recording.append(module)
-        for unit in self.module_units[module]:
-            self.in_use[unit.index] += 1
-            unit.gather(self.group)
+        for record in self.module_records[module]:
+            record.in_use += 1
+            record.unit.gather(self.group)
         if not recomputing:
             self._prefetch_forward(module)
 
@@ -114,15 +111,16 @@ class ParamGatherer:
         # recomputation saves alias the gathered storage and the module's backward runs next;
         # its units are released when their gradients arrive or backward ends.
         recomputing = is_recomputing()
-        keep = self._kept_after(module) if not recomputing else ()
-        for unit in self.module_units[module]:
-            self.in_use[unit.index] -= 1
-            if self.in_use[unit.index] == 0 and not recomputing and unit.index not in keep:
-                unit.release()
+        position = self._calls.pop() if not recomputing and self._calls else -1  # in forward_order
+        for record in self.module_records[module]:
+            record.in_use -= 1
+            kept = self._on_order and position in record.keep_after  # Note [kept gathered]
+            if record.in_use == 0 and not recomputing and not kept:
+                record.unit.release()
         if torch.is_grad_enabled() and not recomputing:
             self._finished.append(module)
             self._hook_outputs(module, output)
-            if self.shared[module]:
+            if any(r.users > 1 for r in self.module_records[module]):
                 self._hook_inputs(module, args)
 
     def _root_post_forward(self, module, args, output) -> None:
@@ -135,31 +133,22 @@ class ParamGatherer:
                     self._backward_position.setdefault(m, position)
         if self._recording != self.forward_order:
             self.forward_order = self._recording
-            self._keep_after, self._keep_for_backward = plan_kept_units(
-                [[u.index for u in self.module_units[m]] for m in self.forward_order],
-                {u.index: u.layout.numel for u in self.units}, self.max_reuse_distance,
+            keep_after, keep_for_backward = plan_kept_units(
+                [[r.index for r in self.module_records[m]] for m in self.forward_order],
+                {r.index: r.unit.layout.numel for r in self.records}, self.max_reuse_distance,
             )
-        self._release_idle(keep=self._keep_for_backward if torch.is_grad_enabled() else ())
-
-    def _kept_after(self, module: nn.Module) -> set[int] | tuple:
-        """Units to hold after this call of ``module`` (Note [kept gathered]); nothing when
-        this forward has left the recorded order."""
-        position = self._calls.pop() if self._calls else -1
-        if not self._on_order or position < 0:
-            return ()
-        return self._keep_after.get(position, ())
+            for record in self.records:
+                record.keep_after = frozenset(p for p, kept in keep_after.items() if record.index in kept)
+                record.keep_for_backward = record.index in keep_for_backward
+        self._release_idle(for_backward=torch.is_grad_enabled())
 
     def _prefetch_forward(self, module: nn.Module) -> None:
         """Issue the async gather of the module expected to run after ``module`` in forward."""
         order = self.forward_order
-        try:
-            position = order.index(module)
-        except ValueError:
-            return
-        target = position + 1
-        if target < len(order):
-            for unit in self.module_units[order[target]]:
-                unit.start_gather(self.group)
+        position = order.index(module) if module in order else -1
+        if 0 <= position < len(order) - 1:
+            for record in self.module_records[order[position + 1]]:
+                record.unit.start_gather(self.group)
 
     def _prefetch_backward(self, module: nn.Module) -> None:
         """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s."""
@@ -167,8 +156,8 @@ class ParamGatherer:
         if position is None:
             return
         for following in self.backward_order[position + 1 : position + 1 + BACKWARD_PREFETCH]:
-            for unit in self.module_units[following]:
-                unit.start_gather(self.group)
+            for record in self.module_records[following]:
+                record.unit.start_gather(self.group)
 
     # -- backward -----------------------------------------------------------------------
     def _hook_outputs(self, module: nn.Module, output) -> None:
@@ -179,8 +168,8 @@ class ParamGatherer:
         reads_params = _reads_params_in_backward(module)
 
         def before_backward(grad):
-            for unit in self.module_units[module] if reads_params else ():
-                unit.gather(self.group)
+            for record in self.module_records[module] if reads_params else ():
+                record.unit.gather(self.group)
             self._prefetch_backward(module)
             return grad
 
@@ -193,33 +182,30 @@ class ParamGatherer:
 
         def after_backward(grad):
             if not is_recomputing():
-                for unit in self.shared[module]:
-                    if self.in_use[unit.index] == 0:
-                        unit.release()
+                for record in self.module_records[module]:
+                    if record.users > 1 and record.in_use == 0:
+                        record.unit.release()
             return grad
 
         for tensor in tensors:
             tensor.register_hook(after_backward)
 
-    def unit_grads_done(self, unit: FlatUnit) -> None:
-        """All of ``unit``'s gradients arrived: its values are not needed any more."""
-        if unit.partitioned and self.in_use[unit.index] == 0:
-            unit.release()
+    def unit_grads_done(self, record: UnitRecord) -> None:
+        """All of ``record``'s gradients arrived: its values are not needed any more."""
+        if record.unit.partitioned and record.in_use == 0:
+            record.unit.release()
 
     def finish_backward(self) -> None:
         self._release_idle()
 
-    def _release_idle(self, keep=()) -> None:
-        for unit in self.units:
-            if self.in_use[unit.index] == 0 and unit.state is not ParamState.SHARDED and unit.index not in keep:
-                unit.release()
-
-    def gather_all(self) -> None:
-        for unit in self.units:
-            unit.gather(self.group)
+    def _release_idle(self, for_backward: bool = False) -> None:
+        for record in self.records:
+            held = for_backward and record.keep_for_backward
+            if record.in_use == 0 and record.unit.state is not ParamState.SHARDED and not held:
+                record.unit.release()
 
     def release_all(self) -> None:
-        """After ``gather_all``: release everything and let the pool go (it held the model)."""
+        """Release every idle unit and let the pool go (before a checkpoint load rewrites shards)."""
         self._release_idle()
         if self.pool is not None:
             self.pool.clear()
@@ -261,18 +247,13 @@ def _reads_params_in_backward(module: nn.Module) -> bool:
     return not isinstance(module, nn.Embedding)
 
 
-def tensors_in(value):
-    """Every tensor inside ``value``: nested tuples, lists, dicts, dataclasses, HF outputs."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif hasattr(value, "__dataclass_fields__") or hasattr(value, "to_tuple"):
-        # Hugging Face ModelOutput and plain dataclasses
-        items = value.to_tuple() if hasattr(value, "to_tuple") else vars(value).values()
-        for item in items:
-            yield from tensors_in(item)
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor inside ``value``: torch's pytree walks tuples, lists, dicts, namedtuples and
+    Hugging Face outputs; a plain dataclass (a leaf to pytree) is opened by its fields."""
+    found = []
+    for leaf in pytree.tree_leaves(value):
+        if torch.is_tensor(leaf):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            found.extend(tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return found

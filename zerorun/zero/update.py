@@ -5,13 +5,13 @@ The user's optimizer stays the one that steps: its param groups keep their hyper
 becomes the fp32 masters of that group's units on this rank (unit/record.py). Torch
 optimizers skip a parameter whose ``.grad`` is None, so a subset of units is updated by
 giving only their masters a gradient and calling ``optimizer.step()``: the same object, the
-same per-parameter state, any subset at a time. Without offload every unit is updated in one
-call (the multi-tensor path); with NVMe one unit at a time, as its buffer allows.
+same per-parameter state, any subset at a time. Units on the device are updated in one call
+(the multi-tensor path); units whose home ``updates_alone`` (host, NVMe) one at a time.
 
-Per unit: the placement makes master and state resident and stages the fp32 gradient chunk
-beside them (offload/placements.py); the gradient is unscaled by 1 / (data-parallel world x loss scale);
-clipped when asked; the optimizer steps; the master is published into the model's chunk; and
-the placement puts master and state away.
+Per unit: its state home (``record.state_home``, offload/placements.py) makes master and state
+resident and stages the fp32 gradient chunk beside them; the gradient is unscaled by
+1 / (data-parallel world x loss scale); clipped when asked; the optimizer steps; the master is
+published into the model's chunk; and the home puts master and state away.
 
 Note [update while backward runs]: with an offloaded optimizer the host would sit idle through
 backward and the device through the update. So at an accumulation boundary each unit's work is
@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
 from zerorun.zero.comm import collectives
-from zerorun.zero.offload.placements import OnFile, device_gradient
+from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
-from zerorun.zero.unit.record import UnitRecord
+from zerorun.zero.unit.record import UnitRecord, by_state_home
 
 
 @dataclass
@@ -58,7 +59,7 @@ class _Window:
 def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord]) -> None:
     """Point each of the user's param groups at its units' masters (one per unit)."""
     for index, group in enumerate(optimizer.param_groups):
-        group["params"] = [r.master for r in records if r.group_index == index]
+        group["params"] = [r.master for r in records if r.unit.group_index == index]
     optimizer.state.clear()  # state is per master from now on; nothing stepped the originals
 
 
@@ -71,22 +72,34 @@ def prefer_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
             group["fused"] = True
 
 
+def refresh_replicas(records: list[UnitRecord], group) -> None:
+    """Stages 1-2: spread every rank's updated chunk to all ranks (main thread, unit order)."""
+    handles = [r.unit.start_refresh(group) for r in records if not r.unit.partitioned]
+    for handle in handles:
+        handle.wait()
+
+
+def update_batches(records: list[UnitRecord]) -> list[list[UnitRecord]]:
+    """One optimizer call for the units whose homes take them all at once, then one call per
+    unit whose home updates it alone (Note [unit-sized gradient staging])."""
+    together = [r for r in records if not r.state_home.updates_alone]
+    return ([together] if together else []) + [[r] for r in records if r.state_home.updates_alone]
+
+
 class UnitUpdater:
-    def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], placement, group, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], group, *,
                  data_parallel_world: int, shard_world: int):
         self.optimizer = optimizer
         self.records = records
-        self.placement = placement
         self.group = group
         self.data_parallel_world = data_parallel_world
         self.shard_world = shard_world
         install_masters(optimizer, records)
-        if placement.host_kernels:
+        if any(r.state_home.host_kernels for r in records):
             prefer_fused_kernels(optimizer)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if placement.overlaps_backward else None
+        overlaps = any(r.state_home.overlaps_backward for r in records)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if overlaps else None
         self._window: _Window | None = None
-        self._squares: dict[int, torch.Tensor] = {}
-        self._done: set[int] = set()
 
     # -- the boundary backward ---------------------------------------------------------
     def open_window(self, loss_scaler: LossScaler, clip: float) -> None:
@@ -99,10 +112,10 @@ class UnitUpdater:
 
     def unit_reduced(self, record: UnitRecord) -> None:
         """grad_reduce: ``record``'s gradient chunk is final; start its work on the worker."""
-        if self._worker is None or self._window is None:
+        if self._worker is None or self._window is None or not record.state_home.overlaps_backward:
             return
-        if isinstance(self.placement, OnFile) and not self._window.needs_norm:
-            self.placement.prefetch(record)  # read-ahead while the gradient is staged
+        if not self._window.needs_norm:
+            record.state_home.prefetch(record)  # NVMe: read-ahead while the gradient is staged
         record.pending = self._worker.submit(self._early_work, record, self._window)
 
     def _early_work(self, record: UnitRecord, window: _Window) -> None:
@@ -120,7 +133,7 @@ class UnitUpdater:
         self._wait_for_worker()
         if window.needs_norm:
             for record in self.records:
-                if record.index not in self._squares:
+                if record.grad_square is None:
                     self._norm_piece(record, window)
         norm, overflow = None, False
         if window.needs_norm:
@@ -129,13 +142,11 @@ class UnitUpdater:
         applied = loss_scaler.update(overflow)
         if applied:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-            waiting = [r for r in self.records if r.index not in self._done]
-            batch = self.placement.update_batch or len(waiting)
-            for start in range(0, len(waiting), max(batch, 1)):
-                self._apply(waiting[start : start + batch], window, coefficient)
-            self._refresh_replicas()
-        self._squares.clear()
-        self._done.clear()
+            for batch in update_batches([r for r in self.records if not r.updated]):
+                self._apply(batch, window, coefficient)
+            refresh_replicas(self.records, self.group)
+        for record in self.records:
+            record.grad_square, record.updated = None, False
         self._window = None
         return applied, norm
 
@@ -149,14 +160,14 @@ class UnitUpdater:
         """This unit's share of the squared norm, computed where the gradient already is (a
         unit-sized temporary, never a staged copy: Note [unit-sized gradient staging])."""
         unscaled = device_gradient(record) * window.inverse
-        self._squares[record.index] = unscaled.pow(2).sum()
+        record.grad_square = unscaled.pow(2).sum()
 
     def _global_norm(self) -> float:
         """L2 norm over every rank's chunks; padding is zero, tied weights are counted once."""
         device = self.records[0].unit.device if self.records else torch.device("cpu")
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         for record in self.records:  # unit order, whichever thread computed each piece
-            squares += self._squares[record.index].to(device)
+            squares += record.grad_square.to(device)
         if self.shard_world > 1:
             collectives.all_reduce(squares, group=self.group)
         return float(squares.sqrt())
@@ -165,27 +176,27 @@ class UnitUpdater:
         """Stage, unscale and clip the gradients of ``records``, step them with the user's
         optimizer and publish them to the model. The unscale is the same multiplication as in
         ``_norm_piece``, so the norm describes exactly the gradient stepped."""
-        for record in records:
-            self.placement.begin_update(record, self.optimizer)
-            grad = self.placement.gradient(record)
-            grad.mul_(window.inverse)
-            if coefficient != 1.0:
-                grad.mul_(coefficient)
-            record.master.grad = grad
-        self.optimizer.step()
-        with torch.no_grad():
+        with ExitStack() as resident:
             for record in records:
-                record.master.grad = None
-                self.placement.publish(record)
-                self.placement.end_update(record, self.optimizer)
-                self._done.add(record.index)
+                resident.enter_context(record.state_home.resident(record, self.optimizer))
+                grad = record.state_home.stage_gradient(record)
+                grad.mul_(window.inverse)
+                if coefficient != 1.0:
+                    grad.mul_(coefficient)
+                record.master.grad = grad
+            self.optimizer.step()
+            with torch.no_grad():
+                for record in records:
+                    record.master.grad = None
+                    record.state_home.publish(record)
+                    record.updated = True
 
-    def _refresh_replicas(self) -> None:
-        """Stages 1-2: spread every rank's updated chunk to all ranks (main thread, unit order)."""
-        handles = [r.unit.start_refresh(self.group) for r in self.records if not r.unit.partitioned]
-        for handle in handles:
-            handle.wait()
 
     # -- inspection ----------------------------------------------------------------------
     def placed_nbytes(self) -> dict[str, int]:
-        return self.placement.nbytes(self.records, self.optimizer)
+        """Bytes of masters and optimizer state by location, summed over the homes."""
+        total = {"device": 0, "host": 0, "nvme": 0}
+        for home, records in by_state_home(self.records).items():
+            for where, nbytes in home.nbytes(records, self.optimizer).items():
+                total[where] += nbytes
+        return total

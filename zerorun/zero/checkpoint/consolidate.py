@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint.format import Reader, master_index, rank_file, read_manifest, resolve
+from zerorun.telemetry import get_recorder
+from zerorun.zero.checkpoint.format import LATEST, MANIFEST, Reader, master_index, rank_file, read_manifest, resolve
 from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, plan_reads, whole_key
 from zerorun.zero.unit.layout import Segment
-from zerorun.zero.checkpoint.tensor_files import DTYPES, TensorFileWriter
+from zerorun.zero.checkpoint.tensor_files import DTYPES, TensorFileWriter, temporary_name, write_bytes_atomically
+from zerorun.zero.precision import DTYPES as DTYPE_CHOICES
 
-DTYPE_CHOICES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 
@@ -105,13 +106,38 @@ class Assembler:
         self.reader.close()
 
 
+def _checkpoint_root(directory: Path) -> Path:
+    """The directory holding ``latest`` and the tags (a tag directory's parent)."""
+    return directory.parent if (directory / MANIFEST).is_file() else directory
+
+
+def _check_output(out: Path, target: Path, directory: Path, hf: bool) -> None:
+    """Note [output outside the checkpoint]: writing inside the checkpoint's root could replace
+    ``latest``, a shard or a manifest (or be deleted by keep_last), so it is refused; so is a
+    file output that is an existing directory."""
+    root = _checkpoint_root(directory).resolve()
+    for path in (out.resolve(), target.resolve()):
+        if path == root or root in path.parents:
+            raise CheckpointError(f"output {str(out)!r} is inside the checkpoint directory {str(root)!r}",
+                                  hint="write the consolidated model somewhere outside the checkpoint")
+    if not hf and out.is_dir():
+        raise CheckpointError(f"output {str(out)!r} is a directory; without --hf-config or --like the output is one file",
+                              hint=f"name a file, e.g. {str(out / 'model.safetensors')!r}, or pass --like/--hf-config")
+    if hf and out.exists() and not out.is_dir():
+        raise CheckpointError(f"output {str(out)!r} is a file; with --hf-config or --like the output is a directory")
+
+
 def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetensors", dtype: str | None = None,
                 hf_config=None, like=None, strip_prefix: str = "") -> dict:
     """Write the full model of ``checkpoint`` (a checkpoint root or one tag's directory) to
     ``out``: a file, or with ``hf_config``/``like`` a Hugging Face model directory."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.name.endswith(".partial") and checkpoint.is_dir():
+        raise CheckpointError(f"{str(checkpoint)!r} is a save that did not finish (a .partial folder)",
+                              hint="consolidate a complete tag, e.g. the checkpoint directory's latest")
     directory = resolve(checkpoint, tag)
     if directory is None:
-        raise CheckpointError(f"{str(checkpoint)!r} holds no checkpoint yet (no 'latest' file)",
+        raise CheckpointError(f"{str(checkpoint)!r} holds no checkpoint yet (no {LATEST!r} file)",
                               hint="pass a tag directory, or --tag")
     if fmt not in ("safetensors", "torch"):
         raise CheckpointError(f"--format {fmt!r} is not one of safetensors, torch")
@@ -120,24 +146,37 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
     hf = hf_config is not None or like is not None
     if hf and fmt != "safetensors":
         raise CheckpointError("a Hugging Face directory is written as safetensors", hint="drop --format torch")
+    out = Path(out)
+    target = out / "model.safetensors" if hf else out
+    _check_output(out, target, directory, hf)
+    _check_hf_sources(hf_config, like)
     assembler = Assembler(directory)
+    created: list[Path] = []
     try:
         assembler.verify_all()
         entries = plan_entries(assembler.manifest, DTYPE_CHOICES.get(dtype), strip_prefix)
-        out = Path(out)
-        target = out
-        if hf:
-            out.mkdir(parents=True, exist_ok=True)
-            _write_hf_files(out, hf_config, like)
-            target = out / "model.safetensors"
-        else:
-            out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            parent = out if hf else out.parent
+            if not parent.exists():
+                parent.mkdir(parents=True)
+                created.append(parent)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {str(parent)!r} ({exc.strerror})") from None
         if fmt == "torch":
             written = _write_torch(assembler, entries, target, strip_prefix)
         else:
             written = _write_safetensors(assembler, entries, target)
+        if hf:  # last, so a failed run leaves no config.json that looks like a model directory
+            _write_hf_files(out, hf_config, like)
+    except BaseException:
+        if hf:
+            target.unlink(missing_ok=True)
+        for path in reversed(created):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     finally:
         assembler.close()
+        get_recorder().record_activity(None, 0)
     return {"source": str(directory), "out": str(target), "tensors": len(entries), "bytes": written,
             "global_step": assembler.manifest["global_step"]}
 
@@ -147,6 +186,7 @@ def _write_safetensors(assembler: Assembler, entries: list[Entry], target: Path)
     try:
         for entry in entries:
             writer.write(entry.out_name, assembler.tensor(entry))
+            get_recorder().record_activity("consolidating", writer.nbytes)  # Note [saving is progress]
         return writer.commit()["bytes"]
     except BaseException:
         writer.abandon()
@@ -160,24 +200,43 @@ def _write_torch(assembler: Assembler, entries: list[Entry], target: Path, strip
     state = {entry.out_name: assembler.tensor(entry) for entry in entries}
     for alias, name in assembler.manifest["aliases"].items():
         state[strip(alias)] = state[strip(name)]
-    temporary = target.with_name(target.name + ".tmp")
-    torch.save(state, temporary)
-    temporary.replace(target)
+    temporary = temporary_name(target)
+    try:
+        torch.save(state, temporary)
+        temporary.replace(target)
+    except (OSError, RuntimeError) as exc:
+        temporary.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {str(target)!r} failed ({getattr(exc, 'strerror', None) or str(exc).splitlines()[0]})",
+                              hint="free space on the output's disk, or choose another output") from None
     return target.stat().st_size
+
+
+def _check_hf_sources(hf_config, like) -> None:
+    """Before anything is written: --like is a model directory, --hf-config readable JSON."""
+    if like is not None and not (Path(like) / "config.json").is_file():
+        raise CheckpointError(f"--like {str(like)!r} has no config.json", hint="point it at a Hugging Face model directory")
+    if hf_config is not None:
+        try:
+            json.loads(Path(hf_config).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"--hf-config {str(hf_config)!r} is not a readable JSON file ({exc})") from None
 
 
 def _write_hf_files(out: Path, hf_config, like) -> None:
     """config.json from ``hf_config``, or every non-weight file of the directory ``like``."""
     if like is not None:
         like = Path(like)
-        if not (like / "config.json").is_file():
-            raise CheckpointError(f"--like {str(like)!r} has no config.json", hint="point it at a Hugging Face model directory")
         for path in like.iterdir():
             if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and not path.name.endswith(".index.json"):
-                shutil.copyfile(path, out / path.name)
+                _copy(path, out / path.name)
     if hf_config is not None:
-        try:
-            json.loads(Path(hf_config).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"--hf-config {str(hf_config)!r} is not a readable JSON file ({exc})") from None
-        shutil.copyfile(hf_config, out / "config.json")
+        _copy(Path(hf_config), out / "config.json")
+
+
+def _copy(source: Path, target: Path) -> None:
+    """Whole or not at all (Note [atomic save]): a full disk leaves no 0-byte config.json."""
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {str(source)!r} ({exc.strerror})") from None
+    write_bytes_atomically(target, data)

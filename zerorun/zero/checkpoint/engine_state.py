@@ -17,14 +17,16 @@ keys and the re-partitioning math: checkpoint/reshard.py; the streamed safetenso
     DIR/TAG/engine.pt            counters, accumulation position, loss scaler, LR scheduler,
                                  param-group hyper-parameters, the user's client state (rank 0)
 
+The engine surface used here: ``records`` (save and load are loops over them), ``quiesce()``,
+``train_state`` (zero/train_state.py), ``module``, ``pg`` (rank, world size, group), ``config``.
+
 Note [what a rank writes]: each rank writes the pieces of its own chunks (``record.segments``),
 read from the record's master and ``optimizer.state[record.master]``, so no collective moves
 any tensor and every element is written exactly once: at stage 0 (and at world size 1) the
 chunk is the whole unit on every rank, and only rank 0 writes it. The model-dtype parameters
 are not written: after every update they are the masters rounded to the model dtype, which is
-what loading and consolidating recompute. Offloaded state is read where it lives: on the host
-directly, from NVMe through the placement's ``begin_update`` / ``end_update`` (one unit's
-buffer at a time, as an update would).
+what loading and consolidating recompute. Offloaded state is read where it lives, inside the
+state home's ``resident(record)`` context (NVMe: one unit's buffer at a time, as an update would).
 
 Note [commit order]: ranks write into ``TAG.partial`` (each file under a temporary name,
 fsynced, renamed: checkpoint/tensor_files.py Note [atomic save]); after a barrier rank 0 writes the
@@ -43,7 +45,6 @@ an update would have left.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -57,18 +58,23 @@ from pathlib import Path
 import torch
 
 import zerorun
-from zerorun.errors import CheckpointError, RuntimeConfigError
+from zerorun.errors import CheckpointError, RuntimeConfigError, ZerorunError
 from zerorun.zero.comm import collectives
-from zerorun.zero.offload.placements import OnFile
+from zerorun.zero.checkpoint import owner
+from zerorun.zero.checkpoint.client_state import check_client_state
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, Reader,
-                                           master_index, model_table, persistent_buffers, rank_file, read_manifest,
-                                           resolve)
+                                           manifest_checksum, master_index, model_table, persistent_buffers, rank_file,
+                                           read_manifest, resolve)
+from zerorun.zero.offload.scratch import job_key
+from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncovered, bad_tag, first_mismatch, index_pieces,
-                                  micro_steps_after_load, piece_key, plan_reads, state_family, step_tag,
+                                  piece_key, plan_reads, state_family, step_tag,
                                   tags_to_delete, whole_key)
 from zerorun.zero.unit.layout import Segment
+from zerorun.zero.precision import model_dtype
 from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
 from zerorun.zero.unit.storage import ParamState
+from zerorun.zero.update import refresh_replicas
 
 # -- scalars as JSON ------------------------------------------------------------------------
 def _encode_scalar(value):
@@ -114,17 +120,17 @@ def _torch_rng() -> dict[str, torch.Tensor]:
 # -- save -----------------------------------------------------------------------------------
 def _writes_records(engine) -> bool:
     """Note [what a rank writes]: unsharded chunks (stage 0, world 1) are written by rank 0 only."""
-    return engine.stage != 0 or engine.rank == 0
+    return engine.config.zero.stage != 0 or engine.pg.rank == 0
 
 
 def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
     """A record's optimizer state: per-element tensors (key -> dtype) and scalars (key -> value).
-    Between NVMe updates a per-element tensor is an empty placeholder (offload/placements.py Note [file
-    buffers]), recognised by its zero size."""
+    Between NVMe updates a per-element tensor is a placeholder of its size (offload/placements.py
+    Note [file buffers]), so the split needs no read."""
     n = record.unit.layout.chunk_numel
     elementwise, scalars = {}, {}
     for key, value in optimizer.state.get(record.master, {}).items():
-        if torch.is_tensor(value) and (value.numel() == n or (value.numel() == 0 and isinstance(record.placement, OnFile))):
+        if torch.is_tensor(value) and value.numel() == n:
             elementwise[key] = value.dtype
         else:
             scalars[key] = value
@@ -136,14 +142,14 @@ def _rank_entries(engine) -> tuple[list, dict]:
     entries, scalars = [], {}
     if _writes_records(engine):
         for record in engine.records:
-            elementwise, record_scalars = _state_split(record, engine.optimizer)
+            elementwise, record_scalars = _state_split(record, engine.train_state.optimizer)
             for seg in record.segments:
                 entries.append((piece_key(MASTER, seg.name, seg.param_offset, seg.length), torch.float32, (seg.length,)))
                 for key, dtype in elementwise.items():
                     entries.append((piece_key(state_family(key), seg.name, seg.param_offset, seg.length), dtype, (seg.length,)))
                 if record_scalars:
                     scalars[seg.name] = {k: _encode_scalar(v) for k, v in record_scalars.items()}
-    if engine.rank == 0:
+    if engine.pg.rank == 0:
         for name, tensor in _frozen_and_buffers(engine):
             entries.append((name, tensor.dtype, tuple(tensor.shape)))
     for key, state in _torch_rng().items():
@@ -158,7 +164,7 @@ def _frozen_and_buffers(engine) -> list[tuple[str, torch.Tensor]]:
 
 def _write_rank_file(engine, staging: Path) -> dict:
     entries, scalars = _rank_entries(engine)
-    path = staging / rank_file(engine.rank)
+    path = staging / rank_file(engine.pg.rank)
     try:
         writer = TensorFileWriter(path, entries, metadata={"format": "pt"})
     except OSError as exc:
@@ -167,8 +173,8 @@ def _write_rank_file(engine, staging: Path) -> dict:
     try:
         if _writes_records(engine):
             for record in engine.records:
-                _write_record(writer, record, engine.optimizer)
-        if engine.rank == 0:
+                _write_record(writer, record, engine.train_state.optimizer)
+        if engine.pg.rank == 0:
             for key, tensor in _frozen_and_buffers(engine):
                 writer.write(key, tensor)
         for key, state in _torch_rng().items():
@@ -178,99 +184,141 @@ def _write_rank_file(engine, staging: Path) -> dict:
         writer.abandon()
         raise
     finally:
-        if isinstance(engine.updater.placement, OnFile):
-            engine.updater.placement.flush()
-    return {"file": rank_file(engine.rank), "keys": [key for key, _, _ in entries], "scalars": scalars,
-            "rng": _python_rng(), "checksum": checksum}
+        engine.quiesce()
+    groups = {seg.name: record.unit.group_index for record in engine.records for seg in record.segments}
+    return {"file": rank_file(engine.pg.rank), "keys": [key for key, _, _ in entries], "scalars": scalars,
+            "rng": _python_rng(), "checksum": checksum, "groups": groups}
 
 
 def _write_record(writer: TensorFileWriter, record, optimizer) -> None:
     elementwise, _ = _state_split(record, optimizer)
-    record.placement.begin_update(record, optimizer)  # NVMe: read master and state in
-    try:
+    with record.state_home.resident(record, optimizer):  # NVMe: read master and state in
         state = optimizer.state.get(record.master, {})
         for seg in record.segments:
             span = slice(seg.shard_offset, seg.shard_offset + seg.length)
             writer.write(piece_key(MASTER, seg.name, seg.param_offset, seg.length), record.master[span])
             for key in elementwise:
                 writer.write(piece_key(state_family(key), seg.name, seg.param_offset, seg.length), state[key][span])
-    finally:
-        record.placement.end_update(record, optimizer)
-
-
-def _engine_state(engine, client_state) -> dict:
-    scheduler = engine.lr_scheduler
-    return {
-        "global_step": engine.global_step, "micro_steps": engine.micro_steps,
-        "skipped_steps": engine.skipped_steps, "gradient_accumulation_steps": engine.gradient_accumulation_steps,
-        "loss_scaler": dataclasses.asdict(engine.loss_scaler),
-        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "client_state": client_state,
-    }
+        get_recorder().record_activity("saving", writer.nbytes)  # Note [saving is progress]
 
 
 def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None, *, save_latest: bool = True,
                     keep_last: int | None = None) -> bool:
     """Write a checkpoint of ``engine`` under ``save_dir/tag`` (every rank must call this)."""
     started = time.perf_counter()
-    tag = str(tag) if tag is not None else step_tag(engine.global_step)
+    train = engine.train_state
+    tag = str(tag) if tag is not None else step_tag(train.global_step)
     problem = bad_tag(tag)
     if problem:
         raise CheckpointError(f"checkpoint tag {tag!r} cannot be used: {problem}")
-    if engine.micro_steps % engine.gradient_accumulation_steps:
+    if train.micro_steps % train.gradient_accumulation_steps:
         raise CheckpointError(
             f"save_checkpoint was called in the middle of a gradient accumulation window (micro-step "
-            f"{engine.micro_steps % engine.gradient_accumulation_steps} of {engine.gradient_accumulation_steps}); "
+            f"{train.micro_steps % train.gradient_accumulation_steps} of {train.gradient_accumulation_steps}); "
             "the gradients accumulated so far are not saved",
             hint="save right after the engine.step() that ends a window (engine.is_gradient_accumulation_boundary())")
+    check_client_state(client_state)
     root = Path(save_dir)
     staging = root / f"{tag}.partial"
-    if engine.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # what a crashed save of this tag left
-            staging.mkdir()
-        except OSError as exc:
-            raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
-                                  hint="checkpoint.dir must be a writable directory shared by every rank") from None
-    collectives.barrier(group=engine.group)
-    table = model_table(engine.module)
-    entry = _write_rank_file(engine, staging)
-    write_bytes_atomically(staging / f"rank{engine.rank}.json", json.dumps(entry).encode())
-    if engine.rank == 0:
-        buffer = io.BytesIO()
-        torch.save(_engine_state(engine, client_state), buffer)
-        engine_checksum = write_bytes_atomically(staging / ENGINE_FILE, buffer.getvalue())
-    collectives.barrier(group=engine.group)
-    if engine.rank == 0:
-        manifest = _manifest(engine, tag, table, staging, engine_checksum)
-        final = _commit(root, staging, tag, manifest, save_latest)
-        if keep_last:
-            _delete_old(root, keep_last, tag)
-        total = sum(f["bytes"] for f in manifest["files"].values())
-        print(f"zerorun: checkpoint {tag} saved to {final} in {time.perf_counter() - started:.2f} s "
-              f"({total / 2**20:.1f} MiB from {engine.world_size} rank(s))", file=sys.stderr, flush=True)
-    collectives.barrier(group=engine.group)
+    recorder = get_recorder()
+    recorder.record_activity("saving", 0)
+    try:
+        _together(engine, lambda: _prepare(engine, root, staging), f"preparing checkpoint {tag}")
+        table = model_table(engine.module)
+
+        def write() -> None:
+            entry = _write_rank_file(engine, staging)
+            write_bytes_atomically(staging / f"rank{engine.pg.rank}.json", json.dumps(entry).encode())
+            if engine.pg.rank == 0:
+                buffer = io.BytesIO()
+                torch.save(engine.train_state.state_dict() | {"client_state": client_state}, buffer)
+                written["engine"] = write_bytes_atomically(staging / ENGINE_FILE, buffer.getvalue())
+
+        written: dict = {}
+        _together(engine, write, f"writing checkpoint {tag}")
+
+        def commit() -> None:
+            manifest = _manifest(engine, tag, table, staging, written["engine"])
+            final = _commit(root, staging, tag, manifest, save_latest)
+            if keep_last:
+                _delete_old(root, keep_last, tag)
+            _delete_leftovers(root)
+            total = sum(f["bytes"] for f in manifest["files"].values())
+            print(f"zerorun: checkpoint {tag} saved to {final} in {time.perf_counter() - started:.2f} s "
+                  f"({total / 2**20:.1f} MiB from {engine.pg.world_size} rank(s))", file=sys.stderr, flush=True)
+
+        _together(engine, commit if engine.pg.rank == 0 else None, f"committing checkpoint {tag}")
+    finally:
+        recorder.record_activity(None, 0)
     return True
 
 
+def _prepare(engine, root: Path, staging: Path) -> None:
+    """Rank 0: own the directory (Note [checkpoint owner] in checkpoint/owner.py), then a clean
+    ``TAG.partial``."""
+    if engine.pg.rank != 0:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
+                              hint="checkpoint.dir must be a writable directory shared by every rank") from None
+    owner.claim(root, job_key())
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # what a crashed save of this tag left
+        staging.mkdir()
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
+                              hint="checkpoint.dir must be a writable directory shared by every rank") from None
+
+
+def _together(engine, work, what: str, hint: str = "the previous checkpoint is intact") -> None:
+    """Note [failing together]: run ``work`` (None: nothing on this rank), then agree with every
+    rank on whether all succeeded. A failure on one rank used to leave the others at the next
+    barrier, to die of a misleading "connection closed" once it exited; now the rank that failed
+    raises its own one-line error and every other rank one naming that rank."""
+    failure = None
+    try:
+        if work is not None:
+            work()
+    except (ZerorunError, OSError) as exc:
+        failure = exc
+    if engine.pg.world_size > 1:
+        flags = torch.zeros(engine.pg.world_size, dtype=torch.int32, device=engine.pg.device)
+        flags[engine.pg.rank] = failure is not None
+        collectives.all_reduce(flags, group=engine.pg.group)
+        failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    else:
+        failed = [0] if failure is not None else []
+    if failure is not None:
+        if isinstance(failure, OSError):
+            raise CheckpointError(f"rank {engine.pg.rank}: {what} failed ({failure})") from None
+        raise failure
+    if failed:
+        raise CheckpointError(f"rank {engine.pg.rank}: {what} failed on rank {failed[0]} (its error says why)", hint=hint)
+
+
 def _manifest(engine, tag: str, table: dict, staging: Path, engine_checksum: dict) -> dict:
-    ranks, files = [], {}
-    for rank in range(engine.world_size):
+    ranks, files, groups = [], {}, {}
+    for rank in range(engine.pg.world_size):
         path = staging / f"rank{rank}.json"
         entry = json.loads(path.read_text())
         files[entry.pop("file")] = entry.pop("checksum")
+        groups.update(entry.pop("groups"))
         ranks.append(entry)
     files[ENGINE_FILE] = engine_checksum
     cfg = engine.config
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag, "global_step": engine.global_step,
-        "world_size": engine.world_size, "stage": engine.stage, "dtype": DTYPE_NAMES[engine.dtype],
-        "offload_optimizer": cfg.zero.offload_optimizer.device, "optimizer": type(engine.optimizer).__name__,
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag, "global_step": engine.train_state.global_step,
+        "world_size": engine.pg.world_size, "stage": engine.config.zero.stage,
+        "dtype": DTYPE_NAMES[model_dtype(engine.config.precision)],
+        "offload_optimizer": cfg.zero.offload_optimizer.device, "optimizer": type(engine.train_state.optimizer).__name__,
+        "param_groups": len(engine.train_state.optimizer.param_groups), "group_of": groups,
         "versions": {"zerorun": zerorun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         **table, "files": files, "ranks": ranks,
     }
+    manifest["checksum"] = manifest_checksum(manifest)
+    return manifest
 
 
 def _commit(root: Path, staging: Path, tag: str, manifest: dict, save_latest: bool) -> Path:
@@ -294,6 +342,21 @@ def _commit(root: Path, staging: Path, tag: str, manifest: dict, save_latest: bo
     return final
 
 
+def _delete_leftovers(root: Path) -> None:
+    """After a successful save, with the directory owned (checkpoint/owner.py): what earlier
+    failed saves left, ``TAG.partial`` folders and temporaries (``NAME.tmp-*``), and copies of
+    replaced tags whose removal a crash interrupted, once their tag is complete again."""
+    for path in root.iterdir():
+        name = path.name
+        if name.endswith(".partial") and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif ".tmp-" in name and (path.is_file() or path.is_symlink()):
+            path.unlink(missing_ok=True)
+        elif ".replaced-" in name and path.is_dir() and not path.is_symlink():
+            if (root / name.split(".replaced-", 1)[0] / MANIFEST).is_file():
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def _delete_old(root: Path, keep_last: int, just_saved: str) -> None:
     complete = [p.name for p in root.iterdir() if (p / MANIFEST).is_file()]
     for tag in tags_to_delete(complete, keep_last, just_saved):
@@ -312,30 +375,94 @@ def _check_fits(engine, manifest: dict, directory: Path) -> None:
                               hint="load it into the model it was saved from (same names and shapes)")
 
 
+def _check_optimizer(engine, manifest: dict, directory: Path) -> None:
+    """The optimizer state fits this optimizer: same type, same number of param groups, each
+    parameter in the same group (format version 2 records the last two)."""
+    saved, ours = manifest.get("optimizer"), type(engine.train_state.optimizer).__name__
+    hint = "build the same optimizer, or pass load_optimizer_states=False to load the weights only"
+    if saved != ours:
+        raise CheckpointError(f"checkpoint {str(directory)!r} holds {saved} optimizer state; this engine's optimizer "
+                              f"is {ours}", hint=hint)
+    groups = manifest.get("param_groups")
+    if groups is not None and groups != len(engine.train_state.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {str(directory)!r} has {groups} optimizer param group(s); this optimizer "
+                              f"has {len(engine.train_state.optimizer.param_groups)}", hint=hint)
+    group_of = manifest.get("group_of", {})
+    for record in engine.records:
+        for seg in record.segments:
+            if seg.name in group_of and group_of[seg.name] != record.unit.group_index:
+                raise CheckpointError(f"checkpoint {str(directory)!r} has parameter {seg.name!r} in optimizer param "
+                                      f"group {group_of[seg.name]}; this optimizer has it in group {record.unit.group_index}",
+                                      hint=hint)
+
+
 def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """Load into ``engine`` (every rank): returns (checkpoint path, client state), or
-    (None, None) when ``load_dir`` holds no checkpoint yet (as DeepSpeed does)."""
-    directory = resolve(load_dir, tag)
+    (None, None) when ``load_dir`` holds no checkpoint yet (as DeepSpeed does).
+
+    Note [all or nothing]: everything that can refuse (the manifest, the model's shapes, the
+    optimizer's type and groups, engine.pt and its client state, the size and checksum of
+    every file this rank reads, the coverage of every piece) is checked before the engine
+    changes; only then are values copied in. A refused load leaves the engine as it was."""
+    optimizer_states = load_optimizer_states and not load_module_only
+    checked: dict = {}
+
+    def check() -> None:
+        directory = checked["directory"] = resolve(load_dir, tag)
+        if directory is None:
+            return
+        manifest = checked["manifest"] = read_manifest(directory)
+        _check_fits(engine, manifest, directory)
+        if optimizer_states:
+            _check_optimizer(engine, manifest, directory)
+        reader = checked["reader"] = Reader(directory, manifest)
+        checked["saved"] = None if load_module_only else _read_engine_state(engine, reader)
+        checked["plans"] = _plan_records(engine, reader, manifest, optimizer_states)
+        for name in _files_needed(engine, manifest, checked["plans"], rng=checked["saved"] is not None):
+            reader.check(name)
+
+    try:
+        # Every rank checks, then all agree (Note [failing together]): a file damaged for one
+        # rank refuses the load on all, before any of them changed its engine.
+        _together(engine, check, f"checking checkpoint {str(load_dir)!r}", hint="nothing was loaded on any rank")
+    except BaseException:
+        if "reader" in checked:
+            checked["reader"].close()
+        raise
+    directory = checked["directory"]
     if directory is None:
-        if engine.rank == 0:
+        if engine.pg.rank == 0:
             print(f"zerorun: no checkpoint in {str(load_dir)!r} yet (no {LATEST} file); nothing loaded",
                   file=sys.stderr, flush=True)
         return None, None
-    manifest = read_manifest(directory)
-    _check_fits(engine, manifest, directory)
-    reader = Reader(directory, manifest)
+    manifest, reader, saved, plans = checked["manifest"], checked["reader"], checked["saved"], checked["plans"]
     try:
-        _load_records(engine, reader, manifest, optimizer_states=load_optimizer_states and not load_module_only)
+        _load_records(engine, reader, manifest, plans)
         _load_frozen_and_buffers(engine, reader, manifest)
         client_state = None
-        if not load_module_only:
-            client_state = _load_engine_state(engine, reader, load_lr_scheduler_states)
-            if engine.rank < manifest["world_size"]:
-                _load_rng(reader, manifest, engine.rank)
+        if saved is not None:
+            client_state = _apply_engine_state(engine, saved, load_lr_scheduler_states)
+            if engine.pg.rank < manifest["world_size"]:
+                _load_rng(reader, manifest, engine.pg.rank)
     finally:
         reader.close()
     return str(directory), client_state
+
+
+def _files_needed(engine, manifest: dict, plans: list, *, rng: bool) -> list[str]:
+    names = {read.file for master_reads, state_reads, _ in plans for read in master_reads}
+    names |= {read.file for _, state_reads, _ in plans for reads in state_reads.values() for read in reads}
+    index = None
+    for key, tensor in _frozen_and_buffers(engine):
+        names.add(rank_file(0))
+        name = key.split("/", 1)[1]
+        if key.startswith(FROZEN) and manifest["parameters"][name]["trainable"]:  # see _load_frozen_and_buffers
+            index = index or master_index(manifest)[0]
+            names |= {read.file for read in plan_reads([Segment(name, 0, 0, tensor.numel())], index)}
+    if rng and engine.pg.rank < manifest["world_size"]:
+        names.add(rank_file(engine.pg.rank))
+    return sorted(names)
 
 
 def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
@@ -354,88 +481,92 @@ def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
                 tensor.copy_(reader.file(rank_file(0)).read(key))
 
 
-def _load_records(engine, reader: Reader, manifest: dict, *, optimizer_states: bool) -> None:
+def _plan_records(engine, reader: Reader, manifest: dict, optimizer_states: bool) -> list:
+    """Per record: (master reads, {state family: reads}, scalars), every gap found before any
+    value is read (Note [all or nothing])."""
     index, files = master_index(manifest)
     families = sorted({key.split("/", 1)[0] for keys in files.values() for key in keys if key.startswith("state.")})
-    state_index = {family: index_pieces(files, family) for family in families}
+    state_index = {family: index_pieces(files, family) for family in families} if optimizer_states else {}
     scalars: dict[str, dict] = {}
     for entry in manifest["ranks"]:
         scalars.update(entry["scalars"])
-    if engine.gatherer is not None:
-        engine.gatherer.release_all()  # a unit left gathered would keep stale values
-    optimizer = engine.optimizer
+    plans = []
     for record in engine.records:
         try:
             master_reads = plan_reads(record.segments, index)
         except Uncovered as gap:
             raise CheckpointError(f"checkpoint {str(reader.directory)!r} has no saved values for parameter "
                                   f"{gap.name!r} (elements {gap.start}-{gap.end})", hint="it is incomplete or from another model") from None
-        record.placement.begin_update(record, optimizer)
-        try:
-            with torch.no_grad():
-                reader.fill(master_reads, record.master)
-            if optimizer_states:
-                optimizer.state[record.master] = _record_state(record, reader, state_index, scalars, optimizer)
-            with torch.no_grad():
-                record.placement.publish(record)
-        finally:
-            record.placement.end_update(record, optimizer)
-    if isinstance(engine.updater.placement, OnFile):
-        engine.updater.placement.flush()
-    handles = [r.unit.start_refresh(engine.group) for r in engine.records if r.unit.state is ParamState.REPLICATED]
-    for handle in handles:
-        handle.wait()
+        names = [seg.name for seg in record.segments]
+        state_reads = {}
+        for family, family_index in state_index.items():
+            present = [name for name in names if name in family_index]
+            if not present:
+                continue
+            if len(present) != len(names):
+                raise CheckpointError(f"checkpoint {str(reader.directory)!r} has {family[6:]!r} optimizer state for "
+                                      f"{present[0]!r} but not for {sorted(set(names) - set(present))[0]!r}",
+                                      hint="pass load_optimizer_states=False to load the weights only")
+            try:
+                state_reads[family] = plan_reads(record.segments, family_index)
+            except Uncovered as gap:
+                raise CheckpointError(f"checkpoint {str(reader.directory)!r} lacks {family[6:]!r} optimizer state "
+                                      f"for parameter {gap.name!r}") from None
+        record_scalars = (scalars.get(names[0], {}) if names else {}) if optimizer_states else None
+        plans.append((master_reads, state_reads, record_scalars))
+    return plans
 
 
-def _record_state(record, reader: Reader, state_index: dict, scalars: dict, optimizer) -> dict:
+def _load_records(engine, reader: Reader, manifest: dict, plans: list) -> None:
+    engine.quiesce()  # a unit left gathered would keep stale values
+    optimizer = engine.train_state.optimizer
+    loaded = 0
+    for record, (master_reads, state_reads, record_scalars) in zip(engine.records, plans, strict=True):
+        with record.state_home.resident(record, optimizer), torch.no_grad():
+            reader.fill(master_reads, record.master)
+            if record_scalars is not None:  # optimizer states are loaded (even when there are none)
+                optimizer.state[record.master] = _record_state(record, reader, state_reads, record_scalars, optimizer)
+            record.state_home.publish(record)
+        loaded += record.master.numel() * 4 if record.master.numel() else record.unit.layout.chunk_numel * 4
+        get_recorder().record_activity("loading", loaded)  # Note [saving is progress]
+    get_recorder().record_activity(None, 0)
+    engine.quiesce()
+    refresh_replicas(engine.records, engine.pg.group)
+
+
+def _record_state(record, reader: Reader, state_reads: dict, record_scalars: dict | None, optimizer) -> dict:
     """The optimizer state of one record, re-partitioned from the saved pieces."""
     state = {}
-    names = [seg.name for seg in record.segments]
-    for family, index in state_index.items():
-        present = [name for name in names if name in index]
-        if not present:
-            continue
-        if len(present) != len(names):
-            raise CheckpointError(f"checkpoint {str(reader.directory)!r} has {family[6:]!r} optimizer state for "
-                                  f"{present[0]!r} but not for {sorted(set(names) - set(present))[0]!r}",
-                                  hint="pass load_optimizer_states=False to load the weights only")
-        try:
-            reads = plan_reads(record.segments, index)
-        except Uncovered as gap:
-            raise CheckpointError(f"checkpoint {str(reader.directory)!r} lacks {family[6:]!r} optimizer state "
-                                  f"for parameter {gap.name!r}") from None
+    for family, reads in state_reads.items():
         dtype = reader.file(reads[0].file).info(reads[0].key)[0] if reads else torch.float32
         tensor = torch.zeros(record.master.numel(), dtype=dtype, device=record.master.device)
-        with torch.no_grad():
-            reader.fill(reads, tensor)
+        reader.fill(reads, tensor)  # (the caller holds no_grad)
         state[family[len("state."):]] = tensor
-    if names and names[0] in scalars:
-        group = optimizer.param_groups[record.group_index]
+    if record_scalars:
+        group = optimizer.param_groups[record.unit.group_index]
         device = record.master.device if (group.get("fused") or group.get("capturable")) else torch.device("cpu")
-        for key, entry in scalars[names[0]].items():
+        for key, entry in record_scalars.items():
             state[key] = _decode_scalar(entry, device)
     return state
 
 
-def _load_engine_state(engine, reader: Reader, load_scheduler: bool):
+def _read_engine_state(engine, reader: Reader) -> dict:
     path = reader.check(ENGINE_FILE)
     try:
         saved = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - the unpickler's refusals are many types
-        raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({exc})") from None
-    if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
+    except Exception as exc:  # the unpickler's refusals are many types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({first})",
+                              hint="it holds a client_state this version cannot read, or it is damaged") from None
+    optimizer = engine.train_state.optimizer
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
-                              f"{len(engine.optimizer.param_groups)}", hint="build the optimizer with the same groups")
-    for group, hyper in zip(engine.optimizer.param_groups, saved["param_groups"]):
-        group.update(hyper)
-    engine.global_step = saved["global_step"]
-    engine.skipped_steps = saved["skipped_steps"]
-    engine.micro_steps = micro_steps_after_load(saved["micro_steps"], saved["gradient_accumulation_steps"],
-                                                saved["global_step"], engine.gradient_accumulation_steps)
-    for key, value in saved["loss_scaler"].items():
-        setattr(engine.loss_scaler, key, value)
-    if load_scheduler and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+                              f"{len(optimizer.param_groups)}", hint="build the optimizer with the same groups")
+    return saved
+
+
+def _apply_engine_state(engine, saved: dict, load_scheduler: bool):
+    engine.train_state.load_state_dict(saved, load_scheduler=load_scheduler)
     return saved["client_state"]
 
 
@@ -453,17 +584,13 @@ def _load_rng(reader: Reader, manifest: dict, rank: int) -> None:
 def resume_from_config(engine) -> None:
     """``checkpoint.resume``: load the latest checkpoint of ``checkpoint.dir`` when there is one."""
     cfg = engine.config.checkpoint
-    if not getattr(cfg, "resume", False):
+    if not cfg.resume:
         return
     if not cfg.dir:
         raise RuntimeConfigError("checkpoint.resume is set but checkpoint.dir is not", hint="set checkpoint.dir")
-    from zerorun.config import load_config
-
-    # initialize() settles the accumulation steps with the world size only after __init__.
-    engine.gradient_accumulation_steps = load_config(engine.config, world_size=engine.world_size).gradient_accumulation_steps
     path, _ = load_checkpoint(engine, cfg.dir)
-    if path is not None and engine.rank == 0:
-        print(f"zerorun: resumed from {path} at step {engine.global_step}", file=sys.stderr, flush=True)
+    if path is not None and engine.pg.rank == 0:
+        print(f"zerorun: resumed from {path} at step {engine.train_state.global_step}", file=sys.stderr, flush=True)
 
 
 def save_on_interval(engine) -> None:
@@ -472,7 +599,7 @@ def save_on_interval(engine) -> None:
     from zerorun.launch import save_on_signal
 
     cfg = engine.config.checkpoint
-    saved = cfg.interval_steps > 0 and cfg.dir and engine.global_step % cfg.interval_steps == 0
+    saved = cfg.interval_steps > 0 and cfg.dir and engine.train_state.global_step % cfg.interval_steps == 0
     if saved:
         save_checkpoint(engine, cfg.dir, keep_last=cfg.keep_last)
     if cfg.on_signal and cfg.dir and save_on_signal.due(engine):
@@ -485,17 +612,16 @@ def save_on_interval(engine) -> None:
 def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded state dict, gathered one stage-3 unit at a time (every rank must call it):
     at most one gathered unit is alive beside the copies rank 0 keeps."""
-    keep = not rank0_only or engine.rank == 0
-    unit_of = {id(p): u for u in engine.partition.units if u.partitioned for p in u.params}
-    pool = engine.gatherer.pool if engine.gatherer is not None else None
+    keep = not rank0_only or engine.pg.rank == 0
+    unit_of = {id(p): r.unit for r in engine.records if r.unit.partitioned for p in r.unit.params}
     state: dict[str, torch.Tensor] = {}
     current, gathered_here = None, False
 
     def let_go():
         if current is not None and gathered_here:
             current.release()
-            if pool is not None:
-                pool.clear()
+            if current.pool is not None:  # Note [gather pool]: keep no unit's memory behind
+                current.pool.clear()
 
     try:
         for key, tensor in engine.module.state_dict(keep_vars=True).items():
@@ -503,7 +629,7 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
             if unit is not None and unit is not current:
                 let_go()
                 current, gathered_here = unit, unit.state is ParamState.SHARDED
-                unit.gather(engine.group)
+                unit.gather(engine.pg.group)
             if keep:
                 state[key] = tensor.detach().clone().cpu()
     finally:

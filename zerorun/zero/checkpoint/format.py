@@ -8,17 +8,25 @@ directory layout and the commit order are described in checkpoint/engine_state.p
 from __future__ import annotations
 
 import json
+import os
+import zlib
 from pathlib import Path
 
 import torch
 
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint.reshard import FROZEN, MASTER, Piece, index_pieces, whole_key
-from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, TensorFile, verify
+from zerorun.zero.checkpoint.reshard import FROZEN, MASTER, Piece, bad_tag, index_pieces, whole_key
+from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, TensorFile, read_small, verify
 
 FORMAT = "zerorun-checkpoint"
-FORMAT_VERSION = 1
+# Version 2 adds the manifest's own checksum and each parameter's optimizer group; version 1
+# checkpoints (without them) still load.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+# Note [untrusted files] (checkpoint/tensor_files.py): bounds on what is read whole.
+LATEST_LIMIT = 4096
+MANIFEST_LIMIT = 1 << 30
 LATEST = "latest"
 ENGINE_FILE = "engine.pt"
 
@@ -58,19 +66,38 @@ def model_table(module: torch.nn.Module) -> dict:
 
 
 # -- reading ----------------------------------------------------------------------------------
+def checked_tag(tag, where: str) -> str:
+    """``tag`` if it names one checkpoint directory under the root (one path component, no
+    glob, no newline: reshard.bad_tag), else CheckpointError saying where it came from."""
+    problem = bad_tag(tag) if isinstance(tag, str) else "it is not a string"
+    if problem:
+        raise CheckpointError(f"{where} {tag!r} is not a checkpoint tag: {problem}",
+                              hint="pass the name of a tag directory inside the checkpoint directory")
+    return tag
+
+
 def latest_tag(root: Path) -> str | None:
+    path = Path(root) / LATEST
     try:
-        return (Path(root) / LATEST).read_text().strip() or None
-    except FileNotFoundError:
+        text = read_small(path, LATEST_LIMIT).decode("utf-8", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        raise CheckpointError(f"{str(path)!r} is unreadable ({exc.strerror})") from None
+    return checked_tag(text, f"{str(path)!r} names") if text else None
 
 
 def tag_directory(root: Path, tag: str) -> Path:
     """``root/tag``, or the copy a crash left moved aside (Note [commit order])."""
+    checked_tag(tag, "checkpoint tag")
     final = Path(root) / tag
-    if (final / MANIFEST).is_file():
+    if os.path.lexists(final / MANIFEST):  # whatever it is: read_manifest says what is wrong with it
         return final
-    aside = sorted(Path(root).glob(f"{tag}.replaced-*"))
+    try:
+        # Listed and compared, not globbed: a tag is never a pattern.
+        aside = sorted(p for p in Path(root).iterdir() if p.name.startswith(f"{tag}.replaced-"))
+    except OSError:
+        aside = []
     for candidate in reversed(aside):
         if (candidate / MANIFEST).is_file():
             return candidate
@@ -80,16 +107,29 @@ def tag_directory(root: Path, tag: str) -> Path:
     raise CheckpointError(f"there is no checkpoint {str(final)!r}")
 
 
+def manifest_checksum(manifest: dict) -> str:
+    """crc32 of the manifest without its own ``checksum`` field, in a canonical form."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True, separators=(',', ':')).encode()):08x}"
+
+
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST
+    damaged = "the checkpoint is damaged; load an earlier tag"
     try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
+        manifest = json.loads(read_small(path, MANIFEST_LIMIT))
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(f"{str(path)!r} does not exist: not a complete zerorun checkpoint") from None
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{str(path)!r} is unreadable ({exc})", hint="the checkpoint is damaged; load an earlier tag") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{str(path)!r} is not a zerorun checkpoint of format version {FORMAT_VERSION}")
+        raise CheckpointError(f"{str(path)!r} is unreadable ({exc})", hint=damaged) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"{str(path)!r} is not a zerorun checkpoint of format version "
+                              f"{' or '.join(map(str, READABLE_VERSIONS))}")
+    if manifest["format_version"] >= 2:
+        recorded, actual = manifest.get("checksum"), manifest_checksum(manifest)
+        if recorded != actual:
+            raise CheckpointError(f"{str(path)!r} fails its crc32 checksum ({actual}, it records {recorded!r}): "
+                                  "it was changed after the save", hint=damaged)
     return manifest
 
 
@@ -99,7 +139,9 @@ def resolve(path, tag: str | None = None) -> Path | None:
     path = Path(path)
     if tag is None and (path / MANIFEST).is_file():
         return path
-    if tag is None:
+    if tag is not None:
+        checked_tag(tag, "checkpoint tag")
+    else:
         tag = latest_tag(path)
         if tag is None:
             if not path.is_dir():

@@ -33,8 +33,8 @@ BUFFER = "buffer"  # a whole persistent module buffer
 STATE = "state"  # one per-element optimizer-state tensor (Adam's exp_avg ...): "state.<key>"
 RNG = "rng"  # random-generator states (tensors), one rank's
 
-STEP_TAG = re.compile(r"^global_step(\d+)$")
-_TAG_OK = re.compile(r"^[A-Za-z0-9_.+-]+$")
+STEP_TAG = re.compile(r"global_step(\d+)\Z")
+_TAG_OK = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
 def step_tag(global_step: int) -> str:
@@ -43,8 +43,9 @@ def step_tag(global_step: int) -> str:
 
 
 def bad_tag(tag: str) -> str | None:
-    """Why ``tag`` cannot name a checkpoint directory, or None when it can."""
-    if not tag or tag in (".", "..") or not _TAG_OK.match(tag):
+    """Why ``tag`` cannot name a checkpoint directory, or None when it can (one path
+    component: ``fullmatch``, since ``$`` would let a trailing newline through)."""
+    if not tag or tag in (".", "..") or not _TAG_OK.fullmatch(tag):
         return "a tag is letters, digits and . _ + - (it names a directory)"
     if tag.endswith(".partial") or ".replaced-" in tag or tag == "latest":
         return "tags ending in .partial, containing .replaced- or named latest are zerorun's own"
@@ -144,10 +145,6 @@ def plan_reads(segments: Sequence[Segment], index: Mapping[str, Sequence[Piece]]
         if position < end:
             raise Uncovered(seg.name, position, end)
     return reads
-
-
-def files_needed(reads: Iterable[Read]) -> list[str]:
-    return sorted({r.file for r in reads})
 
 
 def first_mismatch(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequence[int]],

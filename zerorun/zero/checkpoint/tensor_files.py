@@ -15,17 +15,27 @@ the one tensor in hand.
 
 Note [atomic save]: every file is written under a temporary name, fsynced, then renamed into
 place, and its directory fsynced, so after a crash a name either holds the complete file or
-does not exist. checkpoint/engine_state.py builds its commit order on this.
+does not exist. checkpoint/engine_state.py builds its commit order on this. The temporary name
+is unique (``NAME.tmp-<pid>-<random>``) and created with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink
+planted at a predictable name (``latest.tmp``) would otherwise make the save write wherever it
+points, with the job's rights, and two jobs writing ``latest`` would share one temporary.
+
+Note [untrusted files]: names and sizes read from a checkpoint are data, not trust. Every file
+is opened non-blocking and must be a regular file (a FIFO would hang the reader, ``/dev/zero``
+would be read until memory runs out), and small files (``latest``, the manifest) are read only
+up to a stated bound.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import stat
 import struct
 import zlib
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -62,32 +72,82 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_regular(path: Path, limit: int | None = None):
+    """A binary handle on ``path`` if it is a regular file (of at most ``limit`` bytes), else
+    CheckpointError naming it (Note [untrusted files]). FileNotFoundError passes through."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{str(path)!r} is not a regular file", hint="a checkpoint holds only regular files")
+        if limit is not None and info.st_size > limit:
+            raise CheckpointError(f"{str(path)!r} is {info.st_size} bytes, more than the {limit} such a file may have",
+                                  hint="the checkpoint is damaged or not a zerorun checkpoint")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """The whole of a small regular file (Note [untrusted files])."""
+    with open_regular(path, limit) as handle:
+        return handle.read(limit + 1)[:limit]
+
+
+def temporary_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _storage_error(path: Path, done: int, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"rank {os.environ.get('RANK', '0')}: writing {str(path)!r} failed after {done} bytes "
+                           f"({exc.strerror or type(exc).__name__})",
+                           hint="free space on (or repair) the checkpoint's disk; the previous checkpoint is intact")
+
+
 class Checksummed:
-    """A file opened for writing that counts bytes and keeps a running checksum."""
+    """A file opened for writing that counts bytes and keeps a running checksum, under a
+    temporary name created exclusively (Note [atomic save])."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.temporary = self.path.with_name(self.path.name + ".tmp")
-        self._handle = open(self.temporary, "wb")
+        self.temporary = temporary_name(self.path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._handle = os.fdopen(os.open(self.temporary, flags, 0o644), "wb")
+        except OSError as exc:
+            raise _storage_error(self.temporary, 0, exc) from None
         self.nbytes = 0
         self.checksum = 0
 
     def write(self, data) -> None:
         view = memoryview(data).cast("B")
-        self._handle.write(view)
+        try:
+            self._handle.write(view)
+        except OSError as exc:
+            raise _storage_error(self.path, self.nbytes, exc) from None
         self.checksum = zlib.crc32(view, self.checksum)
         self.nbytes += len(view)
 
     def commit(self) -> dict:
         """fsync and rename into place (Note [atomic save]); the directory is fsynced by the caller."""
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
-        self._handle.close()
-        os.replace(self.temporary, self.path)
+        try:
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+            self._handle.close()
+            os.replace(self.temporary, self.path)
+        except OSError as exc:
+            self.abandon()
+            raise _storage_error(self.path, self.nbytes, exc) from None
         return {"bytes": self.nbytes, CHECKSUM: f"{self.checksum:08x}"}
 
     def abandon(self) -> None:
-        self._handle.close()
+        try:
+            self._handle.close()  # a full disk can fail the flush here too; the file goes anyway
+        except OSError:
+            pass
         self.temporary.unlink(missing_ok=True)
 
 
@@ -134,6 +194,11 @@ class TensorFileWriter:
         self._out.write(data)
         self._next += 1
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes written so far (the heartbeat of a long save)."""
+        return self._out.nbytes
+
     def commit(self) -> dict:
         if self._next != len(self._order):
             raise AssertionError(f"tensor file: {len(self._order) - self._next} tensors never written")
@@ -149,7 +214,7 @@ class TensorFile:
     def __init__(self, path: Path):
         self.path = Path(path)
         try:
-            self._handle = open(self.path, "rb")
+            self._handle = open_regular(self.path)
             (length,) = struct.unpack("<Q", self._handle.read(8))
             if length > 1 << 30:
                 raise ValueError("header length")
@@ -210,14 +275,17 @@ def verify(path: Path, expected: dict) -> None:
     path = Path(path)
     hint = "the file was truncated or changed after the save; load an earlier tag (or re-save)"
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+        handle = open_regular(path)
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(f"checkpoint file {str(path)!r} is missing", hint=hint) from None
-    if size != expected["bytes"]:
-        raise CheckpointError(f"checkpoint file {str(path)!r} is {size} bytes, the manifest says "
-                              f"{expected['bytes']}: it is truncated or damaged", hint=hint)
-    checksum = 0
-    with open(path, "rb") as handle:
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint file {str(path)!r} cannot be opened ({exc.strerror})", hint=hint) from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is {size} bytes, the manifest says "
+                                  f"{expected['bytes']}: it is truncated or damaged", hint=hint)
+        checksum = 0
         while block := handle.read(_BLOCK):
             checksum = zlib.crc32(block, checksum)
     if f"{checksum:08x}" != expected[CHECKSUM]:

@@ -97,12 +97,6 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def group_rank(group) -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

@@ -173,12 +173,23 @@ _uncaught_exception = False
 
 
 def _watch_for_uncaught_exceptions() -> None:
-    """Chain onto sys.excepthook so leave_process_group knows the script died of an exception."""
+    """Chain onto sys.excepthook so leave_process_group knows the script died of an exception.
+
+    A zerorun error (a damaged NVMe file, a checkpoint that cannot load) ends the rank with its
+    one line and hint, as the CLI prints them, instead of a traceback of zerorun's internals;
+    ZERORUN_DEBUG=1 keeps the traceback."""
     previous = sys.excepthook
 
     def note(kind, value, traceback) -> None:
         global _uncaught_exception
         _uncaught_exception = True
+        from zerorun.errors import ZerorunError
+
+        if isinstance(value, ZerorunError) and not os.environ.get("ZERORUN_DEBUG"):
+            print(f"zerorun: error: {value.message}", file=sys.stderr, flush=True)
+            if value.hint:
+                print(f"zerorun: hint: {value.hint}", file=sys.stderr, flush=True)
+            return
         previous(kind, value, traceback)
 
     sys.excepthook = note

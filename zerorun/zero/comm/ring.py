@@ -21,10 +21,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zerorun.errors import InternalError
+
 
 class Ring:
     def __init__(self, kind: str, output: torch.Tensor, input: torch.Tensor, group, tag: int):
-        assert kind in ("reduce_scatter", "all_gather")
+        if kind not in ("reduce_scatter", "all_gather"):
+            raise InternalError(f"a ring collective of kind {kind!r}")
         self.kind, self.output, self.input, self.tag = kind, output, input, tag
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)

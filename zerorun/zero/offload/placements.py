@@ -1,19 +1,20 @@
-"""Placements: where a unit's fp32 master and optimizer state live between updates.
+"""Placements: where a unit's tensors live between uses, behind one protocol (``Placement``).
 
-The update (update.py) consults its placement at four named points, and nowhere else does
-anything depend on offload:
-
-    make_master(unit)        the record's fp32 master, created once, where the state lives
-    gradient(record)         the record's fp32 gradient chunk, moved next to the master
-    begin_update(record)     make master and state resident (NVMe: read the unit's file)
-    end_update(record)       put them away again (NVMe: write the file, free the memory)
+Each record holds two: ``record.state_home`` (its fp32 master and optimizer state) and
+``record.param_home`` (its stage-3 model-dtype chunk). Everything that depends on offload is
+a method of the protocol, and only this module asks which placement it holds.
 
 ``OnDevice`` keeps everything beside the model (no offload). ``OnHost`` is ZeRO-Offload's
 optimizer offload: master and state in (pinned, when the model is on CUDA) host memory, the
 update run by the host's optimizer kernels; only a unit-sized fp32 gradient is ever staged
 on the host, never a full-size gradient copy. ``OnFile`` is ZeRO-Infinity's NVMe offload:
 master and state in one file per unit, read ahead into a bounded set of host buffers and
-written behind (Note [file buffers]).
+written behind (Note [file buffers]). As a parameter home, ``OnHost`` keeps each chunk's
+own host copy and ``OnFile`` a memory-mapped file per chunk. One instance serves one role
+(the file names of both roles are ``unit{index}.bin``).
+
+A per-unit policy is ``zerorun.zero.engine.initialize(state_home_for=unit -> Placement)``:
+"embeddings on the device, the rest on NVMe" is one small class (zero_parity_harness.py).
 
 On a machine without a GPU the "device" and the host are the same memory, so ``OnHost``
 and ``OnFile`` run their whole path (separate masters, staged gradients, worker thread,
@@ -22,17 +23,20 @@ files) on CPU, which is what the CPU test suite exercises.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.zero.offload import scratch
+from zerorun.zero.offload.file_io import read_exactly, write_exactly
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
 
@@ -56,26 +60,50 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
     return grad if grad.dtype == torch.float32 else grad.float()
 
 
+class Placement(Protocol):
+    """Where one role's tensors of a unit live; each method's comment says what it does."""
+
+    location: str  # the memory_breakdown key its bytes count under: device, host, nvme
+    overlaps_backward: bool  # updates run on a worker thread during the boundary backward
+    updates_alone: bool  # one unit per optimizer call (else all such units in one call)
+    host_kernels: bool  # Note [host optimizer kernels]
+
+    def make_master(self, unit: FlatUnit) -> torch.Tensor: ...  # created once, where the state lives
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor: ...  # Note [host shards]
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor: ...  # the fp32 chunk, beside the master
+    def publish(self, record: UnitRecord) -> None: ...  # the updated master into the model's chunk
+    # Master and state are in memory inside (NVMe: the file read in, written back on leaving).
+    def resident(self, record: UnitRecord, optimizer) -> AbstractContextManager[None]: ...
+    def prefetch(self, record: UnitRecord) -> None: ...  # start making it resident early
+    def settle(self, records: list[UnitRecord]) -> None: ...  # wait for every write behind
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]: ...  # masters + state by location
+
+
 class OnDevice:
     """No offload: the master sits beside the model (Note [masters] in unit/record.py)."""
 
-    name = "none"
+    location = "device"
     overlaps_backward = False
-    update_batch: int | None = None  # every unit in one optimizer call (the multi-tensor path)
+    updates_alone = False  # every unit in one optimizer call (the multi-tensor path)
     host_kernels = False  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.dtype == torch.float32:
-            return unit.shard
-        return unit.shard.detach().float()
+        return unit.shard if unit.dtype == torch.float32 else unit.shard.detach().float()
 
-    def gradient(self, record: UnitRecord) -> torch.Tensor:
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        return chunk
+
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor:
         return device_gradient(record)
 
-    def begin_update(self, record: UnitRecord, optimizer) -> None:
+    @contextmanager
+    def resident(self, record: UnitRecord, optimizer):
+        yield
+
+    def prefetch(self, record: UnitRecord) -> None:
         pass
 
-    def end_update(self, record: UnitRecord, optimizer) -> None:
+    def settle(self, records: list[UnitRecord]) -> None:
         pass
 
     def publish(self, record: UnitRecord) -> None:
@@ -89,15 +117,15 @@ class OnDevice:
         """Bytes of masters and optimizer state, by where they are."""
         own = sum(r.master.numel() * 4 for r in records if not r.master_is_model_storage)
         state = sum(t.numel() * t.element_size() for r in records for t in r.state_tensors(optimizer).values())
-        return {"device": own + state, "host": 0, "nvme": 0}
+        return {"device": 0, "host": 0, "nvme": 0} | {self.location: own + state}
 
 
 class OnHost(OnDevice):
     """ZeRO-Offload: fp32 master and optimizer state in host memory, updated by the host."""
 
-    name = "cpu"
+    location = "host"
     overlaps_backward = True
-    update_batch = 1  # one unit's gradient staged on the host at a time
+    updates_alone = True  # one unit's gradient staged on the host at a time
     # Note [host optimizer kernels]: the host update is what an offloaded step waits for, and
     # torch's fused CPU kernels (Adam, AdamW, SGD, Adagrad) run it 6x faster than the
     # per-tensor path the CPU otherwise defaults to (8M fp32 elements of AdamW: 4.4 against
@@ -116,7 +144,10 @@ class OnHost(OnDevice):
         master.copy_(unit.shard)
         return master
 
-    def gradient(self, record: UnitRecord) -> torch.Tensor:
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        return _pin(chunk.to(HOST, copy=True), chunk.device, self.pin_memory)
+
+    def stage_gradient(self, record: UnitRecord) -> torch.Tensor:
         """Note [unit-sized gradient staging]: the chunk leaves the device once, at the
         boundary, into a host tensor of this unit's size that the update consumes and drops;
         accumulation across micro-steps stays on the device, so the host never holds a
@@ -126,33 +157,70 @@ class OnHost(OnDevice):
             return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32)
         return grad.to(HOST, dtype=torch.float32)
 
-    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
-        held = super().nbytes(records, optimizer)
-        return {"device": 0, "host": held["device"], "nvme": 0}
-
 
 class BufferPool:
-    """``count`` host buffers of ``numel`` fp32 elements; ``take`` blocks while all are lent."""
+    """``count`` host buffers of ``numel`` fp32 elements; ``take`` blocks while all are lent.
+
+    Note [pool on failure]: once a read or write of the placement failed, ``close`` ends the
+    pool: every ``take`` then raises that error at once instead of waiting for a buffer that
+    will never come back, so no thread (the reader, the update worker) is left blocked and the
+    process can exit (a blocked non-daemon thread would keep it alive forever)."""
 
     def __init__(self, count: int, numel: int, model_device: torch.device, pin: bool):
         self.numel = numel
         self._free = [_pin(torch.empty(numel, dtype=torch.float32), model_device, pin) for _ in range(count)]
-        self._available = threading.Semaphore(count)
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._failure: BaseException | None = None
         self.count = count
 
     def take(self) -> torch.Tensor:
-        self._available.acquire()
-        with self._lock:
+        with self._changed:
+            self._changed.wait_for(lambda: self._free or self._failure is not None)
+            if self._failure is not None:
+                raise self._failure
             return self._free.pop()
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        with self._lock:
+        with self._changed:
             self._free.append(buffer)
-        self._available.release()
+            self._changed.notify()
+
+    def check(self) -> None:
+        """Raise the failure that closed the pool, if any."""
+        with self._changed:
+            if self._failure is not None:
+                raise self._failure
+
+    def close(self, failure: BaseException) -> None:
+        with self._changed:
+            if self._failure is None:
+                self._failure = failure
+            self._changed.notify_all()
+
+    @property
+    def available(self) -> int:
+        with self._changed:
+            return len(self._free)
 
     def nbytes(self) -> int:
         return self.count * self.numel * 4
+
+
+@dataclass(eq=False)
+class FileSlot:
+    """What OnFile keeps on a record (``record.state_slot``): its read ahead, its write behind,
+    the buffer it is resident in, and the names of the state tensors its file holds."""
+
+    read: Future | None = None
+    write: Future | None = None
+    buffer: torch.Tensor | None = None
+    state_names: list[str] = field(default_factory=list)
+
+
+def _slot(record: UnitRecord) -> FileSlot:
+    if record.state_slot is None:
+        record.state_slot = FileSlot()
+    return record.state_slot
 
 
 class OnFile(OnHost):
@@ -172,33 +240,28 @@ class OnFile(OnHost):
     written unit readable at memory speed, and torch buffers are not guaranteed 4 KiB-aligned.
     """
 
-    name = "nvme"
+    location = "nvme"
 
     def __init__(self, nvme_path: str, rank: int, *, buffer_count: int, buffer_size: int,
-                 pin_memory: bool = True, slots: int = 3):
+                 pin_memory: bool = True, slots: int = 3, role: str = "optimizer"):
         super().__init__(pin_memory)
-        try:
-            Path(nvme_path).mkdir(parents=True, exist_ok=True)
-            # One directory per placement, not per process: two engines of one process (a
-            # checkpoint loaded into a fresh engine) must not share, or delete, each other's files.
-            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-rank{rank}-{os.getpid()}-", dir=nvme_path))
-        except OSError as exc:
-            raise RuntimeConfigError(f"zero.offload_optimizer.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
-                                     hint="point nvme_path at a directory on a local disk you can write") from None
+        self.rank = rank
+        # Note [scratch names] (offload/scratch.py): a subdirectory of the rank's fixed directory.
+        self._config_key = f"zero.offload_{role}.nvme_path"
+        self.directory = scratch.placement_directory(nvme_path, rank, "optim" if role == "optimizer" else "params",
+                                                     self._config_key)
+        self._budget = {"planned": 0, "written": 0}
+        # Slots whose read ahead is queued or running: what a failure must cancel or hand back.
+        self._reading: set[FileSlot] = set()
         # The files are scratch space of this process: gone when the placement is (or at exit).
-        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+        weakref.finalize(self, _remove_scratch, self.directory, self._budget)
         self.buffer_count, self.buffer_size, self.slots = buffer_count, buffer_size, slots
-        self._reserved = 0  # bytes the files will need once every unit has its state
         self._largest = 0  # elements of the largest unit's master + state
         self._model_device = torch.device("cpu")
         self._pool_lock = threading.Lock()
         self.pool: BufferPool | None = None
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-write")
-        self._reads: dict[int, Future] = {}
-        self._writes: dict[int, Future] = {}
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._state_names: dict[int, list[str]] = {}
 
     def _path(self, record: UnitRecord) -> Path:
         return self.directory / f"unit{record.index}.bin"
@@ -210,19 +273,14 @@ class OnFile(OnHost):
                 f"zero.offload_optimizer.buffer_size={self.buffer_size} is smaller than one unit's "
                 f"master and optimizer state ({need} elements)",
                 hint=f"set buffer_size to at least {need}, or shrink the units (reduce_bucket_size / allgather_bucket_size)")
-        self._reserved += need * 4
-        free = shutil.disk_usage(self.directory).free
-        if self._reserved > free:
-            raise RuntimeConfigError(
-                f"zero.offload_optimizer.nvme_path {str(self.directory.parent)!r} has {free / 2**30:.1f} GiB free, "
-                f"less than the optimizer state needs (at least {self._reserved / 2**30:.1f} GiB)",
-                hint="free space there or point nvme_path at a larger disk")
+        master = unit.shard.detach().to(HOST, dtype=torch.float32, copy=True)
+        scratch.reserve(self.directory, need * 4, 0, self._config_key)
+        self._budget["planned"] += need * 4
         self._largest = max(self._largest, need)
         self._model_device = unit.device
-        master = unit.shard.detach().to(HOST, dtype=torch.float32, copy=True)
-        path = self.directory / f"unit{unit.index}.bin"
-        with open(path, "wb") as handle:
-            handle.write(master.numpy().tobytes())
+        write_exactly(self.directory / f"unit{unit.index}.bin", _bytes_of(master), self.rank, create=True)
+        scratch.reserve(self.directory, 0, master.numel() * 4, self._config_key)
+        self._budget["written"] += master.numel() * 4
         master.data = torch.empty(0, dtype=torch.float32)
         return master
 
@@ -235,115 +293,150 @@ class OnFile(OnHost):
                 self.pool = BufferPool(self.buffer_count, size, self._model_device, self.pin_memory)
             return self.pool
 
+    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
+        """Note [host shards]: the chunk lives in a file of its own, memory-mapped
+        (``torch.from_file(shared=True)``), so a gather reads it from the file and an update's
+        publish writes through to it. Which pages stay in memory is the page cache's choice."""
+        path = self.directory / f"unit{index}.bin"
+        host = chunk.detach().to(HOST).contiguous()
+        nbytes = host.numel() * host.element_size()
+        scratch.reserve(self.directory, nbytes, 0, self._config_key)
+        self._budget["planned"] += nbytes
+        write_exactly(path, _bytes_of(host), self.rank, create=True)
+        scratch.reserve(self.directory, 0, nbytes, self._config_key)
+        self._budget["written"] += nbytes
+        return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+
     def prefetch(self, record: UnitRecord) -> None:
         """Start reading ``record``'s file into a pool buffer (read-ahead)."""
         self._buffer_pool()
-        if record.index not in self._reads:
-            self._reads[record.index] = self._reader.submit(self._read, record)
+        slot = _slot(record)
+        if slot.read is None:
+            slot.read = self._reader.submit(self._read, record)
+            self._reading.add(slot)
 
     def _read(self, record: UnitRecord) -> torch.Tensor:
-        write = self._writes.pop(record.index, None)
-        if write is not None:
-            write.result()  # the previous update of this unit must be on disk first
-        buffer = self.pool.take()
-        n = record.unit.layout.chunk_numel
-        slots = 1 + len(self._state_names.get(record.index, ()))
-        view = buffer[: slots * n]
-        with open(self._path(record), "rb") as handle:
-            handle.readinto(memoryview(view.numpy()).cast("B"))
+        """Note [pool on failure]: the buffer goes back on every error path, and the first
+        failure ends the pool, so nothing waits on it afterwards."""
+        slot = _slot(record)
+        try:
+            write, slot.write = slot.write, None
+            if write is not None:
+                write.result()  # the previous update of this unit must be on disk first
+            buffer = self.pool.take()
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+        try:
+            n = record.unit.layout.chunk_numel
+            slots = 1 + len(slot.state_names)
+            read_exactly(self._path(record), _bytes_of(buffer[: slots * n]), self.rank)
+            self.pool.check()  # a failure elsewhere meanwhile: nobody will consume this read
+        except BaseException as exc:
+            self.pool.give_back(buffer)
+            self._failed(exc)
+            raise
         return buffer
 
-    def begin_update(self, record: UnitRecord, optimizer) -> None:
+    def _failed(self, exc: BaseException) -> None:
+        if self.pool is not None and isinstance(exc, Exception):
+            self.pool.close(exc)
+
+    @contextmanager
+    def resident(self, record: UnitRecord, optimizer):
+        """Master and state as views of a pool buffer while inside; written behind on leaving."""
         self.prefetch(record)
-        buffer = self._reads.pop(record.index).result()
-        self._buffers[record.index] = buffer
+        held = _slot(record)
+        read, held.read = held.read, None
+        self._reading.discard(held)
+        try:
+            buffer = read.result()
+        except BaseException:
+            self._drop_reads()
+            raise
+        held.buffer = buffer
         n = record.unit.layout.chunk_numel
         record.master.data = buffer[:n]
         state = optimizer.state.get(record.master)
-        for slot, name in enumerate(self._state_names.get(record.index, ()), start=1):
+        for slot, name in enumerate(held.state_names, start=1):
             state[name] = buffer[slot * n : (slot + 1) * n]
+        try:
+            yield
+        finally:
+            self._put_away(record, optimizer)
 
-    def end_update(self, record: UnitRecord, optimizer) -> None:
+    def _put_away(self, record: UnitRecord, optimizer) -> None:
         n = record.unit.layout.chunk_numel
-        buffer = self._buffers.pop(record.index)
+        held = _slot(record)
+        buffer, held.buffer = held.buffer, None
         state = optimizer.state.get(record.master, {})
         names = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
         if len(names) + 1 > self.slots:
+            self.pool.give_back(buffer)  # the unit's values stay as the file has them
+            record.master.data = torch.empty(0, dtype=torch.float32)
             raise RuntimeConfigError(f"{type(optimizer).__name__} keeps {len(names)} state tensors per "
                                      f"parameter; NVMe offload has room for {self.slots - 1}")
         for slot, name in enumerate(names, start=1):
             target = buffer[slot * n : (slot + 1) * n]
             if state[name].data_ptr() != target.data_ptr():  # created by this (first) step
                 target.copy_(state[name])
-            state[name] = torch.empty(0, dtype=state[name].dtype)
-        self._state_names[record.index] = names
+            # A placeholder of the right size and no memory: the optimizer keeps its key, and
+            # whoever lists the state (a checkpoint) sees a per-element tensor.
+            state[name] = torch.empty(n, dtype=state[name].dtype, device="meta")
+        held.state_names = names
         record.master.data = torch.empty(0, dtype=torch.float32)
-        self._writes[record.index] = self._writer.submit(self._write, record, buffer, (1 + len(names)) * n)
+        held.write = self._writer.submit(self._write, record, buffer, (1 + len(names)) * n)
 
     def _write(self, record: UnitRecord, buffer: torch.Tensor, numel: int) -> None:
         try:
-            with open(self._path(record), "r+b") as handle:
-                handle.write(memoryview(buffer[:numel].numpy()).cast("B"))
+            write_exactly(self._path(record), _bytes_of(buffer[:numel]), self.rank)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
         finally:
             self.pool.give_back(buffer)
 
-    def flush(self) -> None:
+    def _drop_reads(self) -> None:
+        """After a failure: reads still queued are cancelled, finished ones hand their buffers
+        back, so the pool is whole again whatever the caller does next."""
+        for slot in list(self._reading):
+            read = slot.read
+            if read is not None and (read.cancel() or read.done()):
+                slot.read = None
+                self._reading.discard(slot)
+                if not read.cancelled() and read.exception() is None:
+                    self.pool.give_back(read.result())
+
+    def settle(self, records: list[UnitRecord]) -> None:
         """Wait for every write behind (before a checkpoint reads the files)."""
-        for write in list(self._writes.values()):
-            write.result()
+        for record in records:
+            if record.state_slot is not None and record.state_slot.write is not None:
+                record.state_slot.write.result()
 
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
-        on_disk = sum(r.unit.layout.chunk_numel * (1 + len(self._state_names.get(r.index, ()))) * 4 for r in records)
+        on_disk = sum(r.unit.layout.chunk_numel * (1 + len(_slot(r).state_names)) * 4 for r in records)
         return {"device": 0, "host": self._buffer_pool().nbytes() if self._largest else 0, "nvme": on_disk}
 
 
-class HostShards:
-    """Parameter offload to host memory: each chunk's own host copy (pinned with CUDA)."""
-
-    def __init__(self, pin_memory: bool = True):
-        self.pin_memory = pin_memory
-
-    def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
-        return _pin(chunk.to(HOST, copy=True), chunk.device, self.pin_memory)
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without a copy."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
-class ParamFiles:
-    """Parameter offload to NVMe: each stage-3 chunk lives in a file of its own, memory-mapped
-    (``torch.from_file(shared=True)``), so the chunk is read from the file when a gather stages
-    it and an update's publish writes through to it. Which pages stay in memory is the kernel's
-    page cache's choice: clean pages of idle units can be dropped under memory pressure, so the
-    host keeps only what recent gathers and updates touched. No O_DIRECT, no buffers of ours."""
-
-    def __init__(self, nvme_path: str, rank: int):
-        try:
-            os.makedirs(nvme_path, exist_ok=True)
-            self.directory = Path(tempfile.mkdtemp(prefix=f"zerorun-params-rank{rank}-{os.getpid()}-", dir=nvme_path))
-        except OSError as exc:
-            raise RuntimeConfigError(f"zero.offload_param.nvme_path {nvme_path!r} is not writable ({exc.strerror})",
-                                     hint="point nvme_path at a directory on a local disk you can write") from None
-        weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
-
-    def __call__(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
-        path = self.directory / f"unit{index}.bin"
-        host = chunk.detach().to(HOST).contiguous()
-        path.write_bytes(host.view(torch.uint8).numpy().tobytes())
-        return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+def _remove_scratch(directory: Path, budget: dict) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    scratch.release(directory, budget["planned"], budget["written"])
+    scratch.remove_if_empty(directory.parent)  # the last placement of the rank takes its directory
 
 
-def param_home_from_config(offload, *, rank: int):
-    """Where stage-3 parameter chunks live (``zero.offload_param``): None keeps them on the device."""
-    if offload.device == "cpu":
-        return HostShards(offload.pin_memory)
-    if offload.device == "nvme":
-        return ParamFiles(offload.nvme_path, rank)
-    return None
-
-
-def placement_from_config(offload, *, rank: int):
-    """The placement for ``zero.offload_optimizer`` (an OffloadConfig)."""
+def placement_from_config(offload, *, rank: int, role: str = "optimizer") -> Placement:
+    """The placement ``zero.offload_{role}`` (an OffloadConfig) names: role "optimizer" for
+    master and state, "param" for stage-3 chunks."""
     if offload.device == "cpu":
         return OnHost(offload.pin_memory)
     if offload.device == "nvme":
         return OnFile(offload.nvme_path, rank, buffer_count=offload.buffer_count,
-                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory)
+                      buffer_size=offload.buffer_size, pin_memory=offload.pin_memory, role=role)
     return OnDevice()

@@ -21,7 +21,7 @@ collective a single uniform call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class UnitLayout:
         """Parameter pieces inside ``rank``'s chunk; shard offsets start at ``shard_base``."""
         start, end = self.chunk_range(rank)
         pieces = []
-        for spec, offset in zip(self.params, self.offsets):
+        for spec, offset in zip(self.params, self.offsets, strict=True):
             lo, hi = max(start, offset), min(end, offset + spec.numel)
             if lo < hi:
                 pieces.append(Segment(spec.name, lo - offset, shard_base + lo - start, hi - lo))
@@ -109,44 +109,3 @@ def pack_buckets(specs: Iterable[ParamSpec], bucket_numel: int) -> list[tuple[Pa
         buckets[-1].append(spec)
         filled += spec.numel
     return [tuple(b) for b in buckets]
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """One rank's shard of one param group: its units and where each chunk starts."""
-
-    units: tuple[UnitLayout, ...]
-    rank: int
-
-    @property
-    def chunk_offsets(self) -> tuple[int, ...]:
-        starts, position = [], 0
-        for unit in self.units:
-            starts.append(position)
-            position += unit.chunk_numel
-        return tuple(starts)
-
-    @property
-    def shard_numel(self) -> int:
-        return sum(u.chunk_numel for u in self.units)
-
-    def segments(self) -> list[Segment]:
-        """Every (name, param offset, shard offset, length) this rank's shard holds."""
-        pieces: list[Segment] = []
-        for unit, base in zip(self.units, self.chunk_offsets):
-            pieces.extend(unit.segments(self.rank, base))
-        return pieces
-
-
-def reassemble(
-    specs: Sequence[ParamSpec], shards: Sequence[Sequence[float]], plans: Sequence[ShardPlan]
-) -> dict[str, list[float]]:
-    """Rebuild whole parameters from every rank's shard (lists of numbers); for tests and
-    for checkpoint consolidation logic that must not depend on torch."""
-    whole = {spec.name: [None] * spec.numel for spec in specs}
-    for shard, plan in zip(shards, plans):
-        for seg in plan.segments():
-            whole[seg.name][seg.param_offset : seg.param_offset + seg.length] = list(
-                shard[seg.shard_offset : seg.shard_offset + seg.length]
-            )
-    return whole

@@ -33,7 +33,6 @@ class Partition:
     reduce_order: list[int]
     # Stage 3 only: the partitioned units each module needs gathered to run.
     module_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
-    frozen: list[nn.Parameter] = field(default_factory=list)
 
 
 def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
@@ -78,7 +77,6 @@ def build_partition(
     named = list(model.named_parameters())
     registration = {id(p): i for i, (_, p) in enumerate(named)}
     name_of = {id(p): n for n, p in named}
-    frozen = [p for _, p in named if not p.requires_grad]
     shard_world, shard_rank = (1, 0) if stage == 0 else (world_size, rank)
     units: list[FlatUnit] = []
     module_units: dict[nn.Module, list[FlatUnit]] = {}
@@ -110,7 +108,7 @@ def build_partition(
 
     # Gradients of later-registered parameters come first in backward.
     reduce_order = sorted(range(len(units)), key=lambda i: -min(registration[id(p)] for p in units[i].params))
-    return Partition(units, reduce_order, module_units, frozen)
+    return Partition(units, reduce_order, module_units)
 
 
 

@@ -8,8 +8,16 @@ A ``UnitRecord`` owns
     master      the fp32 chunk the optimizer steps (Note [masters]);
     gradient    the full-size buffer (stages 0-1) or the fp32 chunk accumulator (2-3), and one
                 backward's bookkeeping (arrivals, the transient bucket), written by grad_reduce;
-    placement   where master and optimizer state live between updates (offload/placements.py);
-    update      the pending update of this unit, when it runs on a worker thread.
+    state_home  where master and optimizer state live between updates, and
+    param_home  where a stage-3 chunk lives (both a ``Placement``: offload/placements.py);
+                ``state_slot`` is what the state home keeps about this unit (NVMe: its read,
+                write and buffer);
+    gathering   stage 3's counts and plan for this unit (param_gather.py);
+    update      this window's norm piece, whether the unit was updated, and the pending
+                update when it runs on a worker thread (update.py).
+
+Every pass (gather, reduce, update, checkpoint, memory breakdown) takes records, and the engine
+holds the one list of them (``engine.records``, in unit index order).
 
 The optimizer state of a unit is the user's optimizer's ``state[record.master]``: the user's
 optimizer object is the one that steps (update.py), so a scheduler or user code holding it
@@ -27,11 +35,15 @@ from __future__ import annotations
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerorun.zero.unit.layout import Segment
 from zerorun.zero.unit.storage import FlatUnit
+
+if TYPE_CHECKING:
+    from zerorun.zero.offload.placements import Placement
 
 
 class GradState(enum.Enum):
@@ -54,7 +66,9 @@ class UnitRecord:
     unit: FlatUnit
     segments: tuple[Segment, ...]
     master: torch.Tensor
-    placement: object  # offload.Placement: where master and optimizer state live
+    state_home: Placement
+    param_home: Placement
+    state_slot: object = field(default=None, repr=False)  # owned by state_home
     # -- gradient (grad_reduce.py) ---------------------------------------------------------
     grad_full: torch.Tensor | None = None  # stages 0-1: each parameter's .grad is a view into it
     grad: torch.Tensor | None = None  # this rank's chunk of the summed gradient (see grad_reduce)
@@ -64,16 +78,19 @@ class UnitRecord:
     bucket: torch.Tensor | None = None
     bucket_buffer: torch.Tensor | None = None  # the pool buffer behind ``bucket``
     written: list[bool] | None = None
+    # -- stage-3 gathering (param_gather.py) ----------------------------------------------
+    in_use: int = 0  # module calls now running that need the unit gathered
+    users: int = 0  # modules that gather it; more than one: Note [shared units]
+    keep_after: frozenset[int] = frozenset()  # forward positions after which it stays gathered
+    keep_for_backward: bool = False  # held from the end of forward into backward
     # -- update (update.py) ----------------------------------------------------------------
+    grad_square: torch.Tensor | None = None  # this window's piece of the squared norm
+    updated: bool = False  # this window's update of the unit is done
     pending: Future | None = field(default=None, repr=False)
 
     @property
     def index(self) -> int:
         return self.unit.index
-
-    @property
-    def group_index(self) -> int:
-        return self.unit.group_index
 
     @property
     def master_is_model_storage(self) -> bool:
@@ -90,6 +107,10 @@ class UnitRecord:
         return 0 if held is None else held.numel() * held.element_size()
 
 
-def chunk_segments(unit: FlatUnit) -> tuple[Segment, ...]:
-    """(name, parameter offset, chunk offset, length) of every piece in this rank's chunk."""
-    return tuple(unit.layout.segments(unit.rank))
+
+def by_state_home(records: list[UnitRecord]) -> dict[Placement, list[UnitRecord]]:
+    """Records grouped by their state home (a per-unit policy gives several)."""
+    groups: dict[Placement, list[UnitRecord]] = {}
+    for record in records:
+        groups.setdefault(record.state_home, []).append(record)
+    return groups

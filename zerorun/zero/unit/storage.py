@@ -21,8 +21,9 @@ unit kept for reuse), reported as communication buffers. On CUDA the caching all
 reuses memory, so units resize their storage as before; so does a torch without the swap.
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
-chunk is kept in host memory (cpu: pinned when the model is on CUDA; nvme: a memory-mapped file,
-offload/placements.py ``ParamFiles``) and copied onto the device right before its all-gather; the staged
+chunk is kept where its placement's ``place_shard`` puts it (offload/placements.py: cpu, host memory,
+pinned when the model is on CUDA; nvme, a memory-mapped file) and copied onto the device right
+before its all-gather when it is not there already; the staged
 copy lives until the gather is waited for (the collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
@@ -35,6 +36,7 @@ import enum
 import torch
 from torch import nn
 
+from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
 
@@ -115,10 +117,6 @@ class FlatUnit:
         self.dtype, self.device = first.dtype, first.device
         lo, hi = self.layout.chunk_range(shard_rank)
         self.partitioned = partition_params
-        # Stage-3 parameter offload: the owned chunk lives in host memory and is staged onto
-        # the device for each gather (Note [host shards]).
-        # ``shard_home(chunk, index)`` (offload/placements.py) returns the chunk's off-device copy.
-        self.shard_offloaded = partition_params and shard_home is not None
         if partition_params:
             # Note [chunk-only construction]: a partitioned unit never holds its whole buffer
             # while it is built: ``full`` gets its shape with no memory, and each parameter's
@@ -128,20 +126,20 @@ class FlatUnit:
             self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)  # untouched
             self.shard = torch.zeros(hi - lo, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for param, offset in zip(self.params, self.layout.offsets):
+                for param, offset in zip(self.params, self.layout.offsets, strict=True):
                     start, end = max(lo, offset), min(hi, offset + param.numel())
                     if start < end:
                         self.shard[start - lo : end - lo].copy_(param.detach().reshape(-1)[start - offset : end - offset])
                     param.data = self.full[offset : offset + param.numel()].view(param.shape)
             self._full_nbytes = self.full.untyped_storage().nbytes()
             self.full.untyped_storage().resize_(0)
-            if self.shard_offloaded:
-                self.shard = shard_home(self.shard, index)
+            if shard_home is not None:  # a Placement (Note [host shards])
+                self.shard = shard_home.place_shard(self.shard, index)
             self.state = ParamState.SHARDED
         else:
             self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
             with torch.no_grad():
-                for param, offset in zip(self.params, self.layout.offsets):
+                for param, offset in zip(self.params, self.layout.offsets, strict=True):
                     view = self.full[offset : offset + param.numel()]
                     view.copy_(param.detach().reshape(-1))
                     param.data = view.view(param.shape)
@@ -171,7 +169,8 @@ class FlatUnit:
 
     # -- stage 3 gathering ------------------------------------------------------------
     def _move(self, new: ParamState) -> None:
-        assert new in _ALLOWED[self.state], f"unit {self.index}: {self.state} -> {new} not allowed"
+        if new not in _ALLOWED[self.state]:
+            raise InternalError(f"unit {self.index}: parameter state {self.state.name} -> {new.name} is not a transition")
         self.state = new
 
     def start_gather(self, group) -> None:
@@ -189,19 +188,17 @@ class FlatUnit:
         """Make ``full`` valid (waiting for a prefetch if one is in flight)."""
         if self.state is ParamState.SHARDED:
             self.start_gather(group)
+        self._finish_gather()
+
+    def _finish_gather(self) -> None:
         if self.state is ParamState.GATHERING:
             self._gather_handle.wait()
-            self._gather_handle = None
-            self._staged_shard = None
+            self._gather_handle = self._staged_shard = None  # the collective has read the staged copy
             self._move(ParamState.GATHERED)
 
     def release(self) -> None:
         """Drop ``full`` (stage 3); waits for an in-flight gather first."""
-        if self.state is ParamState.GATHERING:
-            self._gather_handle.wait()
-            self._gather_handle = None
-            self._staged_shard = None
-            self._move(ParamState.GATHERED)
+        self._finish_gather()
         if self.state is ParamState.GATHERED:
             self._free_full()
             self._move(ParamState.SHARDED)
@@ -209,7 +206,8 @@ class FlatUnit:
     # -- after an optimizer step ---------------------------------------------------------
     def start_refresh(self, group):
         """Stages 1-2: spread every rank's updated chunk to all ranks (in place, async)."""
-        assert self.state is ParamState.REPLICATED
+        if self.state is not ParamState.REPLICATED:
+            raise InternalError(f"unit {self.index}: refresh of a {self.state.name} unit (only replicated units refresh)")
         if self.layout.world_size == 1:
             return collectives.DONE
         return collectives.all_gather(self.full, self.shard, group=group, async_op=True)

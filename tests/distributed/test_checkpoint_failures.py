@@ -1,0 +1,93 @@
+"""pytest tests/distributed/test_checkpoint_failures.py — a save that fails on one rank, seen by every rank (issue 19, item 11).
+
+Two gloo ranks save once, then rank 0's disk fills up (fsync raises ENOSPC) during the next
+save. Before issue 19 rank 0 died of a raw ENOSPC traceback and rank 1 of a misleading gloo
+"connection closed". Now rank 0 raises one line naming its file and the bytes written, rank 1
+one line naming rank 0, both ranks stay in step (they leave together), the previous checkpoint
+stays the latest, and the next good save removes what the failed one left. Then a file only
+rank 1 reads is damaged: the load is refused on both ranks and neither engine changes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gloo_world import spawn_and_collect
+
+pytestmark = pytest.mark.slow
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    import errno
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import zerorun
+    from zerorun.errors import CheckpointError
+    from zerorun.zero.checkpoint import tensor_files
+    from zerorun.zero.comm.process_group import leaving_together
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    with leaving_together():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero": {"stage": 2}})
+
+        def train():
+            engine.backward(engine(torch.randn(4, 7)).pow(2).mean())
+            engine.step()
+
+        train()
+        engine.save_checkpoint(f"{out_dir}/ckpt")
+        train()
+        real = os.fsync
+        if rank == 0:
+            def full(fd):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            tensor_files.os.fsync = full
+        try:
+            engine.save_checkpoint(f"{out_dir}/ckpt")
+            error = None
+        except CheckpointError as exc:
+            error = str(exc)
+        tensor_files.os.fsync = real
+        train()
+        engine.save_checkpoint(f"{out_dir}/ckpt")
+        # A file only rank 1 reads is damaged: every rank refuses, none has changed.
+        dist.barrier()
+        if rank == 0:
+            path = Path(out_dir, "ckpt", "global_step3", "rank1.safetensors")
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+        dist.barrier()
+        train()
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        try:
+            engine.load_checkpoint(f"{out_dir}/ckpt")
+            load_error = None
+        except CheckpointError as exc:
+            load_error = str(exc)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)) and engine.global_step == 4
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"error": error, "load_error": load_error,
+                                                                "unchanged": unchanged}))
+
+
+def test_a_full_disk_on_one_rank_is_one_line_on_every_rank(tmp_path):
+    ranks = spawn_and_collect(_worker, tmp_path, world=2)
+    first, second = ranks[0]["error"], ranks[1]["error"]
+    assert first.startswith("rank 0: writing ") and first.endswith("bytes (No space left on device)"), first
+    assert second == "rank 1: writing checkpoint global_step2 failed on rank 0 (its error says why)", second
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".zerorun-owner", "global_step1", "global_step3", "latest"]
+    assert "rank1.safetensors' fails its crc32 checksum" in ranks[1]["load_error"], ranks[1]["load_error"]
+    assert ranks[0]["load_error"].startswith("rank 0: checking checkpoint ") and ranks[0]["load_error"].endswith(
+        "failed on rank 1 (its error says why)")
+    assert ranks[0]["unchanged"] and ranks[1]["unchanged"]

@@ -1,0 +1,68 @@
+"""pytest tests/e2e/test_nvme_faults.py — a damaged NVMe scratch file under the real launcher (issue 19, items 1, 2, 7).
+
+Two CPU ranks train a tiny model with optimizer state in files. After step 3 rank 0 truncates
+or deletes one of its unit files, as a full disk or a cleanup job would, and training goes on.
+Before issue 19 a truncated file trained on silently (exit 0, loss NaN) and a deleted one hung
+both ranks until the hang timeout. Now the job must end within 10 s of the fault with exit 1
+and the error line naming the rank, the file and the bytes moved; what the ranks left in the
+scratch directory is recorded for the launcher's sweep.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from launch_helpers import job_processes, run_cli
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = r'''
+import math, os, sys, time, torch, zerorun
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"zero": {
+    "stage": 2, "reduce_bucket_size": 272,
+    "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[2], "buffer_count": 2, "buffer_size": 816}}})
+for step in range(40):
+    if step == 3 and engine.rank == 0:
+        engine.quiesce()
+        victim = sorted(engine.records[0].state_home.directory.glob("unit*.bin"))[0]
+        if sys.argv[1] == "delete":
+            victim.unlink()
+        else:
+            os.truncate(victim, 0)
+        with open(os.path.join(os.environ["ZERORUN_RUN_DIR"], "fault_at"), "w") as f:
+            f.write(repr(time.time()))
+    loss = engine(torch.randn(4, 16)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    if not math.isfinite(loss.item()):
+        print("NaN loss at step", step, flush=True)
+    time.sleep(0.05)
+print("rank", engine.rank, "finished", flush=True)
+'''
+
+
+@pytest.mark.parametrize("fault", ["truncate", "delete"])
+def test_a_damaged_scratch_file_ends_the_job_in_seconds_with_one_line(tmp_path, fault):
+    (tmp_path / "job.py").write_text(SCRIPT)
+    run_dir, nvme = tmp_path / "run", tmp_path / "nvme"
+    done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "120", "--run-dir", str(run_dir),
+                    "job.py", fault, str(nvme)], tmp_path, timeout=180)
+    ended = time.time()
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    took = ended - float((run_dir / "fault_at").read_text())
+    print(f"{fault}: the job ended {took:.1f} s after the fault")
+    assert took < 10, f"the job took {took:.1f} s to end after the fault"
+    why = "the file ends at 0 bytes: truncated" if fault == "truncate" else "No such file or directory"
+    lines = [line for line in done.stderr.splitlines() if "zerorun: error: rank 0: NVMe read of" in line]
+    assert lines and lines[-1].rstrip().endswith(f"({why})"), done.stderr[-3000:]
+    print(done.stderr.strip().splitlines()[-1])
+    assert "optim0/unit" in lines[-1] and " moved 0 of " in lines[-1]
+    assert "NaN loss" not in (run_dir / "logs" / "rank0.log").read_text()
+    assert not job_processes(run_dir)
+    # Rank 0 died of the exception and removed its files; rank 1, stopped by the launcher,
+    # could not: its agent removed what it recorded once the workers had exited.
+    assert not list(nvme.glob("zerorun-*")), list(nvme.glob("zerorun-*/*"))
+    assert not list((run_dir / "scratch").glob("rank*"))

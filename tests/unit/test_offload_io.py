@@ -1,0 +1,206 @@
+"""pytest tests/unit/test_offload_io.py — NVMe offload under ordinary storage faults (issue 19, items 1, 2, 7).
+
+One process, a tiny model with its optimizer state in files. What they prove: a truncated or
+removed unit file, a short read, EIO and ENOSPC each raise one StorageError line naming the
+rank, the file and the bytes moved (never a silent NaN from a stale buffer); every pool buffer
+is back after the error and nothing waits on the pool (no hang at exit); scratch lives under
+fixed per-job-and-rank names, cleared at start-up and removable by the launcher's sweep; the
+free-space check is per file system with sane numbers.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import zerorun
+from zerorun.errors import RuntimeConfigError, StorageError
+from zerorun.zero.offload import file_io, scratch
+
+
+@pytest.fixture(autouse=True)
+def _own_job(monkeypatch, tmp_path):
+    """A job of its own per test (Note [scratch names]: the name comes from the run directory)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("ZERORUN_RUN_DIR", str(run_dir))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+
+
+def _engine(nvme, *, buffers=2):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    return zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {
+        "zero": {"stage": 2, "reduce_bucket_size": 272, "offload_optimizer": {
+            "device": "nvme", "nvme_path": str(nvme), "buffer_count": buffers, "buffer_size": 3 * 272}}})
+
+
+def _step(engine):
+    engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
+    engine.step()
+
+
+def _drain(engine):
+    """Wait until the update worker, the reader and the writer have nothing left to run."""
+    placement = engine.records[0].state_home
+    for worker in (engine.updater._worker, placement._reader, placement._writer):
+        worker.submit(lambda: None).result(timeout=60)
+
+
+def _unit_files(nvme):
+    return sorted(nvme.glob("zerorun-*-rank0/optim*/unit*.bin"))
+
+
+@pytest.mark.parametrize("fault", ["truncate to 0", "truncate to half", "delete"])
+def test_a_damaged_unit_file_is_one_error_line_and_every_buffer_comes_back(tmp_path, fault):
+    nvme = tmp_path / "nvme"
+    engine = _engine(nvme)
+    _step(engine)
+    engine.quiesce()
+    files = _unit_files(nvme)
+    assert len(files) >= 2
+    size = files[0].stat().st_size
+    if fault == "delete":
+        files[0].unlink()
+    else:
+        os.truncate(files[0], 0 if fault == "truncate to 0" else size // 2)
+    with pytest.raises(StorageError) as caught:
+        _step(engine)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"rank 0: NVMe read of {str(files[0])!r} moved ")
+    if fault == "delete":
+        assert f"moved 0 of {size} bytes (No such file or directory)" in message
+    else:
+        kept = 0 if fault == "truncate to 0" else size // 2
+        assert f"moved {kept} of {size} bytes (the file ends at {kept} bytes: truncated)" in message
+    pool = engine.records[0].state_home.pool
+    _drain(engine)  # the threads are not stuck
+    assert pool.available == pool.count  # Note [pool on failure]
+    with pytest.raises(StorageError):  # and nothing waits on it again
+        pool.take()
+
+
+def test_every_step_before_a_fault_trains_normally(tmp_path):
+    engine = _engine(tmp_path / "nvme")
+    for _ in range(3):
+        _step(engine)
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+def test_eio_and_short_reads_are_reported_with_the_bytes_moved(tmp_path, monkeypatch):
+    path = tmp_path / "unit0.bin"
+    path.write_bytes(bytes(1000))
+    target = memoryview(bytearray(1000))
+    calls = []
+
+    def short_then_eio(fd, buffers, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            return 300  # a short read: the loop must go on, not stop
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(file_io.os, "preadv", short_then_eio)
+    with pytest.raises(StorageError, match=r"^rank 3: NVMe read of .*unit0.bin' moved 300 of 1000 bytes \(Input/output error\)$"):
+        file_io.read_exactly(path, target, rank=3)
+    assert calls == [0, 300]
+
+
+def test_a_full_disk_stops_a_write_with_the_bytes_written(tmp_path, monkeypatch):
+    path = tmp_path / "unit0.bin"
+    path.write_bytes(bytes(1000))
+    moved = []
+
+    def then_enospc(fd, buffers, offset):
+        if moved:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        moved.append(offset)
+        return 512
+
+    monkeypatch.setattr(file_io.os, "pwritev", then_enospc)
+    with pytest.raises(StorageError, match=r"moved 512 of 1000 bytes \(No space left on device\)$"):
+        file_io.write_exactly(path, memoryview(bytes(1000)), rank=0)
+
+
+def test_a_write_failure_ends_the_pool_and_the_next_read_says_why(tmp_path, monkeypatch):
+    nvme = tmp_path / "nvme"
+    engine = _engine(nvme)
+    _step(engine)
+    engine.quiesce()
+
+    def enospc(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(file_io.os, "pwritev", enospc)
+    with pytest.raises(StorageError, match=r"NVMe write of .* \(No space left on device\)"):
+        for _ in range(3):
+            _step(engine)
+            engine.quiesce()
+    pool = engine.records[0].state_home.pool
+    _drain(engine)
+    assert pool.available == pool.count
+
+
+def test_scratch_names_are_fixed_per_job_and_rank_and_cleared_at_start_up(tmp_path):
+    nvme = tmp_path / "nvme"
+    left = scratch.rank_directory(nvme, 0)
+    assert left.name == f"zerorun-{scratch.job_key()}-rank0"
+    (left / "optim7").mkdir(parents=True)
+    (left / "optim7" / "unit0.bin").write_bytes(bytes(4096))  # what a killed process of this job left
+    engine = _engine(nvme)
+    assert not (left / "optim7").exists()
+    assert [p.parent.name for p in _unit_files(nvme)][0].startswith("optim")
+    second = _engine(nvme)  # a second engine of the process keeps its own files
+    assert engine.records[0].state_home.directory != second.records[0].state_home.directory
+    assert engine.records[0].state_home.directory.exists()
+    recorded = (tmp_path / "run" / "scratch" / "rank0").read_text().strip()
+    assert recorded == str(left)
+    del engine, second
+
+
+def test_job_keys():
+    assert scratch.job_key({"SLURM_JOB_ID": "4242"}) == "slurm4242"
+    assert scratch.job_key({"SLURM_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm4242a3"
+    assert scratch.job_key({"ZERORUN_RUN_DIR": "/a/b"}) == scratch.job_key({"ZERORUN_RUN_DIR": "/a/b"})
+    assert scratch.job_key({"ZERORUN_RUN_DIR": "/a/b"}) != scratch.job_key({"ZERORUN_RUN_DIR": "/a/c"})
+    assert scratch.job_key({"SLURM_JOB_ID": "../x"}).startswith("pid")  # never a path
+
+
+def test_the_launcher_sweep_removes_recorded_scratch_and_nothing_else(tmp_path):
+    run_dir = tmp_path / "run"
+    records = run_dir / "scratch"
+    records.mkdir(parents=True)
+    ours = tmp_path / "nvme" / "zerorun-run0123abcd-rank1"
+    (ours / "optim0").mkdir(parents=True)
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (records / "rank1").write_text(str(ours) + "\n")
+    (records / "rank2").write_text(str(precious) + "\n")  # a record that names something else
+    assert scratch.sweep_recorded(run_dir) == [str(ours)]
+    assert not ours.exists() and precious.exists()
+    assert not any(records.iterdir())
+
+
+def test_free_space_is_checked_per_file_system_for_every_local_rank(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 << 20, 0, 8 << 10))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(RuntimeConfigError) as caught:
+        _engine(tmp_path / "nvme")
+    message = str(caught.value)
+    assert "its file system has 8.0 KiB free" in message and "the 2 rank(s) of this host need" in message
+    assert "0.0 GiB" not in message
+
+
+def test_human_bytes():
+    assert scratch.human_bytes(512) == "512 bytes"
+    assert scratch.human_bytes(300 << 10) == "300.0 KiB"
+    assert scratch.human_bytes(3 << 30) == "3.0 GiB"

@@ -1,0 +1,112 @@
+"""pytest tests/unit/test_weights_strict.py — weights= that must match the model (issue 19, item 5 and weights= in item 11).
+
+One process. What they prove: by default (strict, as torch's load_state_dict) weights that
+lack a parameter or hold a tensor the model has no name for are one error line with exact
+counts and the first names, and a common name prefix is pointed out; strict=False warns with
+the same exact counts (a meta model's 0 of 4 is "4 missing", not 2); integer data for a float
+parameter is refused unless cast=True; every error names the file; a damaged file, a missing
+safetensors package and an index naming files outside its directory are one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import zerorun
+from zerorun.errors import RuntimeConfigError
+
+
+def _model(meta=False):
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+
+
+def _weights():
+    return {k: torch.full_like(v, 0.5) for k, v in _model().state_dict().items()}
+
+
+def _init(model, weights):
+    return zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {}, weights=weights)
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_prefixed_names_are_an_error_by_default_with_the_prefix_named(tmp_path, meta):
+    save_file({f"model.{k}": v for k, v in _weights().items()}, str(tmp_path / "w.safetensors"))
+    with pytest.raises(RuntimeConfigError) as caught:
+        _init(_model(meta), tmp_path / "w.safetensors")
+    message = str(caught.value)
+    assert message == (f"weights from {str(tmp_path / 'w.safetensors')!r}: 4 of the model's 4 parameters and buffers "
+                       "are missing (first: '0.weight', '0.bias', '1.weight'); 4 tensors have no name in the model "
+                       "(first: 'model.0.bias', 'model.0.weight', 'model.1.bias')")
+    assert "prefix 'model.'" in caught.value.hint
+
+
+def test_strict_false_warns_with_exact_counts_for_a_meta_model(tmp_path):
+    save_file({f"model.{k}": v for k, v in _weights().items()}, str(tmp_path / "w.safetensors"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _init(_model(meta=True), zerorun.Weights(tmp_path / "w.safetensors", strict=False))
+    texts = [str(w.message) for w in caught if "missing" in str(w.message)]
+    assert len(texts) == 1 and "4 of the model's 4 parameters and buffers are missing" in texts[0]
+
+
+def test_extra_tensors_are_an_error_by_default():
+    weights = {**_weights(), "extra.weight": torch.ones(2)}
+    with pytest.raises(RuntimeConfigError, match=r"^weights from the given state dict: 1 tensors have no name in the model \(first: 'extra.weight'\)"):
+        _init(_model(), weights)
+    engine = _init(_model(), zerorun.Weights(weights, strict=False))
+    assert torch.equal(engine.module[0].weight, torch.full((4, 3), 0.5))
+
+
+def test_integer_data_for_a_float_parameter_is_refused_unless_cast(tmp_path):
+    weights = _weights()
+    weights["1.weight"] = torch.ones(2, 4, dtype=torch.int64)
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    with pytest.raises(RuntimeConfigError, match=r"weights for '1.weight' in '.*w.safetensors' are int64, the model's parameter is float32"):
+        _init(_model(), tmp_path / "w.safetensors")
+    engine = _init(_model(), zerorun.Weights(tmp_path / "w.safetensors", cast=True))
+    assert torch.equal(engine.module[1].weight, torch.ones(2, 4))
+
+
+def test_a_damaged_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "w.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(RuntimeConfigError) as caught:
+        _init(_model(), tmp_path / "w.safetensors")
+    assert str(caught.value).startswith(f"weights file {str(tmp_path / 'w.safetensors')!r} is not a readable safetensors file (")
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_safetensors_is_a_clear_error(tmp_path, monkeypatch):
+    save_file(_weights(), str(tmp_path / "w.safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(RuntimeConfigError, match="needs the safetensors package, which is not installed"):
+        _init(_model(), tmp_path / "w.safetensors")
+
+
+@pytest.mark.parametrize("file", ["../outside.safetensors", "/etc/passwd", "sub/x.safetensors", ".."])
+def test_an_index_naming_files_outside_its_directory_is_refused(tmp_path, file):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_file(_weights(), str(tmp_path / "outside.safetensors"))
+    index = {"weight_map": {name: file for name in _weights()}}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(RuntimeConfigError, match="which is not a file in the index's directory"):
+        _init(_model(), model_dir)
+
+
+def test_matching_weights_load_silently(tmp_path):
+    save_file(_weights(), str(tmp_path / "w.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine = _init(_model(meta=True), tmp_path / "w.safetensors")
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in engine.module.parameters())

@@ -1,0 +1,8 @@
+"""``deepspeed.compression``: model compression, which zerorun does not have. Every name imports and raises
+UnsupportedFeature on first use (zerorun/deepspeed/unsupported.py)."""
+
+from zerorun.deepspeed.unsupported import module_getattr
+
+from . import compress  # noqa: F401  (a real submodule, not a stand-in)
+
+__getattr__ = module_getattr("deepspeed.compression", "model compression")

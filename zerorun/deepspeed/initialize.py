@@ -1,0 +1,81 @@
+"""``deepspeed.initialize`` with DeepSpeed's signature and return value, on zerorun's engine.
+
+    pytest tests/unit/test_deepspeed_initialize.py
+
+What it does beyond ``zerorun.initialize`` is DeepSpeed's bookkeeping:
+* the config comes from ``config``, ``config_params`` or ``args.deepspeed_config`` (two of them at
+  once is an error, as in DeepSpeed); none of them: the launcher's ``--config``, else defaults;
+* ``optimizer`` may be an optimizer or a callable taking the parameters; with none, the config's
+  optimizer is built over ``model_parameters`` (tensors or param-group dicts) when given;
+* ``lr_scheduler`` may be a scheduler or a callable taking the optimizer; a passed one wins over
+  the config's, as in DeepSpeed, and ``engine.step()`` steps it after each applied update;
+* ``training_data`` becomes a DataLoader of micro-batches over a DistributedSampler of this rank's
+  share, shuffled with seed 0 and never re-seeded per epoch, exactly as DeepSpeed's loader.
+At stage 3 each parameter also gets DeepSpeed's ``ds_numel`` (its element count; a stage-3
+parameter keeps its full shape, so it equals ``numel()``).
+Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+"""
+
+from __future__ import annotations
+
+from zerorun.errors import ConfigError
+from zerorun.deepspeed.unsupported import refuse
+
+
+def _config_source(args, config, config_params):
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("a DeepSpeed config was given both as args.deepspeed_config and to initialize()",
+                              hint="pass it once: config=... or --deepspeed_config")
+        config = from_args
+    return config
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port: int = 29500, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    from torch import nn
+
+    from zerorun.deepspeed.comm import init_distributed
+    from zerorun.zero.engine import initialize as engine_initialize
+
+    if not isinstance(model, nn.Module):
+        raise ConfigError("deepspeed.initialize needs model= (a torch.nn.Module)",
+                          hint="deepspeed.initialize(args=args, model=net, model_parameters=net.parameters(), ...)")
+    if mpu is not None:
+        raise refuse("deepspeed.initialize(mpu=...)", "model parallelism (tensor and pipeline parallel groups)")
+    if mesh_param is not None:
+        raise refuse("deepspeed.initialize(mesh_param=...)", "sequence parallelism (a device mesh)")
+    source = _config_source(args, config, config_params)
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # a generator would be spent by the first reader
+    if callable(optimizer) and not hasattr(optimizer, "param_groups"):
+        optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
+    engine = engine_initialize(model, optimizer, source, model_parameters=model_parameters)
+    if engine.stage == 3:
+        for param in model.parameters():  # DeepSpeed's count of a partitioned parameter's elements
+            param.ds_numel = param.numel()  # type: ignore[attr-defined]  (full shape, empty storage)
+    if lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer) if _is_factory(lr_scheduler) else lr_scheduler
+    loader = _training_loader(engine, training_data, collate_fn) if training_data is not None else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _is_factory(scheduler) -> bool:
+    """A scheduler object has step(); a callable without one makes a scheduler from the optimizer."""
+    return callable(scheduler) and not hasattr(scheduler, "step")
+
+
+def _training_loader(engine, dataset, collate_fn):
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+    micro = engine.train_micro_batch_size_per_gpu()
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=micro, collate_fn=collate_fn)
+    sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.rank)
+    return DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                      pin_memory=engine.device.type == "cuda", num_workers=0)

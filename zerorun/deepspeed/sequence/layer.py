@@ -1,0 +1,6 @@
+"""``deepspeed.sequence.layer``: sequence parallelism (Ulysses), which zerorun does not have. Every name imports and raises
+UnsupportedFeature on first use (zerorun/deepspeed/unsupported.py)."""
+
+from zerorun.deepspeed.unsupported import module_getattr
+
+__getattr__ = module_getattr("deepspeed.sequence.layer", "sequence parallelism (Ulysses)")

@@ -1,0 +1,165 @@
+"""Where NVMe offload keeps its scratch files, and how they are cleaned up and budgeted.
+
+Used by offload/placements.py; the launcher's agent calls ``sweep_recorded`` after its workers
+exit. Tests: tests/unit/test_offload_io.py, tests/e2e/test_nvme_faults.py.
+
+Note [scratch names]: a rank's scratch lives in ``NVME_PATH/zerorun-<job>-rank<R>/``, a name
+fixed by the job and the rank, not by the process: ``<job>`` is ``slurm<SLURM_JOB_ID>`` under
+Slurm (a requeued job keeps it), else a digest of the launcher's run directory, else
+``pid<pid>`` for a process started by hand. Because the name is fixed, what an earlier process
+of the same job and rank left behind (a rank killed by the launcher, a hang, SIGKILL) is
+removed when the next one starts, and the leftovers of a killed job never accumulate (with
+per-process names, every unclean exit left its files: 898 MB after one killed 59M-parameter
+run). Each placement of the process takes a subdirectory (``optim0``, ``params0``, ...), so
+two engines of one process never share or delete each other's files. Every rank also records
+its directory in the run directory (``scratch/rank<R>``) so the launcher can remove it at any
+exit it sees, including a SIGKILL that runs no code of ours (``sweep_recorded``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import itertools
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+from collections.abc import Iterable, Mapping
+
+from zerorun.errors import RuntimeConfigError
+
+_NAME = re.compile(r"zerorun-[A-Za-z0-9]+-rank[0-9]+\Z")
+_lock = threading.Lock()
+_cleared: set[Path] = set()  # rank directories this process already cleared at start-up
+_counter = itertools.count()
+# Note [scratch budget]: bytes this process's placements will hold and have written, per file
+# system (st_dev), so optimizer files and parameter files on one disk are checked together.
+_planned: dict[int, int] = {}
+_written: dict[int, int] = {}
+
+
+def job_key(environ: Mapping[str, str] = os.environ) -> str:
+    """``<job>`` of Note [scratch names]."""
+    if environ.get("SLURM_JOB_ID", "").isalnum():
+        task = environ.get("SLURM_ARRAY_TASK_ID", "")
+        return f"slurm{environ['SLURM_JOB_ID']}" + (f"a{task}" if task.isalnum() else "")
+    if environ.get("ZERORUN_RUN_DIR"):
+        return "run" + hashlib.sha256(os.path.abspath(environ["ZERORUN_RUN_DIR"]).encode()).hexdigest()[:12]
+    return f"pid{os.getpid()}"
+
+
+def rank_directory(nvme_path: str | os.PathLike, rank: int, environ: Mapping[str, str] = os.environ) -> Path:
+    return Path(os.path.abspath(nvme_path)) / f"zerorun-{job_key(environ)}-rank{rank}"
+
+
+def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
+    """A fresh subdirectory ``kind<n>`` of this rank's scratch directory, the rank directory
+    cleared first when this process has not used it yet (Note [scratch names]). ``key`` is the
+    config key named in errors."""
+    base = rank_directory(nvme_path, rank)
+    try:
+        with _lock:
+            if base not in _cleared:
+                if base.is_symlink() or base.is_file():
+                    base.unlink()
+                shutil.rmtree(base, ignore_errors=True)
+                base.mkdir(parents=True, mode=0o700)
+                _cleared.add(base)
+                atexit.register(remove_if_empty, base)
+                _record(base, rank)
+            directory = base / f"{kind}{next(_counter)}"
+            directory.mkdir(mode=0o700)
+    except OSError as exc:
+        raise RuntimeConfigError(f"{key} {nvme_path!r} is not writable ({exc.strerror})",
+                                 hint="point nvme_path at a directory on a local disk you can write") from None
+    return directory
+
+
+def remove_if_empty(base: Path) -> None:
+    try:
+        base.rmdir()
+    except OSError:
+        pass  # another engine's files are still there; their own finalizers remove them
+
+
+def _record(base: Path, rank: int) -> None:
+    run_dir = os.environ.get("ZERORUN_RUN_DIR")
+    if not run_dir or not os.path.isdir(run_dir):
+        return
+    records = Path(run_dir) / "scratch"
+    try:
+        records.mkdir(exist_ok=True)
+        (records / f"rank{rank}").write_text(str(base) + "\n")
+    except OSError:
+        pass  # the start-up removal still bounds what a lost record costs
+
+
+def sweep_recorded(run_dir: str | os.PathLike, ranks: Iterable[int] | None = None) -> list[str]:
+    """Remove the scratch directories that ``ranks`` (default: every rank) recorded in ``run_dir``
+    (for the agent of their host, after its workers exited: Note [scratch names]); the paths
+    removed. Only directories named like ours are touched, whatever a record says."""
+    removed: list[str] = []
+    records = Path(run_dir) / "scratch"
+    if not records.is_dir():
+        return removed
+    wanted = None if ranks is None else {f"rank{rank}" for rank in ranks}
+    for record in sorted(records.iterdir()):
+        if wanted is not None and record.name not in wanted:
+            continue
+        try:
+            target = Path(record.read_text(errors="replace").strip())
+        except OSError:
+            continue
+        if target.is_absolute() and _NAME.match(target.name) and target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target, ignore_errors=True)
+            removed.append(str(target))
+        record.unlink(missing_ok=True)
+    return removed
+
+
+def human_bytes(n: int) -> str:
+    """Bytes in the largest unit that keeps a number >= 1 (never "0.0 GiB" for 300 KiB)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def local_ranks(environ: Mapping[str, str] = os.environ) -> int:
+    try:
+        return max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def reserve(directory: Path, planned: int, written: int, key: str) -> None:
+    """Note [scratch budget]: add ``planned`` bytes this process will hold under ``directory``,
+    ``written`` of them already on disk, and raise unless the file system has room for what
+    every rank of this host still has to write (ranks are alike, so this rank's share times
+    LOCAL_WORLD_SIZE)."""
+    device = os.stat(directory).st_dev
+    with _lock:
+        _planned[device] = _planned.get(device, 0) + planned
+        _written[device] = _written.get(device, 0) + written
+        still = (_planned[device] - _written[device]) * local_ranks()
+        total = _planned[device] * local_ranks()
+    free = shutil.disk_usage(directory).free
+    if still > free:
+        raise RuntimeConfigError(
+            f"{key} {str(directory.parent.parent)!r}: its file system has {human_bytes(free)} free; the "
+            f"{local_ranks()} rank(s) of this host need {human_bytes(total)} there in all, "
+            f"{human_bytes(still)} of it still to write",
+            hint="free space there or point nvme_path at a larger disk")
+
+
+def release(directory: Path, planned: int, written: int) -> None:
+    """Undo ``reserve`` when a placement's files are removed."""
+    try:
+        device = os.stat(directory.parent).st_dev
+    except OSError:
+        return
+    with _lock:
+        _planned[device] = max(0, _planned.get(device, 0) - planned)
+        _written[device] = max(0, _written.get(device, 0) - written)
