@@ -9,9 +9,11 @@ that are both this host (``NodeHostname=<this host> NodeAddr=127.0.0.1`` with di
 ports (munged, slurmctld, ``slurmd -N n1`` and ``slurmd -N n2``) and are the only processes
 ``stop`` ends (by the pids they wrote). Clients find the cluster through ``SLURM_CONF``.
 
-Workers rendezvous at the first node's *name*, so n1 and n2 must resolve: when they do not,
-``start`` appends ``127.0.0.1 n1 n2`` to /etc/hosts (marked with a comment) and ``stop``
-removes exactly that line again.
+Workers rendezvous at the first node's *name*, so n1 and n2 must resolve: ``start`` appends
+``127.0.0.1 n1 n2`` to /etc/hosts, marked with this cluster's directory, and ``stop`` removes
+exactly that line again. Each cluster adds its own line even when the names already resolve:
+two clusters at once (a test run beside a hand-started one) must not take the names away from
+each other.
 
 No accounting daemon (slurmdbd needs a SQL server): finished jobs go to a jobcomp text file,
 and ``sacct`` is not available; per-step CPU time is read from ``sstat``/the jobcomp file.
@@ -30,7 +32,7 @@ from pathlib import Path
 
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4
-HOSTS_LINE = "127.0.0.1 n1 n2  # zerorun slurm test cluster"
+HOSTS_LINE = "127.0.0.1 n1 n2  # zerorun slurm test cluster {dir}"
 DAEMONS = ("slurmctld", "slurmd", "munged")
 
 
@@ -72,6 +74,7 @@ class SlurmCluster:
         self.munge_socket = self.dir / "munge.socket"
         self.jobcomp = self.dir / "jobcomp.txt"
         self.host = socket.gethostname()
+        self._hosts_line = HOSTS_LINE.format(dir=self.dir)
         self._added_hosts_line = False
         self._pid_files: list[Path] = []
 
@@ -142,10 +145,12 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         self.dir.mkdir(parents=True, exist_ok=True)
         for sub in ("state", "spool-n1", "spool-n2"):
             (self.dir / sub).mkdir(exist_ok=True)
+        with open("/etc/hosts", "a") as hosts:
+            hosts.write(self._hosts_line + "\n")
+        self._added_hosts_line = True
         if not all(_resolves(name) for name in NODES):
-            with open("/etc/hosts", "a") as hosts:
-                hosts.write(HOSTS_LINE + "\n")
-            self._added_hosts_line = True
+            self.stop()
+            raise RuntimeError("n1 and n2 do not resolve to 127.0.0.1 even with the /etc/hosts line")
         self._write_config()
         key = self.dir / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -208,7 +213,7 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         self._pid_files.clear()
         if self._added_hosts_line:
             lines = Path("/etc/hosts").read_text().splitlines(keepends=True)
-            Path("/etc/hosts").write_text("".join(line for line in lines if line.rstrip("\n") != HOSTS_LINE))
+            Path("/etc/hosts").write_text("".join(line for line in lines if line.rstrip("\n") != self._hosts_line))
             self._added_hosts_line = False
 
 
