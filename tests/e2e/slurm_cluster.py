@@ -89,7 +89,7 @@ class SlurmCluster:
         ctld, n1, n2 = _free_ports(3)
         nodes = "\n".join(
             f"NodeName={name} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} State=UNKNOWN"
-            for name, port in zip(NODES, (n1, n2)))
+            for name, port in zip(NODES, (n1, n2), strict=True))
         d = self.dir
         self.conf.write_text(f"""ClusterName=zerorun-test
 SlurmctldHost={self.host}(127.0.0.1)
@@ -141,7 +141,7 @@ PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=U
         if not pid_file.exists():
             raise RuntimeError(f"{what} wrote no pid file {pid_file}")
 
-    def start(self) -> "SlurmCluster":
+    def start(self) -> SlurmCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         for sub in ("state", "spool-n1", "spool-n2"):
             (self.dir / sub).mkdir(exist_ok=True)

@@ -1,4 +1,4 @@
-"""pytest -m slurm tests/e2e/test_slurm_jobs.py — zerorun on a real (private) Slurm cluster, no SSH.
+"""pytest -m slurm tests/e2e/test_slurm_jobs.py (long: not in the default run) — zerorun on a real (private) Slurm cluster, no SSH.
 
 A module fixture starts munged, slurmctld and two slurmd daemons (nodes n1 and n2, both this
 host; slurm_cluster.py). No sshd is started: every node is reached by srun. The training job is
@@ -21,7 +21,7 @@ import pytest
 from launch_helpers import REPO
 from slurm_cluster import SlurmCluster, slurm_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.slurm]
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.long]  # a real Slurm
 
 TRAIN = Path(__file__).with_name("slurm_train.py")
 BIN = Path(sys.executable).parent
@@ -320,7 +320,7 @@ def test_two_jobs_on_one_node_at_once_do_not_collide_on_ports(cluster, tmp_path)
             ["salloc", "-N1", "-w", "n1", "--quiet", *zerorun_cmd("--nproc", "2", str(TRAIN), "4", str(out), "1.0").split()],
             cwd=out, env=job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = [proc.communicate(timeout=180) for proc in procs]
-    for proc, (_, err) in zip(procs, results):
+    for proc, (_, err) in zip(procs, results, strict=True):
         assert proc.returncode == 0, err[-2000:]
     ports = {json.loads(next(out.glob("zerorun-runs/*/plan.json")).read_text())["master_port"] for out in outs}
     assert len(ports) == 2  # derived from two different job ids (Note [Slurm port])

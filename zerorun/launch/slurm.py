@@ -179,7 +179,7 @@ def step_role(ctx: SlurmContext, port: int | None = None) -> StepRole:
     if not ctx.in_step:
         raise LaunchError("not inside a Slurm step (SLURM_STEP_ID is not set)")
     counts = ctx.step_tasks_per_node or (1,) * len(ctx.step_nodes)
-    crowded = [(node, count) for node, count in zip(ctx.step_nodes, counts) if count > 1]
+    crowded = [(node, count) for node, count in zip(ctx.step_nodes, counts, strict=True) if count > 1]
     if crowded or (ctx.step_tasks is not None and ctx.step_tasks > len(ctx.step_nodes)):
         node, count = crowded[0] if crowded else (ctx.step_nodes[0], ctx.step_tasks)
         raise LaunchError(
