@@ -7,7 +7,9 @@
 # build with its NVIDIA libraries (several GB; it runs on CPU too), where a local CPU wheel is
 # offered first (our CI machine's pip has one) it is the CPU build. ZERORUN_TORCH_INDEX=URL
 # passes --index-url for torch alone (e.g. PyTorch's CPU wheel index). --test also installs the
-# test extras and, when run as root with apt, the OpenSSH server the multi-node tests use.
+# test extras and, when run as root with apt, the OpenSSH server the multi-node tests use and
+# Debian's slurm-wlm and munge for the Slurm tests (tests/e2e/test_slurm_jobs.py starts its own
+# private cluster with its own config, key and ports; it never uses the system's services).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -20,6 +22,9 @@ if [ "${1:-}" = "--test" ]; then
     .venv/bin/python -m pip install -q -e ".[test]"
     if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client) >/dev/null
+    fi
+    if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge) >/dev/null
     fi
 else
     .venv/bin/python -m pip install -q -e .

@@ -297,7 +297,7 @@ def test_sigterm_exits_143_and_stops_everything(tmp_path):
     finally:
         kill_group(proc)
     assert proc.returncode == 143, err
-    assert "interrupted; every worker was stopped" in err
+    assert "interrupted (SIGTERM); every worker was stopped" in err
     assert_no_job_processes(run_dir, _pids(run_dir, (0, 1)))
 
 

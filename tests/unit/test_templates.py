@@ -23,7 +23,7 @@ EXPECTED_STAGE = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3-offload": 3}
 
 def test_template_directory_holds_exactly_the_documented_files():
     names = sorted(p.name for p in TEMPLATE_DIR.iterdir() if not p.name.startswith((".", "__")))
-    assert names == sorted([f"{t}.yaml" for t in TEMPLATES] + ["hostfile.example", "train.py"])
+    assert names == sorted([f"{t}.yaml" for t in TEMPLATES] + ["hostfile.example", "train.py", "job.sbatch"])
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
@@ -102,3 +102,23 @@ def test_init_rejects_an_unknown_template_with_a_suggestion(tmp_path):
     assert result.exit_code != 0
     assert str(result.exception) == "unknown template 'zero_2' (did you mean 'zero2'?)"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sbatch_template_is_valid_bash_whose_zerorun_line_loads(tmp_path):
+    import re
+    import subprocess
+
+    from zerorun.cli.init import planned_files, write_files
+    from zerorun.cli.run import split_argv
+    from zerorun.config import parse_settings
+
+    files = planned_files("zero2", tmp_path, hostfile=False, slurm=True)
+    write_files(files, force=False)
+    text = (tmp_path / "job.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+    assert "#SBATCH --signal=B:USR1@" in text and "#SBATCH --requeue" in text
+    command = re.search(r"^exec zerorun (.*?)train\.py$", text.replace("\\\n", " "), re.M | re.S).group(1).split()
+    ours, _ = split_argv(command + ["train.py"])
+    settings = [ours[i + 1] for i, word in enumerate(ours) if word == "--set"]
+    config = load_config(tmp_path / "zerorun.yaml", overrides=parse_settings(settings), world_size=2)
+    assert config.checkpoint.on_signal and config.checkpoint.requeue and config.checkpoint.resume

@@ -1,8 +1,9 @@
 """``zerorun env [--json]``: what this machine offers a zerorun job (DeepSpeed's ``ds_report``).
 
 Reports zerorun, Python and torch versions; CUDA, NCCL and gloo availability; the visible GPUs
-with their memory; host cores and memory; ssh and sshd (multi-node runs need them); and the
-optional packages zerorun can use. ``collect`` looks (the effects), ``render`` lays the facts
+with their memory; host cores and memory; ssh and sshd (multi-node runs need them); the Slurm
+allocation this runs in (its nodes, how each would be reached, the rendezvous port and what each
+signal would do); and the optional packages zerorun can use. ``collect`` looks (the effects), ``render`` lays the facts
 out (pure), so a test can draw any machine.
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -62,6 +64,7 @@ def collect() -> dict:
         "ssh": shutil.which("ssh"),
         "sshd": shutil.which("sshd") or next((p for p in SSHD_PLACES if Path(p).exists()), None),
         "extras": {name: _version(name) for name in EXTRAS},
+        "slurm": slurm_facts(os.environ),
     }
     try:
         import psutil
@@ -70,6 +73,32 @@ def collect() -> dict:
     except Exception:  # noqa: BLE001 - psutil is a dependency, but a report must not fail
         pass
     facts.update(_torch_facts())
+    return facts
+
+
+def slurm_facts(environ, hostname: str | None = None, fqdn: str | None = None) -> dict:
+    """The Slurm allocation as the launcher would see it: lines for the report, and srun's path."""
+    from zerorun.errors import ZerorunError
+    from zerorun.launch import slurm
+    from zerorun.launch.launcher import signal_plan
+
+    facts = {"srun": shutil.which("srun"), "lines": []}
+    try:
+        ctx = slurm.detect(environ)
+    except ZerorunError as err:
+        facts["lines"] = [f"Slurm variables cannot be read: {err}"]
+        return facts
+    if ctx is None:
+        facts["lines"] = slurm.describe(None)
+        return facts
+    hostname = hostname or socket.gethostname()
+    here = slurm.local_names(environ, hostname, fqdn or socket.getfqdn())
+    if ctx.in_step:
+        own = ctx.step_nodes[ctx.node_id] if ctx.node_id is not None and ctx.node_id < len(ctx.step_nodes) else None
+        reach = {node: "this launcher" if node == own else "its own srun task's launcher" for node in ctx.step_nodes}
+    else:
+        reach = {node: "local" if node in here else "srun" for node in ctx.job_nodes}
+    facts["lines"] = slurm.describe(ctx, reach, slurm.master_port(ctx.job_id, ctx.step_id), signal_plan(False, False))
     return facts
 
 
@@ -138,6 +167,10 @@ def render(facts: dict):
     table.add_row("host", f"{facts['cpu_cores']} cores, {_gib(facts['host_memory_bytes'])} memory")
     table.add_row("ssh", _yes(facts["ssh"], facts["ssh"]) + ("" if facts["ssh"] else " (needed for --hostfile)"))
     table.add_row("sshd", _yes(facts["sshd"], facts["sshd"]) + ("" if facts["sshd"] else " (needed on remote hosts and by the multi-node tests)"))
+    slurm = facts.get("slurm") or {}
+    if slurm.get("lines"):
+        srun = slurm.get("srun")
+        table.add_row("Slurm", escape("\n".join(slurm["lines"]) + (f"\nsrun: {srun}" if srun else "\nsrun: not on PATH")))
     for name, version in facts["extras"].items():
         table.add_row(name, f"[green]{escape(version)}[/green]" if version
                       else f"[dim]not installed[/dim]: {escape(EXTRAS[name])}")

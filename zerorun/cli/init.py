@@ -1,7 +1,9 @@
-"""``zerorun init [--template zero2] [--hostfile] [--force] [--dir DIR]``: a config and a script to start from.
+"""``zerorun init [--template zero2] [--hostfile] [--slurm] [--force] [--dir DIR]``: a config and a script to start from.
 
 Writes ``zerorun.yaml`` (a copy of one of zerorun/templates/*.yaml) and ``train.py`` (a minimal
-training script) into the current directory, and ``hostfile`` with --hostfile. Existing files
+training script) into the current directory, ``hostfile`` with --hostfile and ``job.sbatch``
+(a Slurm batch script: srun-started agents, checkpoint and requeue before the time limit)
+with --slurm. Existing files
 are never overwritten without --force: they may be the user's edited config.
 """
 
@@ -20,6 +22,7 @@ TEMPLATES = ("zero1", "zero2", "zero3", "zero3-offload")
 CONFIG_NAME = "zerorun.yaml"
 SCRIPT_NAME = "train.py"
 HOSTFILE_NAME = "hostfile"
+SBATCH_NAME = "job.sbatch"
 
 
 def template_text(name: str) -> str:
@@ -27,7 +30,7 @@ def template_text(name: str) -> str:
     return resources.files("zerorun").joinpath("templates", name).read_text(encoding="utf-8")
 
 
-def planned_files(template: str, directory: Path, hostfile: bool) -> list[tuple[Path, str]]:
+def planned_files(template: str, directory: Path, hostfile: bool, slurm: bool = False) -> list[tuple[Path, str]]:
     """(destination, template file name) for each file ``init`` would write (pure)."""
     if template not in TEMPLATES:
         raise ConfigError(f"unknown template {template!r}{did_you_mean(template, TEMPLATES)}",
@@ -35,6 +38,8 @@ def planned_files(template: str, directory: Path, hostfile: bool) -> list[tuple[
     files = [(directory / CONFIG_NAME, f"{template}.yaml"), (directory / SCRIPT_NAME, "train.py")]
     if hostfile:
         files.append((directory / HOSTFILE_NAME, "hostfile.example"))
+    if slurm:
+        files.append((directory / SBATCH_NAME, SBATCH_NAME))
     return files
 
 
@@ -54,15 +59,18 @@ def register(app: typer.Typer) -> None:
         template: str = typer.Option("zero2", "--template", "-t",
                                      help="Starting config: " + ", ".join(TEMPLATES) + "."),
         hostfile: bool = typer.Option(False, "--hostfile", help="Also write an example hostfile."),
+        slurm: bool = typer.Option(False, "--slurm", help="Also write job.sbatch, a Slurm batch script."),
         force: bool = typer.Option(False, "--force", help="Overwrite files that already exist."),
         directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write (default: here)."),
     ) -> None:
         """Write a starting zerorun.yaml and train.py into the current directory."""
-        files = planned_files(template, directory or Path.cwd(), hostfile)
+        files = planned_files(template, directory or Path.cwd(), hostfile, slurm)
         write_files(files, force)
         for dest, name in files:
             typer.echo(f"wrote {dest}  (from template {name})")
         config = files[0][0]
+        if slurm:
+            typer.echo(f"next on Slurm: {'cd ' + str(directory) + ' && ' if directory else ''}sbatch {SBATCH_NAME}")
         typer.echo(f"next: zerorun --nproc 2 --config {config.name} {SCRIPT_NAME}"
                    if directory is None else
                    f"next: cd {directory} && zerorun --nproc 2 --config {config.name} {SCRIPT_NAME}")

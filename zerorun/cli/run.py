@@ -42,7 +42,7 @@ ALIASES = {
 OUR_OPTIONS = frozenset({
     "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
     "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
-    "--no-dashboard", "--dry-run", "--grace", "--help", "--local-rank-arg", "--no-local-rank-arg",
+    "--no-dashboard", "--dry-run", "--grace", "--help", "--local-rank-arg", "--no-local-rank-arg", "--launcher",
 })
 # Spellings only DeepSpeed's launcher uses: a job started with them gets --local_rank=N appended
 # to the script's arguments, as DeepSpeed's launcher does (unless --no-local-rank-arg).
@@ -173,6 +173,11 @@ def register(app: typer.Typer) -> None:
             False, "--local-rank-arg/--no-local-rank-arg",
             help="Append --local_rank=N to the script's arguments, as DeepSpeed's launcher does (on by "
                  "default with DeepSpeed launcher flags or a script given --deepspeed/--deepspeed_config)."),
+        launcher: Optional[str] = typer.Option(
+            None, "--launcher", metavar="ssh|slurm|local",
+            help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
+                 "ssh, or local (this machine only, ignoring Slurm).",
+        ),
     ) -> None:
         from zerorun.launch.launcher import LaunchOptions, dry_run_text, execute, prepare
         from zerorun.launch.plan import Target
@@ -200,7 +205,7 @@ def register(app: typer.Typer) -> None:
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
             ssh_options=list(ssh_opt or []), env_file=env_file, config=config,
             config_overrides=overrides, run_dir=run_dir,
-            dashboard=not no_dashboard, grace_s=grace,
+            dashboard=not no_dashboard, grace_s=grace, launcher=launcher,
         )
         if dry_run and gpus is not None:
             # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.
@@ -219,8 +224,17 @@ def register(app: typer.Typer) -> None:
         print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
         stopped = stopped_clause(result.leftovers)
         if result.interrupted:
-            print(f"zerorun: interrupted; {stopped} (logs in {logs})", file=sys.stderr)
+            print(f"zerorun: {stop_reason(job, result.signal or 2)}; {stopped} (logs in {logs})", file=sys.stderr)
             raise typer.Exit(interrupted_exit_code(result))
+        if result.checkpoint_signal is not None and result.failure is None:
+            finish_after_checkpoint(job, result, logs)
+        if result.failure is not None and job.slurm is not None:
+            ended = slurm_ended(job)
+            if ended is not None:
+                # scancel / time limit under salloc: Slurm signalled the steps (the workers died
+                # of it) before, or instead of, the launcher; that is the cause, not the worker.
+                print(f"zerorun: {ended}: Slurm ended the job's steps; {stopped} (logs in {logs})", file=sys.stderr)
+                raise typer.Exit(128 + 15)
         if result.failure is not None:
             failure = result.failure
             show_root_cause(format_failure(failure))
@@ -236,6 +250,45 @@ def stopped_clause(leftovers: dict[str, str]) -> str:
         return "every worker was stopped"
     return "could not confirm that every worker stopped: " + "; ".join(
         f"host {host}: {problem}" for host, problem in sorted(leftovers.items()))
+
+
+def stop_reason(job, signum: int) -> str:
+    """What the signal that stopped the job meant (Note [Slurm signals] in launch/launcher.py)."""
+    import time
+
+    from zerorun.launch.launcher import signal_meaning, slurm_job_state
+
+    ctx = job.slurm
+    # No waiting for a settled state here: Slurm's SIGKILL follows its SIGTERM after KillWait.
+    state = slurm_job_state(ctx.job_id, settle_s=0.0) if ctx is not None and signum == 15 else None
+    return signal_meaning(signum, state, ctx.end_time if ctx else None, time.time())
+
+
+def slurm_ended(job) -> str | None:
+    """What ended the job when Slurm says it is over (cancelled, time limit, preempted), else None."""
+    from zerorun.launch.launcher import signal_meaning, slurm_job_state
+
+    state = slurm_job_state(job.slurm.job_id)
+    if state is None or not any(word in state.upper() for word in ("CANCEL", "TIMEOUT", "PREEMPT")):
+        return None
+    return signal_meaning(15, state).replace(" (SIGTERM, scancel)", " (scancel)").replace(" (SIGTERM)", "")
+
+
+def finish_after_checkpoint(job, result, logs: str) -> None:
+    """Every rank saved a checkpoint on SIGUSR1/2 and stopped: say so, requeue when asked, and
+    exit 128+signal (the job did not finish; Slurm must not count it as completed)."""
+    from zerorun.launch.launcher import requeue_slurm_job
+
+    reason = stop_reason(job, result.checkpoint_signal)
+    message = f"zerorun: {reason}: every rank saved a checkpoint and stopped (logs in {logs})"
+    if job.requeue and job.slurm is not None:
+        problem = requeue_slurm_job(job.slurm.job_id)
+        message += (f"; {problem}" if problem else
+                    f"; job {job.slurm.job_id} requeued (checkpoint.resume picks the checkpoint up)")
+    elif job.requeue:
+        message += "; not requeued: not a Slurm job"
+    print(message, file=sys.stderr)
+    raise typer.Exit(128 + result.checkpoint_signal)
 
 
 def interrupted_exit_code(result) -> int:

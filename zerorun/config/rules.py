@@ -94,6 +94,12 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
             problems.add(f"zero.{name}.nvme_path", "NVMe offload needs a directory on a fast local "
                          f"disk; set zero.{name}.nvme_path", offload.nvme_path)
     ckpt = config.checkpoint
+    if (ckpt.on_signal or ckpt.requeue) and not ckpt.dir:
+        problems.add("checkpoint.dir", "checkpoint.on_signal saves a checkpoint on SIGUSR1/SIGUSR2 but "
+                     "there is no directory to write to; set checkpoint.dir", ckpt.dir)
+    if ckpt.requeue and not ckpt.on_signal:
+        problems.add("checkpoint.requeue", "checkpoint.requeue requeues after the save on a signal; "
+                     "set checkpoint.on_signal: true as well", ckpt.requeue)
     if ckpt.interval_steps > 0 and not ckpt.dir:
         problems.add("checkpoint.dir", f"checkpoint.interval_steps is {ckpt.interval_steps} but "
                      "there is no directory to write to; set checkpoint.dir", ckpt.dir)

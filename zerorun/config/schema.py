@@ -122,6 +122,10 @@ class CheckpointConfig:
     keep_last: int = 2
     # Load the latest checkpoint of ``dir`` when the engine starts (``zerorun --resume``).
     resume: bool = False
+    # On SIGUSR1/SIGUSR2 (Slurm's warning before the time limit) save a checkpoint, then stop.
+    on_signal: bool = False
+    # After that save, ``scontrol requeue`` the Slurm job so its next start resumes from it.
+    requeue: bool = False
 
 
 @dataclass

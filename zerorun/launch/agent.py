@@ -7,8 +7,11 @@ agent's stdin.
 
 Protocol (JSON lines). stdin: first line is the node's job ``{"host", "cwd", "env",
 "grace_s", "workers": [{"rank", "local_rank", "argv", "env"}]}``; afterwards ``stop`` ends
-every worker and ``dump`` makes every worker print its Python stacks and end (SIGABRT with
-faulthandler on: the hang report). EOF on stdin (the ssh session is gone) also ends every
+every worker, ``dump`` makes every worker print its Python stacks and end (SIGABRT with
+faulthandler on: the hang report) and ``checkpoint`` sends every worker SIGUSR1, on which a
+worker started with checkpoint.on_signal saves a checkpoint and stops (Note [Slurm signals] in
+launcher.py). The agent itself takes SIGUSR1/SIGUSR2 (Slurm's ``--signal`` without ``B:``
+reaches the steps) as ``checkpoint`` when its workers save on signals, else as ``stop``. EOF on stdin (the ssh session is gone) also ends every
 worker, so a launcher that dies cannot leave workers behind. stdout: events
     {"t": "joined", "rank"}              it has opened or reached the rendezvous (MASTER_PORT):
                                          its start-up is over (Note [start-up is not a hang])
@@ -51,6 +54,7 @@ from collections.abc import Callable
 
 import psutil
 
+from zerorun.launch import save_on_signal
 from zerorun.launch.processes import end_groups
 from zerorun.telemetry.events import MAX_LINE_BYTES
 
@@ -294,6 +298,21 @@ class NodeAgent:
             except OSError:
                 pass
 
+    def checkpoint(self) -> None:
+        """SIGUSR1 to every live worker (the process, not its group: a data-loader child must
+        not get it): its save_on_signal handler asks for a checkpoint at the next step."""
+        with self._stop_lock:
+            procs = [proc for proc in self._procs.values() if proc.poll() is None]
+        for proc in procs:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+
+    @property
+    def saves_on_signal(self) -> bool:
+        return any(worker["env"].get(save_on_signal.ENV_NAME) == "1" for worker in self.workers)
+
     def remove_scratch(self) -> None:
         """The NVMe scratch its workers recorded (a rank ended by a signal cannot remove its own)."""
         from zerorun.zero.offload.scratch import sweep_recorded
@@ -440,14 +459,19 @@ def _serve() -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, request_stop)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, (lambda *_: agent.checkpoint()) if agent.saves_on_signal else request_stop)
 
     def watch_stdin():
-        # "dump" collects stacks; any other line ("stop") or EOF (launcher or ssh session
+        # "dump" collects stacks, "checkpoint" asks for a save; any other line ("stop") or EOF (launcher or ssh session
         # gone) ends the job on this host.
         while True:
             line = sys.stdin.buffer.readline(64)
             if line.strip() == b"dump":
                 agent.dump_stacks()
+                continue
+            if line.strip() == b"checkpoint":
+                agent.checkpoint()
                 continue
             request_stop()
             return

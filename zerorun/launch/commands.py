@@ -1,5 +1,9 @@
 """Command lines and environments for remote hosts (pure).
 
+Inside a Slurm allocation the agent of a node is a one-task step instead (``srun_argv``): it
+gets the job's whole environment (``--export=ALL``, so ``module load`` paths too), counts in
+the job's accounting and is ended by Slurm with the job (scancel, time limit, node failure).
+
 Remote hosts run one agent each (``python -m zerorun.launch.agent``) through the system
 OpenSSH client, so ``~/.ssh/config`` applies. ssh joins its trailing arguments with spaces
 and hands them to the remote user's shell, so we build that one string ourselves with every
@@ -108,3 +112,35 @@ def ssh_argv(
     argv += list(extra_options)
     # "--" so a host name can never be read as an ssh option.
     return [*argv, "--", host, remote_command]
+
+
+def srun_argv(host: str, cwd: str, argv: Iterable[str], *, srun_binary: str = "srun", overlap: bool = False) -> list[str]:
+    """The srun command that runs ``argv`` as a one-task step on node ``host`` of this allocation.
+
+    ``--whole``: the step gets every CPU (and GPU) the job holds on the node, since the agent
+    starts all of the node's workers (a plain one-task step gets one CPU). ``--kill-on-bad-exit``
+    ends the step when the agent fails. ``overlap``: share the node with running steps (the
+    check that no worker is left after a failed agent).
+    """
+    head = [srun_binary, "--nodes=1", "--ntasks=1", "-w", host, "--export=ALL", "--kill-on-bad-exit=1",
+            f"--chdir={cwd}", "--job-name=zerorun-agent", "--quiet"]
+    head.append("--overlap" if overlap else "--whole")
+    return [*head, "--", *argv]
+
+
+def node_agent_command(reach: str, host: str, cwd: str, python: str, forwarded: Mapping[str, str] | None = None,
+                       *, ssh_port: int | None = None, ssh_options: Iterable[str] = ()) -> list[str]:
+    """The command that starts ``host``'s agent, however the node is reached."""
+    if reach == "local":
+        return agent_argv(python)
+    if reach == "srun":
+        return srun_argv(host, cwd, agent_argv(python))
+    return on_host("ssh", host, cwd, agent_argv(python, forwarded), ssh_port=ssh_port, ssh_options=ssh_options)
+
+
+def on_host(reach: str, host: str, cwd: str, argv: list[str], *, ssh_port: int | None = None,
+            ssh_options: Iterable[str] = ()) -> list[str]:
+    """``argv`` run in ``cwd`` on remote ``host`` over ssh or as an overlapping srun step."""
+    if reach == "srun":
+        return srun_argv(host, cwd, argv, overlap=True)
+    return ssh_argv(host, remote_shell_command(cwd, argv), ssh_port=ssh_port, extra_options=ssh_options)

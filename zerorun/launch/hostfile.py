@@ -146,34 +146,48 @@ def _check_slots(host: str, slots: list[int] | None, count: int, flag: str) -> N
 # --- Slurm -------------------------------------------------------------------------------
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand Slurm's compressed node list: ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1."""
+def expand_nodelist(nodelist: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
+    """Expand Slurm's compressed node list: ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1.
+
+    Zero padding is kept (``n[08-10]`` -> n08 n09 n10) and a name may hold several bracket
+    groups (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2), as in ``scontrol show hostnames``.
+    """
     names: list[str] = []
-    for item in _split_top_level(nodelist):
-        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", item)
-        if match is None:
-            if "[" in item or "]" in item:
-                raise HostfileError(f"SLURM_JOB_NODELIST: cannot parse {item!r}")
-            names.append(_check_host(item, "SLURM_JOB_NODELIST"))
-            continue
-        prefix, ranges, suffix = match.groups()
-        for part in ranges.split(","):
-            low, dash, high = part.partition("-")
-            if not low.isdigit() or (dash and not high.isdigit()):
-                raise HostfileError(f"SLURM_JOB_NODELIST: bad range {part!r} in {item!r}")
-            width = len(low)
-            end = int(high) if dash else int(low)
-            if end < int(low):
-                raise HostfileError(f"SLURM_JOB_NODELIST: range {part!r} runs backwards")
-            if len(names) + end - int(low) + 1 > MAX_HOSTS:
-                raise HostfileError(f"SLURM_JOB_NODELIST: {item!r} names more than {MAX_HOSTS:,} nodes")
-            names += [f"{prefix}{n:0{width}d}{suffix}" for n in range(int(low), end + 1)]
+    for item in _split_top_level(nodelist, source):
+        for name in _expand_item(item, source, MAX_HOSTS - len(names)):
+            names.append(_check_host(name, source))
     if not names:
-        raise HostfileError("SLURM_JOB_NODELIST is empty")
+        raise HostfileError(f"{source} is empty")
     return names
 
 
-def _split_top_level(text: str) -> list[str]:
+def _expand_item(item: str, source: str, budget: int) -> list[str]:
+    """One comma-free entry, first bracket group expanded, the rest recursively."""
+    match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\](.*)", item)
+    if match is None:
+        if "[" in item or "]" in item:
+            raise HostfileError(f"{source}: cannot parse {item!r}")
+        return [item]
+    prefix, ranges, rest = match.groups()
+    heads: list[str] = []
+    for part in ranges.split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise HostfileError(f"{source}: bad range {part!r} in {item!r}")
+        width = len(low)
+        end = int(high) if dash else int(low)
+        if end < int(low):
+            raise HostfileError(f"{source}: range {part!r} runs backwards")
+        if len(heads) + end - int(low) + 1 > budget:
+            raise HostfileError(f"{source}: {item!r} names more than {MAX_HOSTS:,} nodes")
+        heads += [f"{prefix}{n:0{width}d}" for n in range(int(low), end + 1)]
+    tails = _expand_item(rest, source, max(1, budget // len(heads)))
+    if len(heads) * len(tails) > budget:
+        raise HostfileError(f"{source}: {item!r} names more than {MAX_HOSTS:,} nodes")
+    return [head + tail for head in heads for tail in tails]
+
+
+def _split_top_level(text: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
     """Split on commas that are not inside brackets."""
     items, depth, current = [], 0, ""
     for char in text.strip():
@@ -182,17 +196,17 @@ def _split_top_level(text: str) -> list[str]:
         elif char == "]":
             depth -= 1
             if depth < 0:
-                raise HostfileError(f"SLURM_JOB_NODELIST: unbalanced ']' in {text!r}")
+                raise HostfileError(f"{source}: unbalanced ']' in {text!r}")
         if char == "," and depth == 0:
             items.append(current)
             current = ""
         else:
             current += char
     if depth != 0:
-        raise HostfileError(f"SLURM_JOB_NODELIST: unbalanced '[' in {text!r}")
+        raise HostfileError(f"{source}: unbalanced '[' in {text!r}")
     items.append(current)
     if any(not item for item in items):
-        raise HostfileError(f"SLURM_JOB_NODELIST: empty entry in {text!r}")
+        raise HostfileError(f"{source}: empty entry in {text!r}")
     return items
 
 

@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -18,14 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerorun.errors import HostfileError, LaunchError
-from zerorun.launch.commands import (
-    agent_argv,
-    forwarded_env,
-    parse_env_file,
-    parse_ssh_opts,
-    remote_shell_command,
-    ssh_argv,
-)
+from zerorun.launch import slurm
+from zerorun.launch.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
+from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
 from zerorun.config.sources import read_small_file
 from zerorun.launch.hostfile import MAX_SLOTS_PER_HOST, HostSlots, parse_hostfile, select_hosts, slurm_hosts
 from zerorun.launch.plan import LaunchPlan, Target, build_plan, describe_plan, is_local_host, plan_json
@@ -54,6 +51,8 @@ class LaunchOptions:
     run_dir: str | None = None
     dashboard: bool = True
     grace_s: float = 3.0
+    # --launcher ssh|slurm|local; None picks slurm inside an allocation (choose_launcher).
+    launcher: str | None = None
 
 
 @dataclass
@@ -71,20 +70,49 @@ class PreparedJob:
     hang_warn_s: float = 0.0
     # Seconds a rank may take to join the rendezvous (0: no limit); Note [start-up is not a hang].
     startup_timeout_s: float = 0.0
+    # The Slurm allocation found (None outside one) and how the job is launched (choose_launcher).
+    slurm: slurm.SlurmContext | None = None
+    mode: str = "ssh"
+    # checkpoint.on_signal / checkpoint.requeue (Note [Slurm signals]).
+    save_on_signal: bool = False
+    requeue: bool = False
 
     def node_commands(self) -> dict[str, list[str]]:
         """The agent command each host runs (what --dry-run shows; the supervisor builds the same)."""
         return {
-            node.host: agent_argv(self.plan.python)
-            if node.local
-            else ssh_argv(
-                node.host,
-                remote_shell_command(self.plan.cwd, agent_argv(self.plan.python, self.plan.forwarded_env)),
-                ssh_port=self.options.ssh_port,
-                extra_options=self.ssh_options,
-            )
+            node.host: node_agent_command(node.reach, node.host, self.plan.cwd, self.plan.python,
+                                          self.plan.forwarded_env, ssh_port=self.options.ssh_port,
+                                          ssh_options=self.ssh_options)
             for node in self.plan.nodes
         }
+
+
+# --- which launcher -------------------------------------------------------------------------
+
+LAUNCHERS = ("ssh", "slurm", "local")
+
+
+def choose_launcher(requested: str | None, ctx: slurm.SlurmContext | None, hostfile: bool) -> str:
+    """How the job is launched (pure): "local", "ssh" (hostfile or Slurm nodes over ssh),
+    "srun" (in an allocation: one srun step per node) or "step" (this launcher is one task of
+    an ``srun ... zerorun`` step and runs its own node's workers)."""
+    if requested is not None and requested not in LAUNCHERS:
+        raise LaunchError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {requested!r}")
+    if requested == "local":
+        return "local"
+    if requested == "slurm":
+        if ctx is None:
+            raise LaunchError("--launcher slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set)",
+                              hint="run it under salloc or sbatch, or as srun --ntasks-per-node=1 zerorun ...")
+        if hostfile:
+            raise LaunchError("--launcher slurm takes its nodes from the allocation; drop --hostfile")
+        return "step" if ctx.in_step else "srun"
+    if requested == "ssh" and ctx is not None and ctx.in_step and not hostfile:
+        raise LaunchError("--launcher ssh inside an srun step would start the whole job from every task",
+                          hint="run zerorun --launcher ssh in the batch script or salloc shell instead")
+    if requested == "ssh" or hostfile or ctx is None or not ctx.job_nodes:
+        return "ssh"
+    return "step" if ctx.in_step else "srun"
 
 
 # --- hosts ----------------------------------------------------------------------------------
@@ -109,8 +137,11 @@ def has_nvidia_gpu() -> bool:
         return False
 
 
-def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counter=count_gpus) -> HostSlots:
-    """Hosts and slot ids from --hostfile, else Slurm, else this machine (--nproc/--gpus)."""
+def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counter=count_gpus,
+                  use_slurm: bool = True) -> HostSlots:
+    """Hosts and slot ids from --hostfile, else Slurm (unless ``use_slurm`` is off), else this
+    machine (--nproc/--gpus). Under Slurm a task is a launcher, not a worker: --nproc/--gpus N
+    gives every node N workers, whatever the tasks per node."""
     if options.nproc is not None and options.gpus is not None:
         raise LaunchError("--nproc and --gpus cannot be used together", hint="--gpus N for GPU workers, --nproc N for CPU workers")
     for flag, value in (("--nproc", options.nproc), ("--gpus", options.gpus)):
@@ -124,7 +155,9 @@ def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counte
         text = read_small_file(options.hostfile, "hostfile", HostfileError)
         hosts = parse_hostfile(text, source=options.hostfile)
     else:
-        hosts = slurm_hosts(environ)
+        hosts = slurm_hosts(environ) if use_slurm else None
+        if hosts is not None and per_host is not None:
+            hosts = {host: per_host for host in hosts}
         if hosts is None:
             if options.gpus is not None:
                 available = gpu_counter()
@@ -170,8 +203,23 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     if target.script is not None and not os.path.isfile(os.path.join(cwd, target.script)):
         # Checked here as well as in pre-flight so --dry-run catches it too.
         raise LaunchError(f"script {target.script} not found (looked in {cwd})")
-    hosts = resolve_hosts(options, environ, gpu_counter)
+    context = slurm.detect(environ)
+    mode = choose_launcher(options.launcher, context, bool(options.hostfile))
+    role = None
+    if mode == "step":
+        hosts, role = step_hosts(options, environ, context)
+    else:
+        hosts = resolve_hosts(options, environ, gpu_counter, use_slurm=mode != "local")
     local_names = {socket.gethostname()}
+    if context is not None:
+        # getfqdn may ask DNS, so only where node lists may use another spelling of this host.
+        local_names |= slurm.local_names(environ, socket.gethostname(), socket.getfqdn())
+    if role is not None:
+        local_names.add(role.host)
+    remote = [host for host in hosts if not is_local_host(host, local_names)]
+    if mode == "srun" and remote and shutil.which("srun") is None:
+        raise LaunchError("inside a Slurm allocation but srun is not on PATH: cannot start the other nodes",
+                          hint="module load slurm (or add srun to PATH), or --launcher ssh")
     env_file_vars = {}
     env_file = options.env_file or (DEFAULT_ENV_FILE if os.path.isfile(os.path.join(cwd, DEFAULT_ENV_FILE)) else None)
     if env_file:
@@ -180,12 +228,22 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
     first = next(iter(hosts))
     master_port = options.master_port
-    if master_port is None:
-        # A free port when the master is this machine (parallel jobs do not collide);
-        # torchrun's default otherwise, since we cannot probe another machine's ports.
-        master_port = free_port() if is_local_host(first, local_names) else DEFAULT_MASTER_PORT
+    if role is not None:
+        master_port = role.master_port  # every node's launcher computes the same (Note [Slurm port])
+    elif master_port is None:
+        # A free port when the master is this machine (parallel jobs do not collide); under
+        # Slurm one derived from the job id (Note [Slurm port]); torchrun's default otherwise,
+        # since we cannot probe another machine's ports.
+        master_port = (free_port() if is_local_host(first, local_names)
+                       else slurm.master_port(context.job_id, None) if context is not None and mode != "local"
+                       else DEFAULT_MASTER_PORT)
     token = secrets.token_hex(16)
-    run_dir = os.path.abspath(options.run_dir or default_run_dir(cwd))
+    if role is not None:
+        # One folder per node of the step (several launchers may share a filesystem).
+        base = options.run_dir or os.path.join(cwd, "zerorun-runs", f"slurm-{context.job_id}.{context.step_id}")
+        run_dir = os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
+    else:
+        run_dir = os.path.abspath(options.run_dir or default_run_dir(cwd))
     plan = build_plan(
         hosts,
         target,
@@ -194,14 +252,19 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         run_dir=run_dir,
         token=token,
         master_port=master_port,
-        master_addr=options.master_addr,
+        master_addr=options.master_addr or (role.master_addr if role is not None else None),
         local_names=local_names,
         set_visible_devices=any(":" in (f or "") for f in (options.include, options.exclude)),
         forwarded_env=forwarded_env(environ, env_file_vars) if any(not is_local_host(h, local_names) for h in hosts) else env_file_vars,
         inherited_env=environ,
         this_host_name=socket.gethostname(),
         device_kind="cpu" if options.nproc is not None else "cuda" if options.gpus is not None else None,
+        remote_reach="srun" if mode == "srun" else "ssh",
+        threads_per_worker=slurm.threads_per_worker(context, max(len(slots) for slots in hosts.values())),
     )
+    if role is not None:
+        # The plan numbers every node's ranks; this launcher runs only its own node's.
+        plan = dataclasses.replace(plan, nodes=[node for node in plan.nodes if node.node_rank == role.node_rank])
     from zerorun.config import load_config, to_dict
 
     config_source = os.path.join(cwd, options.config) if options.config else None
@@ -224,10 +287,35 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     if options.nproc is not None and has_nvidia_gpu():
         notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
                      "machine has GPUs; use --gpus N for GPU workers")
+    save_on_signal = config.checkpoint.on_signal
+    if save_on_signal:
+        for worker in plan.workers:
+            worker.env[SAVE_ON_SIGNAL_ENV] = "1"
     return PreparedJob(plan, token, config_json, options, ssh_options, notes=notes,
                        hang_timeout_s=config.telemetry.hang_timeout_s,
                        hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s),
+                       slurm=context, mode=mode, save_on_signal=save_on_signal,
+                       requeue=config.checkpoint.requeue,
                        startup_timeout_s=config.telemetry.startup_timeout_s)
+
+
+def step_hosts(options: LaunchOptions, environ: Mapping[str, str], ctx: slurm.SlurmContext):
+    """Every node of the srun step with its worker slots, and this launcher's role in it."""
+    role = slurm.step_role(ctx, options.master_port)
+    for flag, value in (("--hostfile", options.hostfile), ("--include", options.include),
+                        ("--exclude", options.exclude), ("--num-nodes", options.num_nodes)):
+        if value is not None:
+            raise LaunchError(f"{flag} does not apply under srun: the step's nodes are the job's",
+                              hint="choose the nodes with srun -N/-w")
+    if options.nproc is not None and options.gpus is not None:
+        raise LaunchError("--nproc and --gpus cannot be used together", hint="--gpus N for GPU workers, --nproc N for CPU workers")
+    per_node = options.gpus or options.nproc
+    if per_node is None:
+        gpus = environ.get("SLURM_GPUS_ON_NODE", "")
+        per_node = int(gpus) if gpus.isdigit() and int(gpus) > 0 else 1
+    if not 1 <= per_node <= MAX_SLOTS_PER_HOST:
+        raise LaunchError(f"{per_node} workers per node is not in 1..{MAX_SLOTS_PER_HOST}")
+    return {node: list(range(per_node)) for node in role.nodes}, role
 
 
 def hang_warning_after(environ: Mapping[str, str], configured: float) -> float:
@@ -238,7 +326,13 @@ def hang_warning_after(environ: Mapping[str, str], configured: float) -> float:
 
 
 def dry_run_text(job: PreparedJob) -> str:
-    return describe_plan(job.plan, job.node_commands()) + "\nresolved config:\n" + job.config_json
+    text = describe_plan(job.plan, job.node_commands())
+    if job.slurm is not None:
+        reach = {node.host: node.reach for node in job.plan.nodes}
+        lines = slurm.describe(job.slurm, reach, job.plan.master_port,
+                               signal_plan(job.save_on_signal, job.requeue))
+        text = "\n".join(lines) + "\n" + text
+    return text + "\nresolved config:\n" + job.config_json
 
 
 def write_run_dir(job: PreparedJob) -> None:
@@ -294,6 +388,88 @@ class ForgivingStream:
         return getattr(self._stream, name)
 
 
+# --- signals --------------------------------------------------------------------------------
+#
+# Note [Slurm signals]: Slurm talks to a job with signals. scancel, the time limit and
+# preemption send SIGTERM (then SIGKILL after KillWait); ``--signal=B:USR1@N`` sends SIGUSR1 to
+# the batch script N seconds before the time limit; a closed salloc/terminal session sends
+# SIGHUP. The launcher handles all of them: TERM, HUP and INT stop every worker (grace, then
+# KILL) and end with 128+signal; with checkpoint.on_signal, USR1/USR2 instead ask every worker
+# to save a checkpoint (agent -> SIGUSR1 to each worker; the ranks agree on the step,
+# save_on_signal.py) and stop, and with checkpoint.requeue the launcher then runs
+# ``scontrol requeue`` so the next start resumes (``checkpoint.resume``). Without on_signal,
+# USR1/USR2 stop the job like TERM. The last message says what the signal meant, asking
+# Slurm for the job's state where SIGTERM alone cannot tell (``signal_meaning``).
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+CHECKPOINT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def signal_plan(save_on_signal: bool, requeue: bool) -> list[str]:
+    """What each signal will do, for --dry-run and ``zerorun env`` (pure)."""
+    usr = "stop every worker (checkpoint.on_signal: true saves a checkpoint first)"
+    if save_on_signal:
+        usr = "every rank saves a checkpoint at the next step, then stops" + (
+            "; then scontrol requeue (the next start resumes)" if requeue else "")
+    return ["signals: SIGTERM (scancel, time limit, preemption) and SIGHUP stop every worker, exit 128+signal",
+            f"signals: SIGUSR1/SIGUSR2 (sbatch --signal=B:USR1@SECONDS): {usr}"]
+
+
+def signal_meaning(signum: int, job_state: str | None = None, end_time: int | None = None,
+                   now: float | None = None) -> str:
+    """What a signal that stopped the job meant, in words (pure)."""
+    name = signal.Signals(signum).name
+    if signum in CHECKPOINT_SIGNALS:
+        return f"time limit near ({name})"
+    if signum == signal.SIGINT:
+        return "interrupted (Ctrl-C)"
+    if signum == signal.SIGHUP:
+        return "hung up (SIGHUP: the session went away)"
+    state = (job_state or "").upper()
+    if "TIMEOUT" in state or (end_time is not None and now is not None and now >= end_time - 10):
+        return f"time limit ({name})"
+    if "PREEMPT" in state:
+        return f"preempted ({name})"
+    if "CANCEL" in state or job_state is not None:
+        return f"cancelled ({name}, scancel)"
+    return f"interrupted ({name})"  # outside Slurm: someone (kill, a supervisor) stopped it
+
+
+def slurm_job_state(job_id: int, timeout_s: float = 3.0, settle_s: float = 5.0) -> str | None:
+    """JobState of a Slurm job as scontrol reports it, or None when it cannot be asked.
+
+    A cancelled job shows COMPLETING until its steps are gone; it is asked again (for at most
+    ``settle_s``) until the final state (CANCELLED, TIMEOUT, PREEMPTED...) shows.
+    """
+    import subprocess
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            done = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        state = next((word.partition("=")[2] for word in done.stdout.split() if word.startswith("JobState=")), None)
+        if state != "COMPLETING" or time.monotonic() > deadline:
+            return state
+        time.sleep(0.2)
+
+
+def requeue_slurm_job(job_id: int) -> str | None:
+    """``scontrol requeue JOB``; None when done, else why not (one line)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["scontrol", "requeue", str(job_id)], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"scontrol requeue failed: {err}"
+    if done.returncode != 0:
+        return "scontrol requeue failed: " + (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+    return None
+
+
 def execute(job: PreparedJob, view_factory=None):
     """Pre-flight, write the run dir, start and supervise; returns a JobResult."""
     from zerorun.launch.preflight import preflight
@@ -315,10 +491,14 @@ def execute(job: PreparedJob, view_factory=None):
         files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
         hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s, startup_timeout_s=job.startup_timeout_s,
     )
-    previous = {
-        sig: signal.signal(sig, lambda signum, _frame: supervisor.interrupt(signum))
-        for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+
+    def on_signal(signum, _frame):
+        if signum in CHECKPOINT_SIGNALS and job.save_on_signal:
+            supervisor.request_checkpoint(signum)
+        else:
+            supervisor.interrupt(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in HANDLED_SIGNALS}
     try:
         return supervisor.run()
     finally:

@@ -53,12 +53,17 @@ class WorkerSpec:
     env: dict[str, str]
 
 
+# How the launcher reaches a node's agent: a child process here, over ssh, or as a Slurm step.
+REACHES = ("local", "ssh", "srun")
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     host: str
     node_rank: int
     local: bool
     workers: list[WorkerSpec]
+    reach: str = "ssh"  # one of REACHES; "local" exactly when ``local``
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ def build_plan(
     inherited_env: dict[str, str] | None = None,
     this_host_name: str = "localhost",
     device_kind: str | None = None,
+    remote_reach: str = "ssh",
+    threads_per_worker: int | None = None,
 ) -> LaunchPlan:
     """Number ranks and compute every worker's environment.
 
@@ -124,7 +131,12 @@ def build_plan(
     same). ``inherited_env`` is only consulted for variables we set only when the user has not
     (OMP_NUM_THREADS). ``device_kind``: "cpu" (--nproc) or "cuda" (--gpus) sets each worker's
     ZERORUN_DEVICE (Note [device contract] in device.py); None leaves the choice to the worker.
+    ``remote_reach``: how hosts other than this one are reached ("ssh" or "srun").
+    ``threads_per_worker``: OMP_NUM_THREADS where the user set none (the CPUs Slurm gave a
+    node shared among its workers); None keeps torchrun's rule (1 when a host runs several).
     """
+    if remote_reach not in REACHES[1:]:
+        raise LaunchError(f"remote hosts are reached by ssh or srun, not {remote_reach!r}")
     if not hosts:
         raise LaunchError("no hosts to run on")
     if not 0 < master_port < 65536:
@@ -158,7 +170,9 @@ def build_plan(
                 "PYTHONFAULTHANDLER": "1",
             }
             user_set_threads = "OMP_NUM_THREADS" in inherited_env or "OMP_NUM_THREADS" in (forwarded_env or {})
-            if len(slots) > 1 and not user_set_threads:
+            if threads_per_worker is not None and not user_set_threads:
+                env["OMP_NUM_THREADS"] = str(threads_per_worker)
+            elif len(slots) > 1 and not user_set_threads:
                 # torchrun's choice: N workers each spinning up all-core thread pools thrash.
                 env["OMP_NUM_THREADS"] = "1"
             device = device_for_worker(device_kind, local_rank)
@@ -168,7 +182,8 @@ def build_plan(
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
             workers.append(WorkerSpec(rank, local_rank, host, node_rank, target.argv(python, local_rank), env))
             rank += 1
-        nodes.append(NodeSpec(host, node_rank, is_local_host(host, local_names), workers))
+        local = is_local_host(host, local_names)
+        nodes.append(NodeSpec(host, node_rank, local, workers, "local" if local else remote_reach))
     return LaunchPlan(
         nodes=nodes,
         world_size=world_size,
@@ -206,7 +221,7 @@ def describe_plan(plan: LaunchPlan, node_commands: dict[str, list[str]]) -> str:
     if plan.forwarded_env:
         lines.append("forwarded env: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(plan.forwarded_env.items())))
     for node in plan.nodes:
-        where = "local" if node.local else "ssh"
+        where = node.reach
         lines.append(f"host {node.host} (node {node.node_rank}, {where}, {len(node.workers)} worker(s))")
         lines.append("  agent: " + shlex.join(node_commands.get(node.host, ["(none)"])))
         for worker in node.workers:

@@ -1,6 +1,6 @@
 """Pre-flight: before any worker starts, check every host and report all problems at once.
 
-Each host answers one probe (``probe_facts``, run in-process here and through ssh elsewhere):
+Each host answers one probe (``probe_facts``, run in-process here and through ssh or srun elsewhere):
 is the working directory there, is the script (or module) there, which Python and torch.
 ``compare_facts`` is pure: it turns the answers into a list of problems, one line each.
 """
@@ -13,8 +13,8 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 from zerorun.errors import LaunchError
-from zerorun.launch.commands import remote_shell_command, ssh_argv
-from zerorun.launch.plan import LaunchPlan
+from zerorun.launch.commands import on_host
+from zerorun.launch.plan import LaunchPlan, NodeSpec
 
 PROBE_TIMEOUT_S = 30.0
 
@@ -96,19 +96,20 @@ def compare_facts(reference_host: str, facts: dict[str, dict | str], script_labe
     return problems
 
 
-def probe_remote(host: str, plan: LaunchPlan, ssh_port: int | None, ssh_options: list[str]) -> dict | str:
+def probe_remote(node: NodeSpec, plan: LaunchPlan, ssh_port: int | None, ssh_options: list[str]) -> dict | str:
     target = plan.target
     argv = [plan.python, "-c", PROBE_SOURCE, plan.cwd, target.script or "", target.module or ""]
     # cd / so a missing working directory is reported by the probe rather than by the shell.
-    command = ssh_argv(host, remote_shell_command("/", argv), ssh_port=ssh_port, extra_options=ssh_options)
+    command = on_host(node.reach, node.host, "/", argv, ssh_port=ssh_port, ssh_options=ssh_options)
+    how = node.reach
     try:
         done = subprocess.run(command, capture_output=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
-        return f"no answer over ssh within {PROBE_TIMEOUT_S:.0f} s"
+        return f"no answer over {how} within {PROBE_TIMEOUT_S:.0f} s"
     except OSError as err:
-        return f"cannot run ssh: {err}"
+        return f"cannot run {how}: {err}"
     stderr = done.stderr.decode("utf-8", "replace").strip().splitlines()
-    if done.returncode == 255:
+    if done.returncode == 255 and how == "ssh":
         return "unreachable over ssh: " + (stderr[-1] if stderr else "ssh exit code 255")
     if done.returncode == 127:
         return f"{plan.python} does not exist there"
@@ -130,7 +131,7 @@ def preflight(plan: LaunchPlan, *, ssh_port: int | None = None, ssh_options: lis
         facts[local_host] = probe_facts(plan.cwd, target.script, target.module)
     if remote:
         with ThreadPoolExecutor(max_workers=min(16, len(remote))) as pool:
-            answers = pool.map(lambda node: probe_remote(node.host, plan, ssh_port, ssh_options or []), remote)
+            answers = pool.map(lambda node: probe_remote(node, plan, ssh_port, ssh_options or []), remote)
             facts.update({node.host: answer for node, answer in zip(remote, answers)})
     elif local_needed:
         # Single-host runs use this very interpreter: only the script needs checking, and a

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerorun.launch import watchdog
-from zerorun.launch.commands import agent_argv, remote_shell_command, ssh_argv
+from zerorun.launch.commands import node_agent_command, on_host
 from zerorun.launch.plan import LaunchPlan, NodeSpec
 from zerorun.launch.processes import describe_exit, sweep_run
 from zerorun.telemetry.sanitize import printable
@@ -64,6 +64,8 @@ class JobResult:
     leftovers: dict[str, str] = field(default_factory=dict)
     # The signal that interrupted the launcher (SIGINT, SIGTERM), when interrupted.
     signal: int | None = None
+    # The signal (SIGUSR1/2) on which every worker was asked to save a checkpoint and stop.
+    checkpoint_signal: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -198,7 +200,7 @@ def _job_line(node: NodeSpec, plan: LaunchPlan, grace_s: float, files: dict[str,
 
 
 class AgentChannel:
-    """One host's agent process: ``python -m zerorun.launch.agent``, here or over ssh.
+    """One host's agent process: ``python -m zerorun.launch.agent``, here, over ssh or as a Slurm step.
 
     The local host gets an agent process too, not an in-process one: if the launcher is
     killed outright (SIGKILL, OOM killer), the agent sees EOF on its stdin and ends its
@@ -209,22 +211,16 @@ class AgentChannel:
                  ssh_port: int | None, ssh_options: list[str], files: dict[str, str] | None = None):
         self.host = node.host
         self.local = node.local
+        self.reach = node.reach
         self.events = events
         self.grace_s = grace_s
         self.sink: OutputSink | None = None
         self.ssh_port, self.ssh_options = ssh_port, ssh_options
         # The run's files (config.json) travel with the job: hosts need not share a filesystem.
         self.job = _job_line(node, plan, grace_s, files)
-        if node.local:
-            self.argv, self.cwd = agent_argv(plan.python), plan.cwd
-        else:
-            self.cwd = None
-            self.argv = ssh_argv(
-                node.host,
-                remote_shell_command(plan.cwd, agent_argv(plan.python, plan.forwarded_env)),
-                ssh_port=ssh_port,
-                extra_options=ssh_options,
-            )
+        self.cwd = plan.cwd if node.local else None
+        self.argv = node_agent_command(node.reach, node.host, plan.cwd, plan.python, plan.forwarded_env,
+                                       ssh_port=ssh_port, ssh_options=ssh_options)
         self.proc: subprocess.Popen | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.done = False  # the agent said "done": it ended and reaped every worker itself
@@ -304,6 +300,9 @@ class AgentChannel:
     def dump_stacks(self) -> None:
         self._send("dump")
 
+    def checkpoint(self) -> None:
+        self._send("checkpoint")
+
     def finish(self) -> None:
         """Wait for the agent to end its workers; if it does not, close the session (EOF ends them)."""
         if self.proc is None:
@@ -313,8 +312,17 @@ class AgentChannel:
             self.proc.wait(timeout=self.grace_s + 5.0)
         except subprocess.TimeoutExpired:
             self.killed = True
-            self.proc.kill()
-            self.proc.wait()
+            if self.reach == "srun":
+                # srun passes SIGTERM on to the step (the agent ends its workers); a killed srun
+                # would leave the step to Slurm's own timeouts.
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=self.grace_s + 5.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
         for thread in self._threads:
             thread.join(timeout=2.0)
 
@@ -337,16 +345,23 @@ class AgentChannel:
             "\nimport json, sys\nprint(json.dumps(sweep_run(sys.stdin.readline().strip(), float(sys.argv[1]))))\n"
         )
         python = self.job["workers"][0]["argv"][0] if self.job["workers"] else "python3"
-        command = ssh_argv(self.host, remote_shell_command("/", [python, "-c", source, str(wait_s)]),
-                           ssh_port=self.ssh_port, extra_options=self.ssh_options)
+        command = on_host(self.reach, self.host, "/", [python, "-c", source, str(wait_s)],
+                          ssh_port=self.ssh_port, ssh_options=self.ssh_options)
         try:
             done = subprocess.run(command, input=(token + "\n").encode(), capture_output=True, timeout=wait_s + 30)
             return json.loads(done.stdout.decode().strip().splitlines()[-1])
         except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-            return "unreachable over ssh to check that its workers ended"
+            return f"unreachable over {self.reach} to check that its workers ended"
 
 
 # --- the supervisor -------------------------------------------------------------------------
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
+
 
 
 class Supervisor:
@@ -375,12 +390,20 @@ class Supervisor:
         self._hang_missing: tuple[int, ...] = ()
         self._lost_hosts: set[str] = set()
         self._signal: int | None = None
+        self._checkpoint_signal: int | None = None
+        self._checkpoint_asked = False
+        self._checkpoint_deferred = False
 
     def interrupt(self, signum: int = 2) -> None:
         """Ctrl-C / SIGTERM: safe to call from a signal handler."""
         if not self._interrupt.is_set():
             self._signal = signum
         self._interrupt.set()
+
+    def request_checkpoint(self, signum: int) -> None:
+        """SIGUSR1/2 with checkpoint.on_signal: safe to call from a signal handler (Note [Slurm signals])."""
+        if self._checkpoint_signal is None:
+            self._checkpoint_signal = signum
 
     def run(self) -> JobResult:
         log_dir = Path(self.plan.run_dir) / "logs"
@@ -405,6 +428,8 @@ class Supervisor:
                 now = time.monotonic()
                 if self._interrupt.is_set() and self._stopping_since is None and self._dumping_since is None:
                     self._stop_all()
+                if self._checkpoint_signal is not None and not self._checkpoint_asked:
+                    self._pass_on_checkpoint_request()
                 if self._stopping_since is not None and now - self._stopping_since > self.grace_s + 8.0:
                     break  # hosts that do not answer: finish() below closes their sessions
                 if now >= next_check:
@@ -424,7 +449,29 @@ class Supervisor:
             self._sink.close()
             self.view.stop(self._failure is not None or self._interrupt.is_set())
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
-                         self._signal if self._interrupt.is_set() else None)
+                         self._signal if self._interrupt.is_set() else None, self._checkpoint_signal)
+
+    def _pass_on_checkpoint_request(self) -> None:
+        """Note [save request waits for training]: a worker installs its SIGUSR1 handler in
+        ``zerorun.initialize``; before that SIGUSR1 would kill it (Slurm's timer can fire
+        within a second of the job's start). So the request goes to the workers only once every
+        rank has reported a step: until then there is nothing to save anyway. A job that never
+        reports steps keeps running until Slurm's SIGTERM at the time limit."""
+        name = signal_name(self._checkpoint_signal)
+        collector = getattr(self.view, "collector", None)
+        if collector is not None:
+            steps = {v.rank: v.step for v in collector.snapshot(output_lines=0).ranks}
+            if any((steps.get(rank) or 0) < 1 for rank in self._tails):
+                if not self._checkpoint_deferred:
+                    self._checkpoint_deferred = True
+                    self._sink.output("launcher", None, f"{name}: the ranks have not all made a step yet; the "
+                                      "checkpoint is asked for once they have (checkpoint.on_signal)")
+                return
+        self._checkpoint_asked = True
+        self._sink.output("launcher", None, f"{name}: asking every rank to save a checkpoint at its next step "
+                          "and stop (checkpoint.on_signal)")
+        for channel in self.channels:
+            channel.checkpoint()
 
     def _handle(self, host: str, event: dict) -> None:
         kind, rank = event.get("t"), event.get("rank")
@@ -447,8 +494,9 @@ class Supervisor:
                 if channel.local:
                     reason = f"its agent process died ({describe_exit(event.get('rc') or 0)})"
                 else:
-                    detail = "; ".join(event.get("stderr", [])[-3:]) or f"ssh exit code {event.get('rc')}"
-                    reason = f"lost the ssh session to its agent ({detail})"
+                    detail = "; ".join(event.get("stderr", [])[-3:]) or f"{channel.reach} exit code {event.get('rc')}"
+                    what = "Slurm step running" if channel.reach == "srun" else "ssh session to"
+                    reason = f"lost the {what} its agent ({detail})"
                 self._fail(Failure(host, None, reason))
             self._running -= lost
 

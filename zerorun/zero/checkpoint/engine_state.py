@@ -594,10 +594,18 @@ def resume_from_config(engine) -> None:
 
 
 def save_on_interval(engine) -> None:
-    """``checkpoint.interval_steps``: save after every N-th optimizer step, keeping ``keep_last``."""
+    """``checkpoint.interval_steps``: save after every N-th optimizer step, keeping ``keep_last``;
+    ``checkpoint.on_signal``: save and stop when the launcher passed on Slurm's signal."""
+    from zerorun.launch import save_on_signal
+
     cfg = engine.config.checkpoint
-    if cfg.interval_steps > 0 and cfg.dir and engine.train_state.global_step % cfg.interval_steps == 0:
+    saved = cfg.interval_steps > 0 and cfg.dir and engine.train_state.global_step % cfg.interval_steps == 0
+    if saved:
         save_checkpoint(engine, cfg.dir, keep_last=cfg.keep_last)
+    if cfg.on_signal and cfg.dir and save_on_signal.due(engine):
+        if not saved:
+            save_checkpoint(engine, cfg.dir, keep_last=cfg.keep_last)
+        save_on_signal.stop(engine, cfg.dir)
 
 
 # -- the whole model ------------------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 Order (as the issue states): the default group if the caller initialised one; else one
 initialised from the launcher's / torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT); else world size 1 with no torch.distributed at all.
+MASTER_ADDR, MASTER_PORT); else, under plain ``srun python train.py``, one rank per Slurm task
+(SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first node of SLURM_STEP_NODELIST and
+the port of Note [Slurm port] in launch/slurm.py); else world size 1 with no torch.distributed
+at all. Where Slurm says there are several tasks but no world can be formed, the error says
+so: never a silent world of 1.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ def resolve_process_group(model_device: torch.device) -> ProcessGroupInfo:
     """Join (or create) the group; NCCL only when the model lives on CUDA."""
     if dist.is_available() and dist.is_initialized():
         return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), model_device)
+    if _env_int("WORLD_SIZE") is None and _env_int("RANK") is None:
+        adopt_slurm_step(os.environ)
+    from zerorun.launch import save_on_signal
+
+    save_on_signal.arm()  # checkpoint.on_signal: SIGUSR1 only noted, never fatal (save_on_signal.py)
     world_size = _env_int("WORLD_SIZE") or 1
     if world_size == 1:
         return ProcessGroupInfo(None, 0, 1, model_device)
@@ -61,6 +70,27 @@ def resolve_process_group(model_device: torch.device) -> ProcessGroupInfo:
     atexit.register(leave_process_group)
     _watch_for_uncaught_exceptions()
     return ProcessGroupInfo(None, rank, world_size, model_device)
+
+
+def adopt_slurm_step(environ) -> None:
+    """Under ``srun python train.py``: write the Slurm step's world as torchrun's variables.
+
+    Written into the environment (not only used here) so that ``env://`` initialisation and the
+    script's own reads of RANK/LOCAL_RANK agree with the group formed.
+    """
+    from zerorun.errors import ZerorunError
+    from zerorun.launch.slurm import step_world
+
+    try:
+        world = step_world(environ)
+    except ZerorunError as err:
+        raise RuntimeConfigError(err.message, hint=err.hint) from None
+    if world is None:
+        return
+    environ.update({
+        "RANK": str(world.rank), "WORLD_SIZE": str(world.world_size), "LOCAL_RANK": str(world.local_rank),
+        "MASTER_ADDR": world.master_addr, "MASTER_PORT": str(world.master_port),
+    })
 
 
 def leave_together(group=None, *, settle_timeout_s: float = 5.0) -> None:

@@ -1,0 +1,231 @@
+"""A private Slurm cluster on this machine for the Slurm tests (used by test_slurm_jobs.py beside it).
+
+    python tests/e2e/slurm_cluster.py DIR     # start one by hand, print its SLURM_CONF; Ctrl-C stops it
+
+Debian's slurm-wlm (22.05) and munge, installed by ``scripts/setup.sh --test``. Everything lives
+in one temporary directory: a munge key and socket, a slurm.conf naming two nodes n1 and n2
+that are both this host (``NodeHostname=<this host> NodeAddr=127.0.0.1`` with distinct
+``Port=``), and the state, spool, pid and log files. The daemons are started as root on free
+ports (munged, slurmctld, ``slurmd -N n1`` and ``slurmd -N n2``) and are the only processes
+``stop`` ends (by the pids they wrote). Clients find the cluster through ``SLURM_CONF``.
+
+Workers rendezvous at the first node's *name*, so n1 and n2 must resolve: ``start`` appends
+``127.0.0.1 n1 n2`` to /etc/hosts, marked with this cluster's directory, and ``stop`` removes
+exactly that line again. Each cluster adds its own line even when the names already resolve:
+two clusters at once (a test run beside a hand-started one) must not take the names away from
+each other.
+
+No accounting daemon (slurmdbd needs a SQL server): finished jobs go to a jobcomp text file,
+and ``sacct`` is not available; per-step CPU time is read from ``sstat``/the jobcomp file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NODES = ("n1", "n2")
+CPUS_PER_NODE = 4
+HOSTS_LINE = "127.0.0.1 n1 n2  # zerorun slurm test cluster {dir}"
+DAEMONS = ("slurmctld", "slurmd", "munged")
+
+
+def slurm_available() -> str | None:
+    """None when a private cluster can be started here, else the reason why not."""
+    missing = [name for name in ("slurmctld", "slurmd", "munged", "srun", "sbatch", "salloc")
+               if not shutil.which(name) and not Path("/usr/sbin", name).exists()]
+    if missing:
+        return "Slurm is not installed (" + ", ".join(missing) + " missing; scripts/setup.sh --test installs slurm-wlm and munge)"
+    if os.geteuid() != 0:
+        return "the private Slurm cluster runs its daemons as root"
+    return None
+
+
+def _free_ports(count: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _resolves(name: str) -> bool:
+    try:
+        return socket.gethostbyname(name) == "127.0.0.1"
+    except OSError:
+        return False
+
+
+class SlurmCluster:
+    def __init__(self, workdir: Path):
+        self.dir = Path(workdir).resolve()
+        self.conf = self.dir / "slurm.conf"
+        self.munge_socket = self.dir / "munge.socket"
+        self.jobcomp = self.dir / "jobcomp.txt"
+        self.host = socket.gethostname()
+        self._hosts_line = HOSTS_LINE.format(dir=self.dir)
+        self._added_hosts_line = False
+        self._pid_files: list[Path] = []
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a client (sbatch, srun, squeue) needs to reach this cluster."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def _write_config(self) -> None:
+        ctld, n1, n2 = _free_ports(3)
+        nodes = "\n".join(
+            f"NodeName={name} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} State=UNKNOWN"
+            for name, port in zip(NODES, (n1, n2), strict=True))
+        d = self.dir
+        self.conf.write_text(f"""ClusterName=zerorun-test
+SlurmctldHost={self.host}(127.0.0.1)
+SlurmctldPort={ctld}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_socket}
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool-%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/builtin
+SwitchType=switch/none
+MpiDefault=none
+JobCompType=jobcomp/filetxt
+JobCompLoc={self.jobcomp}
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=1
+ReturnToService=2
+SlurmdParameters=config_overrides
+KillWait=5
+MinJobAge=30
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+{nodes}
+PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+""")
+        # Debian's slurmd looks for cgroup.conf beside slurm.conf even with no cgroup plugin.
+        (d / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\n")
+
+    def _start(self, argv: list[str], pid_file: Path, what: str, timeout_s: float = 30.0) -> None:
+        self._pid_files.append(pid_file)
+        done = subprocess.run(argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"{what} did not start: {done.stdout.decode(errors='replace')[-800:]}")
+        deadline = time.monotonic() + timeout_s
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not pid_file.exists():
+            raise RuntimeError(f"{what} wrote no pid file {pid_file}")
+
+    def start(self) -> SlurmCluster:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for sub in ("state", "spool-n1", "spool-n2"):
+            (self.dir / sub).mkdir(exist_ok=True)
+        with open("/etc/hosts", "a") as hosts:
+            hosts.write(self._hosts_line + "\n")
+        self._added_hosts_line = True
+        if not all(_resolves(name) for name in NODES):
+            self.stop()
+            raise RuntimeError("n1 and n2 do not resolve to 127.0.0.1 even with the /etc/hosts line")
+        self._write_config()
+        key = self.dir / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        try:
+            self._start(["munged", "--force", f"--socket={self.munge_socket}", f"--key-file={key}",
+                         f"--pid-file={self.dir / 'munged.pid'}", f"--log-file={self.dir / 'munged.log'}",
+                         f"--seed-file={self.dir / 'munged.seed'}"], self.dir / "munged.pid", "munged")
+            self._start(["slurmctld", "-f", str(self.conf), "-i"], self.dir / "slurmctld.pid", "slurmctld")
+            for name in NODES:
+                self._start(["slurmd", "-f", str(self.conf), "-N", name], self.dir / f"slurmd-{name}.pid",
+                            f"slurmd -N {name}")
+            self.wait_idle()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Until both nodes are idle (registered with slurmctld)."""
+        deadline = time.monotonic() + timeout_s
+        states = ""
+        while time.monotonic() < deadline:
+            done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
+            states = done.stdout.strip()
+            if done.returncode == 0 and all(f"{name} idle" in states for name in NODES):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"nodes not idle after {timeout_s:.0f} s: {states!r}; see {self.dir}/*.log")
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("env", self.env)
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(argv, **kwargs)
+
+    def stop(self) -> None:
+        """End exactly the daemons this object started (by their pid files), newest first."""
+        for pid_file in reversed(self._pid_files):
+            try:
+                pid = int(pid_file.read_text().strip())
+            except (OSError, ValueError):
+                continue
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                continue
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    break
+                time.sleep(0.1)
+            else:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        self._pid_files.clear()
+        if self._added_hosts_line:
+            lines = Path("/etc/hosts").read_text().splitlines(keepends=True)
+            Path("/etc/hosts").write_text("".join(line for line in lines if line.rstrip("\n") != self._hosts_line))
+            self._added_hosts_line = False
+
+
+if __name__ == "__main__":
+    reason = slurm_available()
+    if reason:
+        sys.exit(reason)
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # sigwait below takes them, not a handler
+    cluster = SlurmCluster(Path(sys.argv[1])).start()
+    print(f"export SLURM_CONF={cluster.conf}", flush=True)
+    try:
+        signal.sigwait(stop_signals)
+    finally:
+        cluster.stop()

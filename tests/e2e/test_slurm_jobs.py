@@ -1,0 +1,343 @@
+"""pytest -m slurm tests/e2e/test_slurm_jobs.py (long: not in the default run) — zerorun on a real (private) Slurm cluster, no SSH.
+
+A module fixture starts munged, slurmctld and two slurmd daemons (nodes n1 and n2, both this
+host; slurm_cluster.py). No sshd is started: every node is reached by srun. The training job is
+slurm_train.py (ZeRO-2, 2 ranks); its losses are compared with a local ``zerorun --nproc 2``
+run of the same script, which sees the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from launch_helpers import REPO
+from slurm_cluster import SlurmCluster, slurm_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.long]  # a real Slurm
+
+TRAIN = Path(__file__).with_name("slurm_train.py")
+BIN = Path(sys.executable).parent
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = slurm_available()
+    if reason:
+        pytest.skip(reason)
+    started = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield started
+    started.stop()
+
+
+def job_env(cluster: SlurmCluster) -> dict:
+    env = cluster.env
+    env["PYTHONPATH"] = str(REPO)
+    env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+    env.pop("ZERORUN_SSH_OPTS", None)
+    return env
+
+
+def zerorun_cmd(*args: str) -> str:
+    return " ".join([str(BIN / "zerorun"), "--no-dashboard", *args])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Losses and final parameters of a local 2-rank run of slurm_train.py (no Slurm)."""
+    out = tmp_path_factory.mktemp("reference")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([str(BIN / "zerorun"), "--no-dashboard", "--launcher", "local", "--nproc", "2",
+                           str(TRAIN), str(STEPS), str(out)], cwd=out, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / "losses.json").read_text()), json.loads((out / "world.json").read_text())
+
+
+def assert_same_training(out: Path, reference) -> None:
+    losses, world = json.loads((out / "losses.json").read_text()), json.loads((out / "world.json").read_text())
+    assert world["world_size"] == 2 and world["nodes"] == ["n1", "n2"], world  # one rank per node
+    assert losses == reference[0]  # bit-identical: same batches, same reduction order
+    assert world["params"] == reference[1]["params"]
+
+
+def test_salloc_two_nodes_trains_like_a_local_run(cluster, reference, tmp_path):
+    done = cluster.run(["salloc", "-N2", "--quiet", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],
+                       cwd=tmp_path, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_training(tmp_path, reference)
+
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def final_state(cluster: SlurmCluster, job_id: str) -> str | None:
+    """The job's state once it has ended for good (not requeued), from the jobcomp file; else None."""
+    if cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
+        return None
+    lines = cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []
+    states = [line.split("JobState=")[1].split()[0] for line in lines if f"JobId={job_id} " in line]
+    return states[-1] if states and states[-1] in FINAL_STATES else None
+
+
+def wait_job(cluster: SlurmCluster, job_id: str, timeout_s: float = 120.0) -> str:
+    return wait_for(lambda: final_state(cluster, job_id), timeout_s, f"job {job_id} to end")
+
+
+def sbatch(cluster: SlurmCluster, cwd: Path, script: str, *options: str) -> str:
+    path = cwd / "job.sh"
+    path.write_text("#!/bin/bash\n" + script + "\n")
+    done = cluster.run(["sbatch", "--parsable", "-o", str(cwd / "slurm-%j.out"), *options, str(path)],
+                       cwd=cwd, env=job_env(cluster), timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def test_sbatch_two_nodes_trains_like_a_local_run(cluster, reference, tmp_path):
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)), "-N2")
+    state = wait_job(cluster, job)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", log[-2000:]
+    assert_same_training(tmp_path, reference)
+
+
+def test_srun_one_launcher_per_node_and_srun_python_train_the_same(cluster, reference, tmp_path):
+    launchers, plain = tmp_path / "launchers", tmp_path / "plain"
+    launchers.mkdir(), plain.mkdir()
+    done = cluster.run(["srun", "-N2", "--ntasks-per-node=1", *zerorun_cmd(str(TRAIN), str(STEPS), str(launchers)).split()],
+                       cwd=launchers, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_training(launchers, reference)
+    assert (launchers / "zerorun-runs").is_dir()
+    done = cluster.run(["srun", "-N2", "-n2", str(BIN / "python"), str(TRAIN), str(STEPS), str(plain)],
+                       cwd=plain, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert_same_training(plain, reference)
+
+
+def test_two_launchers_on_one_node_are_refused_at_once(cluster, tmp_path):
+    started = time.monotonic()
+    done = cluster.run(["srun", "-N1", "-n2", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],
+                       cwd=tmp_path, env=job_env(cluster), timeout=60)
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("zerorun: error:")]
+    assert errors and all("2 zerorun launchers on node n1" in line for line in errors), done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "losses.json").exists() and not list(tmp_path.glob("pid.*"))
+    # Refused before any worker starts: srun's own start-up is most of this (1.8 s measured).
+    assert elapsed < 10, elapsed
+
+
+def live_workers(out: Path) -> list[int]:
+    pids = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def busy_agent_steps(cluster: SlurmCluster, job: str) -> list[str]:
+    """The job's steps with at least a second of CPU time, from sstat (JobID|AveCPU lines)."""
+    done = cluster.run(["sstat", "-a", "-n", "-P", "-j", job, "--format=JobID,AveCPU"])
+    steps = []
+    for line in done.stdout.splitlines():
+        step, _, cpu = line.partition("|")
+        if step.split(".")[-1].isdigit() and cpu and cpu not in ("00:00:00", "00:00.000"):
+            steps.append(step)
+    return steps
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def started_training(out: Path) -> bool:
+    return len(list(out.glob("pid.*"))) == 2 and (out / "losses.json").exists()
+
+
+@pytest.mark.parametrize("how", ["salloc", "sbatch"])
+def test_scancel_ends_every_worker_within_10_s(cluster, tmp_path, how):
+    command = zerorun_cmd(str(TRAIN), "100000", str(tmp_path), "0.2")
+    if how == "salloc":
+        proc = subprocess.Popen(["salloc", "-N2", "--quiet", "-J", "scancel-me", *command.split()], cwd=tmp_path,
+                                env=job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        job = wait_for(lambda: cluster.run(["squeue", "-h", "-n", "scancel-me", "-o", "%i"]).stdout.strip(), 60,
+                       "the salloc job")
+    else:
+        job = sbatch(cluster, tmp_path, "exec " + command, "-N2")
+    try:
+        wait_for(lambda: started_training(tmp_path), 120, "both ranks to train")
+        pids = live_workers(tmp_path)
+        assert len(pids) == 2
+        if how == "salloc":
+            # Both nodes' workers run inside srun steps, so Slurm accounts their CPU time there
+            # (sstat: this cluster has no slurmdbd for sacct).
+            wait_for(lambda: len(busy_agent_steps(cluster, job)) == 2, 60, "CPU time in both agent steps")
+        cancelled = time.monotonic()
+        assert cluster.run(["scancel", job]).returncode == 0
+        wait_for(lambda: not live_workers(tmp_path), 10, f"workers {pids} to end after scancel")
+        gone_after = time.monotonic() - cancelled
+        assert gone_after < 10
+        if how == "salloc":
+            err = proc.communicate(timeout=60)[1].decode(errors="replace")
+            assert proc.returncode == 143, err[-2000:]
+        else:
+            wait_job(cluster, job, timeout_s=60)
+            err = (tmp_path / f"slurm-{job}.out").read_text()
+        assert "zerorun: cancelled (" in err, err[-2000:]  # not a worker failure
+    finally:
+        cluster.run(["scancel", job])
+        if how == "salloc":
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+CHECKPOINT_CONFIG = "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, requeue: true, resume: true}\n"
+
+
+def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_path):
+    """USR1 to the batch script (what --signal=B:USR1@N sends before the time limit, sent here with
+    scancel --batch so the test need not wait for Slurm's timer): every rank saves, the job
+    requeues itself, and the second start resumes from the checkpoint."""
+    steps = 12
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    # checkpoint.resume wants the directory to exist on the first start (the engine's rule).
+    (reference / "ckpt").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    done = cluster.run(["salloc", "-N2", "--quiet",
+                        *zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(steps), str(reference)).split()],
+                       cwd=reference, env=job_env(cluster), timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (tmp_path / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(steps),
+                                                          str(tmp_path), "1.0"),
+                 "-N2", "--requeue", "--open-mode=append")
+    wait_for(lambda: started_training(tmp_path), 120, "both ranks to train")
+    assert cluster.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+    wait_for(lambda: list((tmp_path / "ckpt").glob("global_step*")), 60, "the checkpoint on SIGUSR1")
+    assert len(json.loads((tmp_path / "losses.json").read_text())) < steps  # saved mid-way, not at the end
+    # Slurm holds a requeued job back for a while (BeginTime); let it start now.
+    wait_for(lambda: "requeued" in (tmp_path / f"slurm-{job}.out").read_text(), 60, "the requeue")
+    requeued_at = time.monotonic()
+
+    def started_again() -> bool:
+        # Not at once: the first start's batch step must be cleaned up on n1 before the same job
+        # id starts there again (nudged within a second, the second start failed at once).
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        if state == "PENDING" and time.monotonic() - requeued_at > 10:
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        if final_state(cluster, job) is not None:
+            return True  # ended (the assertions below say how)
+        return "resumed from" in (tmp_path / f"slurm-{job}.out").read_text()
+
+    try:
+        wait_for(started_again, 120, "the requeued job to resume")
+        state = wait_job(cluster, job, timeout_s=120)
+    except AssertionError as err:
+        queue = cluster.run(["scontrol", "-o", "show", "job", job]).stdout
+        raise AssertionError(f"{err}\n{queue}\n{(tmp_path / f'slurm-{job}.out').read_text()[-3000:]}") from None
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in log, log[-3000:]
+    assert f"job {job} requeued" in log, log[-3000:]
+    assert "zerorun: resumed from" in log, log[-3000:]
+    assert state == "COMPLETED", log[-3000:]
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses == json.loads((reference / "losses.json").read_text())
+    assert json.loads((tmp_path / "world.json").read_text())["params"] == \
+        json.loads((reference / "world.json").read_text())["params"]
+
+
+def test_a_real_time_limit_signal_reaches_zerorun_which_saves_and_requeues(cluster, tmp_path):
+    """sbatch --time=1 --signal=B:USR1@50: Slurm's own timer (it runs every few seconds to half a
+    minute) sends SIGUSR1 to the batch script well before the limit; zerorun saves and requeues."""
+    (tmp_path / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    (tmp_path / "ckpt").mkdir()
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), "1000",
+                                                          str(tmp_path), "0.5"),
+                 "-N2", "--time=1", "--signal=B:USR1@50", "--requeue", "--open-mode=append")
+    log = tmp_path / f"slurm-{job}.out"
+    try:
+        wait_for(lambda: log.exists() and f"job {job} requeued" in log.read_text(), 75, "the save and requeue")
+    finally:
+        cluster.run(["scancel", job])
+    text = log.read_text()
+    assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in text, text[-3000:]
+    assert list((tmp_path / "ckpt").glob("global_step*"))
+    wait_job(cluster, job, timeout_s=60)
+
+
+FAILER = r"""
+import os, sys, time, zerorun, torch
+model = torch.nn.Linear(3, 2)
+engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 1}})
+if engine.rank == 1:
+    time.sleep(2)
+    open("failed_at", "w").write(repr(time.time()))
+    raise ValueError("bad batch on rank 1")
+time.sleep(300)
+"""
+
+
+def test_a_rank_that_raises_ends_the_job_within_10_s_with_the_root_cause(cluster, tmp_path):
+    (tmp_path / "fail.py").write_text(FAILER)
+    started = time.monotonic()
+    done = cluster.run(["salloc", "-N2", "--quiet", *zerorun_cmd("fail.py").split()], cwd=tmp_path,
+                       env=job_env(cluster), timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "rank 1 on host n2 failed: exit code 1" in done.stderr
+    assert "ValueError: bad batch on rank 1" in done.stderr
+    # From the raise to salloc's exit: teardown of both nodes (grace 3 s) and the end of the steps.
+    ended_after = time.time() - float((tmp_path / "failed_at").read_text())
+    assert ended_after < 10, ended_after
+    assert time.monotonic() - started < 90
+
+
+def test_two_jobs_on_one_node_at_once_do_not_collide_on_ports(cluster, tmp_path):
+    outs = [tmp_path / "a", tmp_path / "b"]
+    procs = []
+    for out in outs:
+        out.mkdir()
+        procs.append(subprocess.Popen(
+            ["salloc", "-N1", "-w", "n1", "--quiet", *zerorun_cmd("--nproc", "2", str(TRAIN), "4", str(out), "1.0").split()],
+            cwd=out, env=job_env(cluster), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [proc.communicate(timeout=180) for proc in procs]
+    for proc, (_, err) in zip(procs, results, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+    ports = {json.loads(next(out.glob("zerorun-runs/*/plan.json")).read_text())["master_port"] for out in outs}
+    assert len(ports) == 2  # derived from two different job ids (Note [Slurm port])
+    assert all(len(json.loads((out / "losses.json").read_text())) == 4 for out in outs)
+
+
+def test_the_sbatch_template_runs_as_a_new_user_would(cluster, tmp_path):
+    env = job_env(cluster)
+    done = subprocess.run([str(BIN / "zerorun"), "init", "--slurm"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and "sbatch job.sbatch" in done.stdout, done.stderr
+    # Only the resources this 4-CPU test cluster lacks are changed, on the command line.
+    done = cluster.run(["sbatch", "--parsable", "--cpus-per-task=1", "job.sbatch"], cwd=tmp_path, env=env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip()
+    state = wait_job(cluster, job, timeout_s=180)
+    log = (tmp_path / f"zerorun-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert "rank 1" in log or "│    1 │ n2" in log, log[-3000:]
+    assert list((tmp_path / "zerorun-runs").glob("*/logs/rank1.log"))

@@ -1,0 +1,149 @@
+"""pytest tests/unit/test_slurm_launch.py — the launcher's plans inside Slurm (faked environments, no Slurm).
+
+The environments are test_slurm.py's, recorded on a real Slurm 22.05: an srun task, a batch
+script and a salloc shell.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from test_slurm import BATCH, SALLOC, SRUN_TASK
+
+from zerorun.errors import LaunchError
+from zerorun.launch import launcher, slurm
+from zerorun.launch.launcher import LaunchOptions, choose_launcher, dry_run_text, prepare, signal_meaning
+from zerorun.launch.plan import Target
+
+
+@pytest.fixture
+def job_dir(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(launcher.socket, "gethostname", lambda: "login1")
+    monkeypatch.setattr(launcher.socket, "getfqdn", lambda: "login1.cluster")
+    return tmp_path
+
+
+def prep(job_dir, environ, **options):
+    return prepare(LaunchOptions(target=Target(script="train.py"), **options), environ=environ, cwd=str(job_dir))
+
+
+@pytest.mark.parametrize("requested, env, hostfile, mode", [
+    (None, None, False, "ssh"),  # outside Slurm: this machine (or a hostfile over ssh)
+    (None, SALLOC, False, "srun"),
+    (None, BATCH, False, "srun"),
+    (None, SRUN_TASK, False, "step"),
+    (None, SALLOC, True, "ssh"),  # an explicit hostfile wins
+    ("ssh", SALLOC, False, "ssh"),
+    ("local", SRUN_TASK, False, "local"),
+    ("slurm", SALLOC, False, "srun"),
+])
+def test_the_launcher_follows_where_it_runs(requested, env, hostfile, mode):
+    assert choose_launcher(requested, slurm.detect(env) if env else None, hostfile) == mode
+
+
+@pytest.mark.parametrize("requested, env, hostfile, message", [
+    ("slurm", None, False, "not inside a Slurm allocation"),
+    ("slurm", SALLOC, True, "drop --hostfile"),
+    ("ssh", SRUN_TASK, False, "whole job from every task"),
+    ("pdsh", None, False, "--launcher must be one of ssh, slurm, local"),
+])
+def test_launcher_choices_that_cannot_work_are_one_line_errors(requested, env, hostfile, message):
+    with pytest.raises(LaunchError, match=message):
+        choose_launcher(requested, slurm.detect(env) if env else None, hostfile)
+
+
+def test_salloc_reaches_every_node_by_srun_with_more_workers_than_tasks(job_dir):
+    job = prep(job_dir, {**SALLOC, "SLURM_JOB_CPUS_PER_NODE": "8(x2)"}, nproc=2)
+    assert [(n.host, n.reach, len(n.workers)) for n in job.plan.nodes] == [("n1", "srun", 2), ("n2", "srun", 2)]
+    assert job.plan.world_size == 4 and job.plan.master_addr == "n1"
+    assert job.plan.master_port == slurm.master_port(3, None)
+    assert {w.env["OMP_NUM_THREADS"] for w in job.plan.workers} == {"4"}  # 8 CPUs per node, 2 workers
+    command = job.node_commands()["n2"]
+    assert command[:1] == ["srun"] and "-w" in command and command[command.index("-w") + 1] == "n2"
+    assert {"--export=ALL", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=1", "--whole"} <= set(command)
+    assert command[-3:] == [job.plan.python, "-m", "zerorun.launch.agent"]
+
+
+def test_the_batch_script_runs_its_own_node_locally(job_dir):
+    job = prep(job_dir, BATCH)
+    assert [(n.host, n.reach) for n in job.plan.nodes] == [("n1", "local"), ("n2", "srun")]
+    assert job.plan.master_addr == "n1"
+
+
+def test_user_threads_and_port_win(job_dir):
+    job = prep(job_dir, {**SALLOC, "OMP_NUM_THREADS": "3"}, nproc=2, master_port=4242)
+    assert job.plan.master_port == 4242
+    assert all("OMP_NUM_THREADS" not in w.env for w in job.plan.workers)
+
+
+def test_srun_zerorun_runs_only_its_own_node_of_one_job(job_dir):
+    job = prep(job_dir, {**SRUN_TASK, "SLURM_CPUS_PER_TASK": "4"}, nproc=2)
+    assert [(n.host, n.node_rank, n.reach) for n in job.plan.nodes] == [("n2", 1, "local")]
+    assert [w.rank for w in job.plan.workers] == [2, 3]
+    assert job.plan.world_size == 4
+    assert (job.plan.master_addr, job.plan.master_port) == ("n1", slurm.master_port(1, 0))
+    assert job.plan.run_dir == str(job_dir / "zerorun-runs" / "slurm-1.0" / "node1")
+    assert {w.env["OMP_NUM_THREADS"] for w in job.plan.workers} == {"2"}
+
+
+def test_srun_zerorun_refuses_a_second_launcher_on_a_node(job_dir):
+    env = {**SRUN_TASK, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_NODEID": "0"}
+    with pytest.raises(LaunchError, match="2 zerorun launchers on node n1"):
+        prep(job_dir, env)
+    with pytest.raises(LaunchError, match="--include does not apply under srun"):
+        prep(job_dir, SRUN_TASK, include="n1")
+
+
+def test_local_ignores_the_allocation_and_ssh_still_works(job_dir):
+    job = prep(job_dir, SALLOC, launcher="local", nproc=2)
+    assert [(n.host, n.reach) for n in job.plan.nodes] == [("localhost", "local")]
+    job = prep(job_dir, SALLOC, launcher="ssh")
+    assert [n.reach for n in job.plan.nodes] == ["ssh", "ssh"]
+    assert job.node_commands()["n1"][0] == "ssh"
+
+
+def test_no_srun_on_path_is_a_clear_error(job_dir, monkeypatch):
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    with pytest.raises(LaunchError, match="srun is not on PATH"):
+        prep(job_dir, SALLOC)
+
+
+def test_dry_run_tells_the_allocation_reach_port_and_signal_plan(job_dir):
+    text = dry_run_text(prep(job_dir, SALLOC))
+    assert "Slurm: job 3, allocation shell (salloc)" in text
+    assert "n2: reached by srun" in text and f"rendezvous port {slurm.master_port(3, None)}" in text
+    assert "SIGUSR1/SIGUSR2" in text and "host n2 (node 1, srun, 1 worker(s))" in text
+
+
+def test_checkpoint_on_signal_arms_every_worker(job_dir):
+    (job_dir / "z.yaml").write_text("checkpoint: {dir: ckpt, on_signal: true, requeue: true}\n")
+    job = prep(job_dir, SALLOC, config="z.yaml")
+    assert job.save_on_signal and job.requeue
+    assert all(w.env[launcher.SAVE_ON_SIGNAL_ENV] == "1" for w in job.plan.workers)
+    assert "saves a checkpoint at the next step, then stops; then scontrol requeue" in dry_run_text(job)
+
+
+def test_signals_say_what_they_meant():
+    assert signal_meaning(signal.SIGUSR1) == "time limit near (SIGUSR1)"
+    assert signal_meaning(signal.SIGTERM, "CANCELLED") == "cancelled (SIGTERM, scancel)"
+    assert signal_meaning(signal.SIGTERM, "TIMEOUT") == "time limit (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM, "RUNNING", end_time=1000, now=995.0) == "time limit (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM, "PREEMPTED") == "preempted (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM) == "interrupted (SIGTERM)"
+    assert signal_meaning(signal.SIGHUP).startswith("hung up")
+    assert signal_meaning(signal.SIGINT) == "interrupted (Ctrl-C)"
+
+
+def test_zerorun_env_reports_the_allocation_and_how_nodes_are_reached():
+    from zerorun.cli.env import slurm_facts
+
+    lines = "\n".join(slurm_facts(BATCH, "c7", "c7.cluster")["lines"])
+    assert "batch script on n1" in lines and "n1: reached by local" in lines and "n2: reached by srun" in lines
+    assert f"rendezvous port {slurm.master_port(2, None)}" in lines and "SIGUSR1" in lines
+    step = "\n".join(slurm_facts(SRUN_TASK, "c7", "c7")["lines"])
+    assert "n2: reached by this launcher" in step and "n1: reached by its own srun task's launcher" in step
+    assert slurm_facts({}, "c7", "c7")["lines"] == ["Slurm: not in an allocation (no SLURM_JOB_ID)"]
+    assert "cannot be read" in slurm_facts({"SLURM_JOB_ID": "x"}, "c7", "c7")["lines"][0]

@@ -1,0 +1,58 @@
+"""The worker's side of checkpoint.on_signal: save a checkpoint when Slurm's warning signal comes.
+
+The launcher (or Slurm itself, through the agent) sends each worker SIGUSR1 shortly before the
+time limit (Note [Slurm signals] in launcher.py). ``arm`` installs a handler that only records
+the request: saving from inside a signal handler would run collectives at an arbitrary point
+of a step. At every optimizer-step boundary ``due`` asks all ranks at once (one 1-element
+all-reduce, MAX) whether any rank got the signal, so every rank saves at the same step even
+though the signal reaches them at slightly different moments. The engine then saves and the
+worker exits 0 (``stop``). The all-reduce runs only in workers that were armed
+(ZERORUN_SAVE_ON_SIGNAL=1, set by the launcher for checkpoint.on_signal).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+ENV_NAME = "ZERORUN_SAVE_ON_SIGNAL"
+_armed = False
+_requested = False
+
+
+def arm(environ=None) -> bool:
+    """Install the SIGUSR1 handler where the launcher asked for it; True when armed."""
+    global _armed
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_NAME) != "1" or _armed:
+        return _armed
+    signal.signal(signal.SIGUSR1, _note_request)
+    _armed = True
+    return True
+
+
+def _note_request(_signum, _frame) -> None:
+    global _requested
+    _requested = True
+
+
+def due(engine) -> bool:
+    """At a step boundary: did any rank get the signal? Every rank must call it (a collective)."""
+    if not _armed:
+        return False
+    import torch
+
+    from zerorun.zero.comm import collectives
+
+    flag = torch.tensor([1.0 if _requested else 0.0], device=engine.pg.device)
+    collectives.all_reduce(flag, group=engine.group, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def stop(engine, saved_dir: str) -> None:
+    """After the save: say so once and end this worker cleanly (exit 0: the launcher knows why)."""
+    if engine.rank == 0:
+        print(f"zerorun: checkpoint saved in {saved_dir} at step {engine.global_step} on the launcher's "
+              "signal; stopping", file=sys.stderr, flush=True)
+    raise SystemExit(0)
