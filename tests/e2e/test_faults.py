@@ -171,6 +171,8 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 dist.all_reduce(torch.ones(2))
 print("trained", flush=True)
+dist.barrier()  # neither rank leaves while the other still talks to it
+dist.destroy_process_group()
 '''
 
 

@@ -24,7 +24,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps to train")
     args = parser.parse_args()
 
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    # Before initialize only for reading the config; the engine knows the real world (srun too).
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     launched = "ZERORUN_CONFIG" in os.environ
     if launched:
         # The launcher validated the config (file, environment, flags) and hands every rank the
@@ -52,7 +53,7 @@ def main() -> None:
     micro_batch = config.batch.micro_batch_size or 4
     # Scaled so targets have unit variance: the loss starts near 1 and visibly falls.
     target_map = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) / 32**0.5
-    data = torch.Generator().manual_seed(1000 + rank)  # each rank sees its own slice of data
+    data = torch.Generator().manual_seed(1000 + engine.rank)  # each rank sees its own slice of data
 
     for step in range(args.steps):
         for _ in range(config.gradient_accumulation_steps):
@@ -62,7 +63,7 @@ def main() -> None:
             loss = torch.nn.functional.mse_loss(outputs.float(), targets.to(device))
             engine.backward(loss)
             engine.step()
-        if rank == 0:
+        if engine.rank == 0:
             print(f"step {step + 1}/{args.steps}  loss {loss.item():.4f}", flush=True)
 
 
