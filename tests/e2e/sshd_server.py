@@ -52,7 +52,7 @@ class LoopbackSshd:
             "-o", "IdentitiesOnly=yes",
         ]
 
-    def start(self) -> "LoopbackSshd":
+    def start(self) -> LoopbackSshd:
         self.dir.mkdir(parents=True, exist_ok=True)
         host_key = self.dir / "host_key"
         for key in (host_key, self.client_key):

@@ -217,7 +217,7 @@ def test_the_start_up_limit_ends_a_job_still_starting_with_every_stack(tmp_path)
 
 BOMB = "".join(
     f"{name}: &{name} [{', '.join([f'*{prev}'] * 10) if prev else ', '.join(['lol'] * 10)}]\n"
-    for prev, name in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh")
+    for prev, name in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh", strict=True)
 )  # 10^8 values in about 400 bytes
 
 

@@ -70,7 +70,7 @@ def collect() -> dict:
         import psutil
 
         facts["host_memory_bytes"] = psutil.virtual_memory().total
-    except Exception:  # noqa: BLE001 - psutil is a dependency, but a report must not fail
+    except Exception:
         pass
     facts.update(_torch_facts())
     return facts
@@ -106,7 +106,7 @@ def _torch_facts() -> dict:
     try:
         import torch
         import torch.distributed as dist
-    except Exception as err:  # noqa: BLE001 - no or broken torch is exactly what this reports
+    except Exception as err:
         return {"torch": None, "torch_error": f"{type(err).__name__}: {err}"}
     cuda = torch.cuda.is_available()
     facts = {
@@ -122,7 +122,7 @@ def _torch_facts() -> dict:
     if facts["nccl"] and cuda:
         try:
             facts["nccl_version"] = ".".join(str(p) for p in torch.cuda.nccl.version())
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     if cuda:
         for index in range(torch.cuda.device_count()):

@@ -63,7 +63,6 @@ class EstimateRequest:
 
 
 def build_plan(request: EstimateRequest):
-    from zerorun.planner.activations import ActivationJob
     from zerorun.planner.plan import Limits, make_plan
     from zerorun.planner.quantities import parse_bytes
 

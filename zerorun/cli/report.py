@@ -181,9 +181,9 @@ def _figures(metrics: Metrics) -> dict:
         fig = Figure(figsize=(8, 5), layout="constrained")
         loss_ax, time_ax = fig.subplots(2, 1, sharex=True)
         for rank, s in metrics.ranks.items():
-            points = [(st, lo) for st, lo in zip(s.steps, s.loss) if lo is not None]
+            points = [(st, lo) for st, lo in zip(s.steps, s.loss, strict=True) if lo is not None]
             if points:
-                loss_ax.plot(*zip(*points), label=f"rank {rank}")
+                loss_ax.plot(*zip(*points, strict=True), label=f"rank {rank}")
             time_ax.plot(s.steps, s.step_time_s, label=f"rank {rank}")
         loss_ax.set(title="Loss and step time", ylabel="loss")
         time_ax.set(xlabel="step", ylabel="step time (s)")

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import types
 import typing
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal
 
 from zerorun.config.problems import Problems, did_you_mean, join_path, show, unknown_key_message
@@ -22,7 +22,7 @@ INVALID = object()
 MAX_FREEFORM_DEPTH = 8
 
 
-@lru_cache(maxsize=None)
+@cache
 def schema_fields(cls: type) -> tuple[tuple[str, Any, dataclasses.Field], ...]:
     """(name, type hint, field) for every schema field of a config dataclass."""
     hints = typing.get_type_hints(cls)

@@ -250,4 +250,4 @@ def slurm_hosts(environ: Mapping[str, str]) -> dict[str, int] | None:
         raise HostfileError(f"Slurm gives a node more than {MAX_SLOTS_PER_HOST} tasks")
     if len(set(nodes)) != len(nodes):
         raise HostfileError(f"SLURM_JOB_NODELIST names a node twice: {nodelist!r}")
-    return dict(zip(nodes, counts))
+    return dict(zip(nodes, counts, strict=True))

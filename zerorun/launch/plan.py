@@ -149,7 +149,7 @@ def build_plan(
     rank = 0
     for node_rank, (host, slots) in enumerate(hosts.items()):
         workers = []
-        for local_rank, slot in enumerate(slots):
+        for local_rank, _slot in enumerate(slots):
             env = {
                 "RANK": str(rank),
                 "LOCAL_RANK": str(local_rank),

@@ -132,7 +132,7 @@ def preflight(plan: LaunchPlan, *, ssh_port: int | None = None, ssh_options: lis
     if remote:
         with ThreadPoolExecutor(max_workers=min(16, len(remote))) as pool:
             answers = pool.map(lambda node: probe_remote(node, plan, ssh_port, ssh_options or []), remote)
-            facts.update({node.host: answer for node, answer in zip(remote, answers)})
+            facts.update({node.host: answer for node, answer in zip(remote, answers, strict=True)})
     elif local_needed:
         # Single-host runs use this very interpreter: only the script needs checking, and a
         # missing torch is the script's business (it may not use torch at all).
