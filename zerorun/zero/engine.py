@@ -212,13 +212,14 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
+            update_bucket_size=cfg.zero.update_bucket_size,
         )
         policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
         self.reducer = GradReducer(
             self.records, partition.reduce_order, policy, self.group,
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
             on_unit_reduced=self.updater.unit_reduced,
-            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
+            lazy_shards=True,  # stages 2-3: Note [lazy gradient shards] in grad_reduce.py
         )
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five

@@ -88,7 +88,11 @@ class OnDevice:
     host_kernels = False  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.shard if unit.dtype == torch.float32 else unit.shard.detach().float()
+        if unit.dtype == torch.float32:
+            return unit.shard
+        if unit.partitioned and unit.shard_beside_model:
+            return unit.keep_shard_in_fp32()  # one copy per shard: Note [fp32 shard] in unit/storage.py
+        return unit.shard.detach().float()
 
     def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
         return chunk
