@@ -294,7 +294,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         if not boundary:
             return
         if self.gatherer is not None:
-            self.gatherer.finish_backward()  # nothing gathered may outlive the update unrefreshed
+            # Nothing gathered may outlive the update unrefreshed, and the gather pool goes:
+            # between steps a unit is its shard alone (Note [gather pool] in unit/storage.py).
+            self.gatherer.release_all()
         applied, self.last_grad_norm = self.updater.step(
             loss_scaler=self.loss_scaler, clip=self.config.gradient_clipping
         )

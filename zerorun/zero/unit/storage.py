@@ -17,7 +17,9 @@ So on CPU the memory moves instead of being freed: ``GatherPool`` keeps released
 size, and a gather swaps a pooled buffer's memory into the unit's own storage object
 (``UntypedStorage._swap_data_ptr_``), which keeps the identity the saved views rely on. The
 pool holds at most what was gathered at once (the running module, the prefetched one and any
-unit kept for reuse), reported as communication buffers. On CUDA the caching allocator already
+unit kept for reuse), reported as communication buffers, and is emptied at every optimizer
+step, before the update: between steps a unit is its shard alone, as with FSDP2 (the first
+gathers of each forward take memory again; issue 20). On CUDA the caching allocator already
 reuses memory, so units resize their storage as before; so does a torch without the swap.
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
