@@ -18,6 +18,7 @@ from zerorun.planner.memory import (
     Training,
     communication_buffer_bytes,
     estimate,
+    gradient_bucket_sizes,
     shard,
     stage3_unit_sizes,
     step_workspace_bytes,
@@ -185,8 +186,8 @@ def test_stage3_16bit_chunks_are_their_own_masters():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_stage3_backward_peak_leaves_out_the_gathered_units_gradient_shards(precision):
     """Note [lazy gradient shards]: the units gathered at backward's peak are not reduced yet,
-    so their fp32 shards (4 bytes per element in every precision) come off that peak; stage 2
-    keeps its accumulators and one rank has no buffers to credit against."""
+    so their fp32 shards (4 bytes per element in every precision) come off that peak; at stage 2
+    the buckets alive have none yet; stage 1 and one rank have no buffers to credit against."""
     model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
     stage3 = Training(stage=3, precision=precision)
     est = estimate(model, Job(4), stage3)
@@ -194,7 +195,10 @@ def test_stage3_backward_peak_leaves_out_the_gathered_units_gradient_shards(prec
     assert est.unreduced_gradients == 4 * shard(gathered, 4)
     backward = est.comm_buffers + est.backward_workspace - est.unreduced_gradients
     assert est.buffers == max(backward, est.workspace)
-    assert estimate(model, Job(4), replace(stage3, stage=2)).unreduced_gradients == 0
+    stage2 = replace(stage3, stage=2)
+    alive = sorted(gradient_bucket_sizes(model, stage2), reverse=True)[:GRADIENT_BUCKETS_IN_FLIGHT + 1]
+    assert estimate(model, Job(4), stage2).unreduced_gradients == 4 * sum(shard(b, 4) for b in alive) > 0
+    assert estimate(model, Job(4), replace(stage3, stage=1)).unreduced_gradients == 0
     assert estimate(model, Job(1), stage3).unreduced_gradients == 0
 
 

@@ -221,7 +221,7 @@ def _measure_stage(factory, batch_fn, stage, rank, device, precision, steps, mic
 
 def _largest_of(before_update: dict, after_update: dict) -> dict:
     """Each category at its larger value around the last update: stage 3 has gradient shards
-    only before it (Note [lazy gradient shards]), optimizer state is complete only after it
+    only before it at stages 1-3 (Note [lazy gradient shards]), optimizer state is complete only after it
     (Adam creates its state in the first step)."""
     parts = {key: max(before_update[key], after_update[key]) for key in after_update if key != "total"}
     return parts | {"total": sum(parts.values())}

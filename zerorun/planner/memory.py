@@ -312,14 +312,20 @@ def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> 
 def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     """Gradient-shard bytes the grads column counts but that do not exist at backward's peak.
 
-    Stage 3 creates a unit's fp32 shard accumulator at its first reduce-scatter and drops it
-    after the step (Note [lazy gradient shards], zero/grad_reduce.py). A unit still gathered
-    for backward has not been reduced yet, so while the G gathered elements are alive their
-    shards, 4·⌈G/N⌉ bytes (fp32 accumulators in every precision), are not. Other stages keep
-    their accumulators, and a single rank communicates nothing (no buffers to credit against).
+    Stages 2-3 create a unit's fp32 shard accumulator at its first reduce-scatter and drop it
+    after the step (Note [lazy gradient shards], zero/grad_reduce.py), so the units whose
+    gradients are still being collected or reduced have none yet. Stage 3: a unit still
+    gathered for backward has not been reduced, so while the G gathered elements are alive
+    their shards, 4·⌈G/N⌉ bytes (fp32 accumulators in every precision), are not. Stage 2: the
+    F + 1 buckets alive (F in flight, one filling) have no shard yet, 4·Σ⌈B/N⌉. Stages 0-1
+    all-reduce full buffers (no buckets to credit against), and a single rank communicates
+    nothing.
     """
-    if training.stage != 3 or job.world_size == 1 or training.offload != "none":
+    if training.stage < 2 or job.world_size == 1 or training.offload != "none":
         return 0
+    if training.stage == 2:
+        alive = sorted(gradient_bucket_sizes(model, training), reverse=True)[: GRADIENT_BUCKETS_IN_FLIGHT + 1]
+        return 4 * sum(shard(b, job.world_size) for b in alive)
     gathered, _bucket, _units = stage3_unit_sizes(model, training)
     return 4 * shard(gathered, job.world_size)
 

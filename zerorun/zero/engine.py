@@ -219,7 +219,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             self.records, partition.reduce_order, policy, self.group,
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
             on_unit_reduced=self.updater.unit_reduced,
-            lazy_shards=True,  # stages 2-3: Note [lazy gradient shards] in grad_reduce.py
+            lazy_gradients=self.stage >= 1,  # Note [lazy gradient shards] in grad_reduce.py
         )
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
