@@ -5,8 +5,9 @@ The user's optimizer stays the one that steps: its param groups keep their hyper
 becomes the fp32 masters of that group's units on this rank (unit/record.py). Torch
 optimizers skip a parameter whose ``.grad`` is None, so a subset of units is updated by
 giving only their masters a gradient and calling ``optimizer.step()``: the same object, the
-same per-parameter state, any subset at a time. Units on the device are updated in one call
-(the multi-tensor path); units whose home ``updates_alone`` (host, NVMe) one at a time.
+same per-parameter state, any subset at a time. Units on the device are updated in groups of
+at most ``zero.update_bucket_size`` elements, one call each (the multi-tensor path, Note
+[bounded update]); units whose home ``updates_alone`` (host, NVMe) one at a time.
 
 Per unit: its state home (``record.state_home``, offload/placements.py) makes master and state
 resident and stages the fp32 gradient chunk beside them; the gradient is unscaled by
