@@ -1,4 +1,4 @@
-"""python scripts/bench_memory.py [--steps 4] [--warmup 1] [--systems zero3,fsdp2,zero2,fsdp2-noreshard] [--json out.json]
+"""python scripts/bench_memory.py [--steps 4] [--warmup 1] [--systems fsdp2,zero3,fsdp2-noreshard,zero2] [--zerorun-config JSON] [--json out.json]
 
 Model state against FSDP2, on the CPU (issue 20): 2 gloo ranks, bf16, AdamW, the 13.7M GPT
 (vocab 4096, d_model 384, 6 layers, 128 tokens), micro-batch 4 per rank. For each system, in a
@@ -88,13 +88,13 @@ def live_tensor_bytes(*roots) -> int:
                           for t in found])
 
 
-def build(system: str, model, lr: float):
+def build(system: str, model, lr: float, zerorun_config: dict):
     """FSDP2 with bf16 compute and fp32 reduction; zerorun in bf16 (bench_systems.build_trainer)."""
     import torch
     from gpt import Block
 
     if not system.startswith("fsdp2"):
-        return build_trainer(system, model, lr=lr, precision="bf16", block_class=Block)
+        return build_trainer(system, model, lr=lr, precision="bf16", block_class=Block, zerorun_config=zerorun_config)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     reshard = system == "fsdp2"
@@ -116,7 +116,7 @@ def rank_main(rank: int, world: int, system: str, options: dict, init_file: str)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     cfg = model_config()
     torch.manual_seed(0)
-    trainer = build(system, GPT(cfg), lr=1e-4)
+    trainer = build(system, GPT(cfg), lr=1e-4, zerorun_config=options["zerorun_config"])
 
     def batches(step: int):
         tokens, targets = synthetic_batch(cfg, options["micro_batch"] * world, step=step)
@@ -161,15 +161,20 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--zerorun-config", default="{}", help="JSON merged into every zerorun config")
     parser.add_argument("--json", dest="json_path", default=None)
     args = parser.parse_args(argv)
+    try:
+        zerorun_config = json.loads(args.zerorun_config)
+    except json.JSONDecodeError as err:
+        parser.error(f"--zerorun-config is not JSON: {err}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or args.steps < 1 or args.warmup < 0 or args.micro_batch < 1:
         parser.error(f"systems from {','.join(SYSTEMS)}; --steps, --micro-batch >= 1, --warmup >= 0")
     nproc = 2
     options = {"steps": args.steps, "warmup": args.warmup, "micro_batch": args.micro_batch, "nproc": nproc,
-               "threads": max(1, (os.cpu_count() or 1) // nproc)}
+               "threads": max(1, (os.cpu_count() or 1) // nproc), "zerorun_config": zerorun_config}
     print(f"GPT vocab 4096, d 384, 6 layers: {count_parameters(GPT(model_config())):,} params, bf16, AdamW, "
           f"{nproc} gloo ranks, {args.warmup} warmup + {args.steps} steps")
     results = {}

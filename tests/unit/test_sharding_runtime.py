@@ -423,3 +423,41 @@ def test_nvme_buffers_are_no_larger_than_the_largest_unit_needs(tmp_path):
     engine.backward(engine(torch.randn(2, 64)).sum())
     engine.step()
     assert engine.memory_breakdown()["offloaded_host"] == 4 * 3 * (64 * 64 + 64) * 4  # not 1.6 GB
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_stage3_16bit_chunk_is_the_fp32_master(precision, dtype):
+    """Note [fp32 shard]: one copy per shard; a gather casts the fp32 chunk into the 16-bit
+    buffer, giving exactly the master rounded once to the model dtype."""
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                                {"zero": {"stage": 3, "param_persistence_threshold": 0}, "precision": {"dtype": precision}})
+    psi = sum(p.numel() for p in model.parameters())
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    for _ in range(2):
+        engine.backward(((engine(x).float() - y) ** 2).mean())
+        engine.step()
+    for record in engine.records:
+        unit = record.unit
+        assert record.master is unit.shard and unit.shard.dtype == torch.float32
+        assert record.master_is_model_storage
+        assert unit.state is ParamState.SHARDED and unit.full.untyped_storage().nbytes() == 0
+        unit.gather(None)
+        assert unit.full.dtype == dtype
+        assert torch.equal(unit.full[: unit.layout.numel], record.master[: unit.layout.numel].to(dtype))
+        unit.release()
+    breakdown = engine.memory_breakdown()
+    padded = sum(r.unit.layout.padded_numel for r in engine.records)
+    assert breakdown["parameters"] == 4 * padded  # fp32 chunks, nothing 16-bit beside them
+    assert breakdown["optimizer_state"] == 8 * padded + 4 * len(engine.records)  # Adam's moments and step
+    assert breakdown["gradients"] == 0
+
+
+def test_stage3_16bit_with_offloaded_optimizer_keeps_a_16bit_chunk():
+    """The fp32 shard is for state on the device only: an offloaded master lives with its state."""
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                                {"zero": {"stage": 3, "param_persistence_threshold": 0,
+                                          "offload_optimizer": {"device": "cpu"}}, "precision": {"dtype": "bf16"}})
+    for record in engine.records:
+        assert record.unit.shard.dtype == torch.bfloat16 and not record.master_is_model_storage
