@@ -461,3 +461,20 @@ def test_stage3_16bit_with_offloaded_optimizer_keeps_a_16bit_chunk():
                                           "offload_optimizer": {"device": "cpu"}}, "precision": {"dtype": "bf16"}})
     for record in engine.records:
         assert record.unit.shard.dtype == torch.bfloat16 and not record.master_is_model_storage
+
+
+def test_update_groups_are_capped_and_a_larger_unit_goes_alone():
+    """Note [bounded update]: consecutive device units up to the cap per optimizer call; units
+    whose home updates them alone come after, one per call."""
+    from types import SimpleNamespace
+
+    from zerorun.zero.update import update_batches
+
+    def record(numel, alone=False):
+        return SimpleNamespace(master=torch.empty(numel), state_home=SimpleNamespace(updates_alone=alone))
+
+    records = [record(40), record(50), record(30), record(200), record(10), record(5, alone=True)]
+    batches = update_batches(records, cap=100)
+    assert [[r.master.numel() for r in b] for b in batches] == [[40, 50], [30], [200], [10], [5]]
+    assert sum(len(b) for b in update_batches(records, cap=10**9)) == len(records)
+    assert len(update_batches(records, cap=10**9)) == 2  # all device units together, the lone one

@@ -97,7 +97,7 @@ def update_batches(records: list[UnitRecord], cap: int) -> list[list[UnitRecord]
     size = 0
     for record in (r for r in records if not r.state_home.updates_alone):
         numel = record.master.numel()
-        if not batches or (size + numel > cap and batches[-1]):
+        if not batches or size + numel > cap:
             batches.append([])
             size = 0
         batches[-1].append(record)
