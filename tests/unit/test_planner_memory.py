@@ -18,6 +18,7 @@ from zerorun.planner.memory import (
     Training,
     communication_buffer_bytes,
     estimate,
+    gradient_bucket_sizes,
     shard,
     stage3_unit_sizes,
     step_workspace_bytes,
@@ -28,7 +29,9 @@ from zerorun.planner.presets import PRESETS, preset_spec
 SEVEN_B = ModelSpec("7B", 7_000_000_000)
 
 
-@pytest.mark.parametrize("stage, expected_gb", [(0, 112.0), (1, 38.5), (2, 26.25), (3, 14.0)])
+# The ZeRO paper's 7B / 8 GPU table (16-bit with Adam), except stage 3: zerorun keeps one fp32
+# copy per shard (Note [fp32 shard]), 14Ψ/N bytes where the paper counts 16Ψ/N.
+@pytest.mark.parametrize("stage, expected_gb", [(0, 112.0), (1, 38.5), (2, 26.25), (3, 12.25)])
 def test_seed_table_7b_on_8_gpus(stage, expected_gb):
     est = estimate(SEVEN_B, Job(gpus_per_node=8), Training(stage=stage, precision="bf16"))
     assert est.model_state == pytest.approx(expected_gb * 1e9, rel=0, abs=1)
@@ -59,9 +62,11 @@ def test_stages_never_grow_and_stage3_is_stage0_over_n(psi, n, precision):
     model = ModelSpec("m", psi)
     states = [estimate(model, Job(n), Training(stage=s, precision=precision)).model_state for s in range(4)]
     assert states == sorted(states, reverse=True)
-    # Stage 3 shards everything: N shards together hold stage 0's state, plus at most the padding.
+    # Stage 3 shards everything: N shards together hold stage 0's state, plus at most the
+    # padding; in 16-bit less the model-dtype copy, the fp32 shard being the master.
     bytes_per_param = states[0] / psi
-    assert states[3] * n == pytest.approx(states[0], abs=bytes_per_param * n)
+    own_copy = 0 if precision == "fp32" else 2 * psi
+    assert states[3] * n == pytest.approx(states[0] - own_copy, abs=bytes_per_param * n)
 
 
 def test_shards_are_padded_up():
@@ -87,12 +92,14 @@ def test_param_offload_moves_the_parameter_shard_and_nvme_the_optimizer_state():
     cpu = estimate(SEVEN_B, job, Training(stage=3, offload="cpu-optimizer+params"))
     nvme = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_count=1, nvme_buffer_size=10**6))
     assert cpu.params == 0 and cpu.host_per_rank > base.optimizer + base.params
-    assert nvme.params == base.params and nvme.optimizer == 0  # parameters stay unless asked
-    assert nvme.nvme_per_rank == base.optimizer
+    # parameters stay unless asked, as the 16-bit chunks the fp32 shard was (Note [fp32 shard])
+    assert nvme.params == base.params - 2 * shard(SEVEN_B.num_params, 8) and nvme.optimizer == 0
+    assert nvme.nvme_per_rank == base.optimizer + 4 * shard(SEVEN_B.num_params, 8)
     assert nvme.host_per_rank == 4 * 10**6  # the configured buffer, whatever the model's size
     both = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_count=1, nvme_buffer_size=10**6,
                                         nvme_params=True))
-    assert both.params == cpu.params == 0 and both.nvme_per_rank == base.optimizer + base.params
+    # master + Adam's moments (12 bytes) and the 16-bit chunk (2) per element of the shard
+    assert both.params == cpu.params == 0 and both.nvme_per_rank == 14 * shard(SEVEN_B.num_params, 8)
 
 
 def test_offloaded_fp32_master_is_counted_beside_the_adam_state():
@@ -160,13 +167,27 @@ def test_workspace_depends_on_precision_and_device():
     bf16_2 = step_workspace_bytes(model, Job(n), Training(stage=2, precision="bf16", device="cuda"))
     assert bf16_1 == 2 * 1000 + 4 * psi // n + 4 * psi // n
     assert bf16_2 == 2 * 1000 + 2 * psi // n + 4 * psi // n
+    # Note [bounded update]: one optimizer call's temporaries, not the rank's whole share.
+    capped = step_workspace_bytes(model, Job(n), Training(stage=1, precision="bf16", device="cuda",
+                                                            reduce_bucket_size=100_000, update_bucket_size=100_000))
+    assert capped == 2 * 1000 + 4 * 100_000 + 4 * 100_000
+
+
+def test_stage3_16bit_chunks_are_their_own_masters():
+    """Note [fp32 shard]: no model-dtype chunk beside the fp32 master without offload."""
+    model = ModelSpec("m", 8_000_000)
+    est = estimate(model, Job(2), Training(stage=3, precision="bf16", param_persistence_threshold=0))
+    assert (est.params, est.grads, est.optimizer) == (4 * 4e6, 2 * 4e6, 8 * 4e6)
+    offloaded = estimate(model, Job(2), Training(stage=3, precision="bf16", offload="cpu-optimizer",
+                                                 param_persistence_threshold=0))
+    assert offloaded.params == 2 * 4e6  # the master is on the host: the device chunk stays 16-bit
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_stage3_backward_peak_leaves_out_the_gathered_units_gradient_shards(precision):
     """Note [lazy gradient shards]: the units gathered at backward's peak are not reduced yet,
-    so their fp32 shards (4 bytes per element in every precision) come off that peak; stage 2
-    keeps its accumulators and one rank has no buffers to credit against."""
+    so their fp32 shards (4 bytes per element in every precision) come off that peak; at stage 2
+    the buckets alive have none yet; stage 1 and one rank have no buffers to credit against."""
     model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
     stage3 = Training(stage=3, precision=precision)
     est = estimate(model, Job(4), stage3)
@@ -174,7 +195,10 @@ def test_stage3_backward_peak_leaves_out_the_gathered_units_gradient_shards(prec
     assert est.unreduced_gradients == 4 * shard(gathered, 4)
     backward = est.comm_buffers + est.backward_workspace - est.unreduced_gradients
     assert est.buffers == max(backward, est.workspace)
-    assert estimate(model, Job(4), replace(stage3, stage=2)).unreduced_gradients == 0
+    stage2 = replace(stage3, stage=2)
+    alive = sorted(gradient_bucket_sizes(model, stage2), reverse=True)[:GRADIENT_BUCKETS_IN_FLIGHT + 1]
+    assert estimate(model, Job(4), stage2).unreduced_gradients == 4 * sum(shard(b, 4) for b in alive) > 0
+    assert estimate(model, Job(4), replace(stage3, stage=1)).unreduced_gradients == 0
     assert estimate(model, Job(1), stage3).unreduced_gradients == 0
 
 
@@ -222,26 +246,27 @@ def test_plan_recommends_the_cheapest_option_that_fits():
         return None if best is None else (best.estimate.stage, best.estimate.offload)
 
     # 7B, 8 GPUs, bf16 on CUDA. GPU totals derived by hand from docs/estimate.md; buffers are
-    # max(backward: buckets/gathers + fp32 grad shard extra, step: that extra + Adam temporaries):
-    # stage 0: 112 + upcast 28 + foreach Adam 28 = 168;  stage 1: 38.5 + 3.5 + 3.5 = 45.5
+    # max(backward: buckets/gathers + fp32 grad shard extra, step: that extra + Adam temporaries),
+    # the step's upcast and Adam temporaries bounded by one optimizer call of
+    # update_bucket_size = 6.25M elements (Note [bounded update]): 2 x 4 x 6.25M = 0.05 GB.
+    # stage 0: 112 + 0.05 = 112.05;  stage 1: 38.5 + 0.05 = 38.55
     # (buckets of 6.25M elements: 3 x 0.0125 GB alive + 2 x 0.0015625 GB receive slices = 0.040625)
-    # stage 2: 26.25 + max(buckets 0.040625 + fp32 grad shard extra 1.75, 1.75 + Adam 3.5) = 31.5
-    # stage 3: 14 + max(gathered 2 x 0.0125 + buckets 0.040625 + 1.75, 1.75 + 3.5) = 19.25
+    # stage 2: 26.25 + max(buckets 0.040625 + fp32 grad shard extra 1.75, 1.75 + Adam 0.025) = 28.040625
+    # stage 3 (14Ψ/N, Note [fp32 shard]): 12.25 + max(gathered + buckets 0.078125 + 1.75 - 0.009375, 1.775) = 14.06875
     # stage 2 + cpu optimizer: 14 + 1.75 + 0.040625 = 15.790625 (nothing else stays on the GPU)
-    # stage 3 + cpu optimizer: 1.75 + 1.75 + 0.065625 = 3.565625
-    assert pick(170) == (0, "none")
-    assert pick(167) == (1, "none")
-    assert pick(46) == (1, "none")
-    assert pick(45) == (2, "none")
-    assert pick(31.85) == (2, "none")
-    assert pick(20) == (3, "none")
-    assert pick(19.3) == (3, "none")
-    assert pick(19.2) == (2, "cpu-optimizer")
-    assert pick(15.8) == (2, "cpu-optimizer")
-    assert pick(15.78) == (3, "cpu-optimizer")
-    assert pick(4.1) == (3, "cpu-optimizer")
-    # the host cannot hold 8 optimizer shards (8 x 10.7 GB), NVMe can
-    assert pick(4.1, host_gb=50) == (3, "nvme")
+    # stage 3 + cpu optimizer: 1.75 + 1.75 + 0.078125 = 3.578125
+    assert pick(113) == (0, "none")
+    assert pick(112) == (1, "none")
+    assert pick(38.6) == (1, "none")
+    assert pick(38.5) == (2, "none")
+    assert pick(28.05) == (2, "none")
+    assert pick(28.0) == (3, "none")
+    assert pick(14.1) == (3, "none")
+    # stage 2 + cpu optimizer (15.79) no longer fits anywhere stage 3 does not
+    assert pick(14.0) == (3, "cpu-optimizer")
+    assert pick(3.6) == (3, "cpu-optimizer")
+    # the host cannot hold 8 optimizer shards (8 x 10.5 GB), NVMe can
+    assert pick(3.6, host_gb=50) == (3, "nvme")
     assert pick(0.1) is None
 
 

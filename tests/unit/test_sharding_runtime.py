@@ -116,11 +116,11 @@ def test_scheduler_built_before_initialize_steers_the_update(stage):
     assert torch.equal(snapshots[2], snapshots[3]) and torch.equal(snapshots[3], snapshots[4])
 
 
-@pytest.mark.parametrize("stage, held_after_step", [(2, True), (3, False)])
-def test_stage3_gradient_shards_live_only_from_backward_to_the_step(stage, held_after_step):
-    """Note [lazy gradient shards]: stage 3 creates its fp32 shard accumulators in backward and
-    drops them after the update; stage 2 keeps them. A step with no backward before it finds no
-    shard and must treat the gradient as zero (plain SGD: nothing moves)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_shards_live_only_from_backward_to_the_step(stage):
+    """Note [lazy gradient shards]: stages 2-3 create their fp32 shard accumulators in backward
+    and drop them after the update (no gradient state between steps). A step with no backward
+    before it finds no shard and must treat the gradient as zero (plain SGD: nothing moves)."""
     model = _model()
     engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                 {"zero": {"stage": stage, "param_persistence_threshold": 0}})
@@ -129,7 +129,7 @@ def test_stage3_gradient_shards_live_only_from_backward_to_the_step(stage, held_
     engine.backward(((engine(x) - y) ** 2).mean())
     assert engine.memory_breakdown()["gradients"] >= 4 * psi
     engine.step()
-    assert (engine.memory_breakdown()["gradients"] > 0) is held_after_step
+    assert engine.memory_breakdown()["gradients"] == 0
     before = engine.full_state_dict()
     engine.step()  # no backward in this window
     after = engine.full_state_dict()
@@ -423,3 +423,58 @@ def test_nvme_buffers_are_no_larger_than_the_largest_unit_needs(tmp_path):
     engine.backward(engine(torch.randn(2, 64)).sum())
     engine.step()
     assert engine.memory_breakdown()["offloaded_host"] == 4 * 3 * (64 * 64 + 64) * 4  # not 1.6 GB
+
+
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_stage3_16bit_chunk_is_the_fp32_master(precision, dtype):
+    """Note [fp32 shard]: one copy per shard; a gather casts the fp32 chunk into the 16-bit
+    buffer, giving exactly the master rounded once to the model dtype."""
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                                {"zero": {"stage": 3, "param_persistence_threshold": 0}, "precision": {"dtype": precision}})
+    psi = sum(p.numel() for p in model.parameters())
+    x, y = torch.randn(4, 7), torch.randn(4, 3)
+    for _ in range(2):
+        engine.backward(((engine(x).float() - y) ** 2).mean())
+        engine.step()
+    for record in engine.records:
+        unit = record.unit
+        assert record.master is unit.shard and unit.shard.dtype == torch.float32
+        assert record.master_is_model_storage
+        assert unit.state is ParamState.SHARDED and unit.full.untyped_storage().nbytes() == 0
+        unit.gather(None)
+        assert unit.full.dtype == dtype
+        assert torch.equal(unit.full[: unit.layout.numel], record.master[: unit.layout.numel].to(dtype))
+        unit.release()
+    breakdown = engine.memory_breakdown()
+    padded = sum(r.unit.layout.padded_numel for r in engine.records)
+    assert breakdown["parameters"] == 4 * padded  # fp32 chunks, nothing 16-bit beside them
+    assert breakdown["optimizer_state"] == 8 * padded + 4 * len(engine.records)  # Adam's moments and step
+    assert breakdown["gradients"] == 0
+
+
+def test_stage3_16bit_with_offloaded_optimizer_keeps_a_16bit_chunk():
+    """The fp32 shard is for state on the device only: an offloaded master lives with its state."""
+    model = _model()
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                                {"zero": {"stage": 3, "param_persistence_threshold": 0,
+                                          "offload_optimizer": {"device": "cpu"}}, "precision": {"dtype": "bf16"}})
+    for record in engine.records:
+        assert record.unit.shard.dtype == torch.bfloat16 and not record.master_is_model_storage
+
+
+def test_update_groups_are_capped_and_a_larger_unit_goes_alone():
+    """Note [bounded update]: consecutive device units up to the cap per optimizer call; units
+    whose home updates them alone come after, one per call."""
+    from types import SimpleNamespace
+
+    from zerorun.zero.update import update_batches
+
+    def record(numel, alone=False):
+        return SimpleNamespace(master=torch.empty(numel), state_home=SimpleNamespace(updates_alone=alone))
+
+    records = [record(40), record(50), record(30), record(200), record(10), record(5, alone=True)]
+    batches = update_batches(records, cap=100)
+    assert [[r.master.numel() for r in b] for b in batches] == [[40, 50], [30], [200], [10], [5]]
+    assert sum(len(b) for b in update_batches(records, cap=10**9)) == len(records)
+    assert len(update_batches(records, cap=10**9)) == 2  # all device units together, the lone one

@@ -182,6 +182,7 @@ def _training_from_config(path: Path):
         allgather_bucket_size=int(zero.allgather_bucket_size),
         prefetch_bucket_size=int(zero.prefetch_bucket_size),
         param_persistence_threshold=int(zero.param_persistence_threshold),
+        update_bucket_size=int(zero.update_bucket_size),
         nvme_buffer_count=int(zero.offload_optimizer.buffer_count),
         nvme_buffer_size=int(zero.offload_optimizer.buffer_size),
         nvme_params=param_device == "nvme",

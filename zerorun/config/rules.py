@@ -33,6 +33,7 @@ RANGES: dict[str, Check] = {
     "zero.stage": ((lambda v: v in (0, 1, 2, 3)), "must be a ZeRO stage: 0, 1, 2 or 3"),
     "zero.reduce_bucket_size": _at_least(1),
     "zero.allgather_bucket_size": _at_least(1),
+    "zero.update_bucket_size": _at_least(1),
     "zero.prefetch_bucket_size": _at_least(1),
     "zero.param_persistence_threshold": _at_least(0),
     "zero.max_reuse_distance": _at_least(0),

@@ -124,7 +124,7 @@ def _with_estimate(item: dict, plan, ranks: int) -> StageMeasurement:
 def _training_for(base, stage: int, device: str, config: dict):
     zero = config.get("zero", {})
     fields = {k: zero[k] for k in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                                   "param_persistence_threshold") if k in zero}
+                                   "param_persistence_threshold", "update_bucket_size") if k in zero}
     return replace(base, stage=stage, offload="none", device="cuda" if device.startswith("cuda") else "cpu", **fields)
 
 
@@ -221,7 +221,7 @@ def _measure_stage(factory, batch_fn, stage, rank, device, precision, steps, mic
 
 def _largest_of(before_update: dict, after_update: dict) -> dict:
     """Each category at its larger value around the last update: stage 3 has gradient shards
-    only before it (Note [lazy gradient shards]), optimizer state is complete only after it
+    only before it at stages 1-3 (Note [lazy gradient shards]), optimizer state is complete only after it
     (Adam creates its state in the first step)."""
     parts = {key: max(before_update[key], after_update[key]) for key in after_update if key != "total"}
     return parts | {"total": sum(parts.values())}

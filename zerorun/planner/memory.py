@@ -71,6 +71,7 @@ class Training:
     allgather_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
+    update_bucket_size: int = 6_250_000  # master elements per optimizer call (Note [bounded update])
     device: Literal["cuda", "cpu"] = "cuda"  # where the step runs: decides Adam's temporaries
     # NVMe offload: the host buffers master and state stream through (zero.offload_optimizer's
     # buffer_count buffers of buffer_size fp32 elements, or of what the largest unit needs).
@@ -172,6 +173,11 @@ def estimate(model: ModelSpec, job: Job, training: Training,
     params = p * (psi if stage < 3 else shard(sharded, n) + persistent)
     grads = p * (psi if stage < 2 else shard(psi, n))
     optimizer = k * (psi if stage == 0 else shard(psi, n))
+    if stage == 3 and p != 4 and training.offload == "none":
+        # Note [fp32 shard] (zero/unit/storage.py): a 16-bit stage-3 chunk is kept in fp32 and
+        # IS its master, so it counts 4 bytes as a parameter and no master beside it.
+        params += (4 - p) * shard(sharded, n)
+        optimizer -= MASTER_COPY_BYTES * shard(sharded, n)
     host = nvme = 0.0
     if training.offload != "none":
         # An offloaded master is always a tensor of its own (zerorun/zero/offload/placements.py), even in
@@ -306,14 +312,20 @@ def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> 
 def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     """Gradient-shard bytes the grads column counts but that do not exist at backward's peak.
 
-    Stage 3 creates a unit's fp32 shard accumulator at its first reduce-scatter and drops it
-    after the step (Note [lazy gradient shards], zero/grad_reduce.py). A unit still gathered
-    for backward has not been reduced yet, so while the G gathered elements are alive their
-    shards, 4·⌈G/N⌉ bytes (fp32 accumulators in every precision), are not. Other stages keep
-    their accumulators, and a single rank communicates nothing (no buffers to credit against).
+    Stages 2-3 create a unit's fp32 shard accumulator at its first reduce-scatter and drop it
+    after the step (Note [lazy gradient shards], zero/grad_reduce.py), so the units whose
+    gradients are still being collected or reduced have none yet. Stage 3: a unit still
+    gathered for backward has not been reduced, so while the G gathered elements are alive
+    their shards, 4·⌈G/N⌉ bytes (fp32 accumulators in every precision), are not. Stage 2: the
+    F + 1 buckets alive (F in flight, one filling) have no shard yet, 4·Σ⌈B/N⌉. Stages 0-1
+    all-reduce full buffers (no buckets to credit against), and a single rank communicates
+    nothing.
     """
-    if training.stage != 3 or job.world_size == 1 or training.offload != "none":
+    if training.stage < 2 or job.world_size == 1 or training.offload != "none":
         return 0
+    if training.stage == 2:
+        alive = sorted(gradient_bucket_sizes(model, training), reverse=True)[: GRADIENT_BUCKETS_IN_FLIGHT + 1]
+        return 4 * sum(shard(b, job.world_size) for b in alive)
     gathered, _bucket, _units = stage3_unit_sizes(model, training)
     return 4 * shard(gathered, job.world_size)
 
@@ -323,12 +335,14 @@ def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
 
     - autograd's fresh gradient of one parameter before it is added into its buffer: p·P
       (P = the largest parameter);
-    - 16-bit training, stage 0/1: the step upcasts this rank's gradient slice to fp32, 4·S;
-      stage 2/3: gradients are accumulated in fp32 shards, (4 - p)·S more than the p·S
-      the gradient column counts (S = this rank's share: Ψ at stage 0, ceil(Ψ/N) above);
+    - 16-bit training, stage 0/1: the step upcasts the gradient slices of one optimizer call
+      to fp32, 4·G; stage 2/3: gradients are accumulated in fp32 shards, (4 - p)·S more than
+      the p·S the gradient column counts (S = this rank's share: Ψ at stage 0, ceil(Ψ/N)
+      above; G = one call's elements: min(S, max(update_bucket_size, C)), Note [bounded
+      update] in zero/update.py);
     - Adam's temporaries: on CUDA torch uses the multi-tensor ("foreach") update, which
-      allocates one fp32 temporary per state element: 4·S; on CPU the per-tensor update
-      holds two fp32 temporaries of the largest tensor it steps: 8·C (C = largest chunk).
+      allocates one fp32 temporary per state element of the call: 4·G; on CPU the per-tensor
+      update holds two fp32 temporaries of the largest tensor it steps: 8·C (C = largest chunk).
     With the optimizer offloaded, only the first item stays on the GPU.
     """
     p, stage, n = training.param_bytes, training.stage, job.world_size
@@ -336,13 +350,14 @@ def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     total = p * largest_parameter(model)
     if training.offload != "none":
         return total  # the fp32 gradient and Adam's temporaries live with the offloaded step
+    unit = model.largest_layer_params if stage == 3 and model.largest_layer_params else bucket_elements(model, training)
+    chunk = unit if stage == 0 else shard(unit, n)
+    group = min(share, max(training.update_bucket_size, chunk))
     if p != 4:
-        total += 4 * share if stage <= 1 else (4 - p) * share
+        total += 4 * group if stage <= 1 else (4 - p) * share
     if training.device == "cuda":
-        total += 4 * share
+        total += 4 * group
     else:
-        unit = model.largest_layer_params if stage == 3 and model.largest_layer_params else bucket_elements(model, training)
-        chunk = unit if stage == 0 else shard(unit, n)
         total += 2 * 4 * chunk
     return total
 

@@ -212,13 +212,14 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
+            update_bucket_size=cfg.zero.update_bucket_size,
         )
         policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
         self.reducer = GradReducer(
             self.records, partition.reduce_order, policy, self.group,
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
             on_unit_reduced=self.updater.unit_reduced,
-            lazy_shards=self.stage == 3,  # Note [lazy gradient shards] in grad_reduce.py
+            lazy_gradients=self.stage >= 1,  # Note [lazy gradient shards] in grad_reduce.py
         )
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
@@ -293,7 +294,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         if not boundary:
             return
         if self.gatherer is not None:
-            self.gatherer.finish_backward()  # nothing gathered may outlive the update unrefreshed
+            # Nothing gathered may outlive the update unrefreshed, and the gather pool goes:
+            # between steps a unit is its shard alone (Note [gather pool] in unit/storage.py).
+            self.gatherer.release_all()
         applied, self.last_grad_norm = self.updater.step(
             loss_scaler=self.loss_scaler, clip=self.config.gradient_clipping
         )

@@ -11,15 +11,17 @@ REDUCE_SCATTER (stages 2-3)  no full gradient is kept: a unit's gradients are co
     fp32 shard accumulator. This runs on every micro-step: accumulating locally would need the
     full gradient that stage 2 exists to avoid (DeepSpeed makes the same trade).
 
-Note [lazy gradient shards]: with ``lazy_shards`` (the engine sets it at stage 3) a unit's
-shard accumulator does not exist between optimizer steps. The first reduce-scatter of an
-accumulation window creates it (in fp32 its output buffer simply becomes the accumulator) and
-``zero()`` drops it after the step, as FSDP2 frees its sharded gradients. So during forward and
-most of backward the gradient column holds only the units already reduced, and the units being
+Note [lazy gradient shards]: with ``lazy_gradients`` (the engine sets it at stages 1-3) no
+gradient state exists between optimizer steps, as ``zero_grad(set_to_none=True)`` leaves torch.
+REDUCE_SCATTER: the first reduce-scatter of an accumulation window creates a unit's fp32 shard
+accumulator (in fp32 its output buffer simply becomes the accumulator) and ``zero()`` drops it
+after the step, as FSDP2 frees its sharded gradients. So during forward and most of backward
+the gradient column holds only the units already reduced, and at stage 3 the units being
 gathered for backward never have a shard beside their gathered parameters; the planner counts
-this (planner/memory.py, ``unreduced_gradient_bytes``). Stage 2 keeps its accumulators: there
-no gathered parameters share backward's peak, so dropping them would save nothing at the peak
-and cost a fresh allocation every step.
+this (planner/memory.py, ``unreduced_gradient_bytes``). ALL_REDUCE (stage 1): a unit's full
+buffer is allocated at the first arrival of one of its gradients in the window (that first
+gradient is added in; the others accumulate into the buffer's views in place) and dropped,
+with every ``.grad`` view, after the step. Stage 0 keeps its buffers, as DDP keeps its buckets.
 
 Note [launch order]: collectives must be issued in the same order on every rank. A unit is
 launched only when it is complete AND every unit before it in ``order`` has launched; whatever
@@ -105,7 +107,7 @@ class GradReducer:
         *,
         on_unit_complete: Callable[[UnitRecord], None] | None = None,
         on_unit_reduced: Callable[[UnitRecord], None] | None = None,
-        lazy_shards: bool = False,
+        lazy_gradients: bool = False,
     ):
         self.records = records
         self.order = order
@@ -117,14 +119,11 @@ class GradReducer:
         self._next = 0
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
-        self.lazy_shards = lazy_shards and policy is ReducePolicy.REDUCE_SCATTER
+        self.lazy_gradients = lazy_gradients  # Note [lazy gradient shards]
         if policy is ReducePolicy.ALL_REDUCE:
-            for record in records:
-                unit = record.unit
-                record.grad_full = torch.zeros_like(unit.full)
-                record.grad = record.grad_full[slice(*unit.layout.chunk_range(unit.rank))]
-                for param, offset in zip(unit.params, unit.layout.offsets, strict=True):
-                    param.grad = record.grad_full[offset : offset + param.numel()].view(param.shape)
+            if not lazy_gradients:
+                for record in records:
+                    self._create_full(record)
         else:
             self._create_chunks()
             for record in records:
@@ -144,6 +143,8 @@ class GradReducer:
         offset = unit.layout.offsets[position]
         numel = param.numel()
         if self.policy is ReducePolicy.ALL_REDUCE:
+            if record.grad_full is None:  # Note [lazy gradient shards]: the window's first arrival
+                self._create_full(record, arriving=position)
             view = record.grad_full[offset : offset + numel]
             if param.grad.data_ptr() != view.data_ptr():
                 # Someone replaced .grad (e.g. zero_grad(set_to_none=True)); fold it back in.
@@ -186,6 +187,8 @@ class GradReducer:
         record.grad_state = GradState.REDUCING
         unit = record.unit
         if self.policy is ReducePolicy.ALL_REDUCE:
+            if record.grad_full is None:  # nothing arrived on this rank; other ranks may contribute
+                self._create_full(record)
             handle = collectives.all_reduce(record.grad_full, group=self.group, async_op=True)
             self._in_flight.append((record, handle, None))
             return
@@ -241,6 +244,17 @@ class GradReducer:
         for pool in self._pools.values():
             pool.clear()
 
+    @staticmethod
+    def _create_full(record: UnitRecord, arriving: int | None = None) -> None:
+        """ALL_REDUCE: the unit's zeroed full gradient buffer; every parameter's ``.grad`` but
+        the ``arriving`` one's (added in by the caller) becomes a view into it."""
+        unit = record.unit
+        record.grad_full = torch.zeros_like(unit.full)
+        record.grad = record.grad_full[slice(*unit.layout.chunk_range(unit.rank))]
+        for position, (param, offset) in enumerate(zip(unit.params, unit.layout.offsets, strict=True)):
+            if position != arriving:
+                param.grad = record.grad_full[offset : offset + param.numel()].view(param.shape)
+
     def _take_bucket(self, record: UnitRecord) -> torch.Tensor:
         unit = record.unit
         buffer, bucket = self._pools[(unit.dtype, unit.device)].take(unit.layout.padded_numel)
@@ -265,8 +279,14 @@ class GradReducer:
     # -- around the optimizer step ---------------------------------------------------------
     def zero(self) -> None:
         for record in self.records:
-            if record.grad_full is not None:
+            if record.grad_full is None:
+                continue
+            if not self.lazy_gradients:
                 record.grad_full.zero_()
+                continue
+            record.grad_full = record.grad = None  # Note [lazy gradient shards]
+            for param in record.unit.params:
+                param.grad = None
         if self.policy is ReducePolicy.REDUCE_SCATTER:
             self._create_chunks()
 
@@ -274,7 +294,7 @@ class GradReducer:
         """REDUCE_SCATTER: fresh all-zero fp32 accumulators, or none (Note [lazy gradient shards])."""
         for record in self.records:
             record.grad_clean = True
-            if self.lazy_shards:
+            if self.lazy_gradients:
                 record.grad = None
             elif record.grad is None:
                 record.grad = torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32, device=record.unit.device)

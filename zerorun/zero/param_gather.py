@@ -205,7 +205,8 @@ class ParamGatherer:
                 record.unit.release()
 
     def release_all(self) -> None:
-        """Release every idle unit and let the pool go (before a checkpoint load rewrites shards)."""
+        """Release every idle unit and let the pool go (at each step, before the update; before a
+        checkpoint load rewrites shards)."""
         self._release_idle()
         if self.pool is not None:
             self.pool.clear()

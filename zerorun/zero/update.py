@@ -5,8 +5,9 @@ The user's optimizer stays the one that steps: its param groups keep their hyper
 becomes the fp32 masters of that group's units on this rank (unit/record.py). Torch
 optimizers skip a parameter whose ``.grad`` is None, so a subset of units is updated by
 giving only their masters a gradient and calling ``optimizer.step()``: the same object, the
-same per-parameter state, any subset at a time. Units on the device are updated in one call
-(the multi-tensor path); units whose home ``updates_alone`` (host, NVMe) one at a time.
+same per-parameter state, any subset at a time. Units on the device are updated in groups of
+at most ``zero.update_bucket_size`` elements, one call each (the multi-tensor path, Note
+[bounded update]); units whose home ``updates_alone`` (host, NVMe) one at a time.
 
 Per unit: its state home (``record.state_home``, offload/placements.py) makes master and state
 resident and stages the fp32 gradient chunk beside them; the gradient is unscaled by
@@ -79,21 +80,40 @@ def refresh_replicas(records: list[UnitRecord], group) -> None:
         handle.wait()
 
 
-def update_batches(records: list[UnitRecord]) -> list[list[UnitRecord]]:
-    """One optimizer call for the units whose homes take them all at once, then one call per
-    unit whose home updates it alone (Note [unit-sized gradient staging])."""
-    together = [r for r in records if not r.state_home.updates_alone]
-    return ([together] if together else []) + [[r] for r in records if r.state_home.updates_alone]
+def update_batches(records: list[UnitRecord], cap: int) -> list[list[UnitRecord]]:
+    """Optimizer calls over consecutive units whose homes take several at once, each call's
+    masters at most ``cap`` elements in all (a larger unit alone), then one call per unit whose
+    home updates it alone (Note [unit-sized gradient staging]).
+
+    Note [bounded update]: a multi-tensor (foreach/fused) optimizer allocates its temporaries
+    for every tensor of the call at once (AdamW: the denominator, 4 bytes per element; in
+    bf16/fp16 at stages 0-1 also the fp32 copy of the model-dtype gradient), so one call over
+    every unit grew the step's peak by a few bytes per parameter of the rank's whole share.
+    Groups keep the multi-tensor kernels and bound that growth by one group: the temporaries of
+    a call are freed before the next begins (each gradient handed to the optimizer is dropped
+    after its call), so ``step()`` grows by a few bytes per element of ``cap`` plus one unit,
+    whatever the model's size (tests/distributed/test_update_memory.py)."""
+    batches: list[list[UnitRecord]] = []
+    size = 0
+    for record in (r for r in records if not r.state_home.updates_alone):
+        numel = record.master.numel()
+        if not batches or size + numel > cap:
+            batches.append([])
+            size = 0
+        batches[-1].append(record)
+        size += numel
+    return batches + [[r] for r in records if r.state_home.updates_alone]
 
 
 class UnitUpdater:
     def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], group, *,
-                 data_parallel_world: int, shard_world: int):
+                 data_parallel_world: int, shard_world: int, update_bucket_size: int = 6_250_000):
         self.optimizer = optimizer
         self.records = records
         self.group = group
         self.data_parallel_world = data_parallel_world
         self.shard_world = shard_world
+        self.update_bucket_size = update_bucket_size  # Note [bounded update]
         install_masters(optimizer, records)
         if any(r.state_home.host_kernels for r in records):
             prefer_fused_kernels(optimizer)
@@ -142,7 +162,7 @@ class UnitUpdater:
         applied = loss_scaler.update(overflow)
         if applied:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
-            for batch in update_batches([r for r in self.records if not r.updated]):
+            for batch in update_batches([r for r in self.records if not r.updated], self.update_bucket_size):
                 self._apply(batch, window, coefficient)
             refresh_replicas(self.records, self.group)
         for record in self.records:

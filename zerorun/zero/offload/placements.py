@@ -65,7 +65,7 @@ class Placement(Protocol):
 
     location: str  # the memory_breakdown key its bytes count under: device, host, nvme
     overlaps_backward: bool  # updates run on a worker thread during the boundary backward
-    updates_alone: bool  # one unit per optimizer call (else all such units in one call)
+    updates_alone: bool  # one unit per optimizer call (else groups of units: Note [bounded update])
     host_kernels: bool  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor: ...  # created once, where the state lives
@@ -84,11 +84,15 @@ class OnDevice:
 
     location = "device"
     overlaps_backward = False
-    updates_alone = False  # every unit in one optimizer call (the multi-tensor path)
+    updates_alone = False  # groups of units per optimizer call (Note [bounded update] in update.py)
     host_kernels = False  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
-        return unit.shard if unit.dtype == torch.float32 else unit.shard.detach().float()
+        if unit.dtype == torch.float32:
+            return unit.shard
+        if unit.partitioned and unit.shard_beside_model:
+            return unit.keep_shard_in_fp32()  # one copy per shard: Note [fp32 shard] in unit/storage.py
+        return unit.shard.detach().float()
 
     def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
         return chunk

@@ -6,8 +6,9 @@ A ``UnitRecord`` owns
     segments    which (parameter name, element range) pieces the chunk holds, so checkpoints
                 write and re-partition state by name;
     master      the fp32 chunk the optimizer steps (Note [masters]);
-    gradient    the full-size buffer (stages 0-1) or the fp32 chunk accumulator (2-3), and one
-                backward's bookkeeping (arrivals, the transient bucket), written by grad_reduce;
+    gradient    the full-size buffer (stages 0-1) or the fp32 chunk accumulator (2-3), at
+                stages 1-3 only from a window's first backward to its update (Note [lazy
+                gradient shards] in grad_reduce.py), and one backward's bookkeeping (arrivals, the transient bucket), written by grad_reduce;
     state_home  where master and optimizer state live between updates, and
     param_home  where a stage-3 chunk lives (both a ``Placement``: offload/placements.py);
                 ``state_slot`` is what the state home keeps about this unit (NVMe: its read,
@@ -25,9 +26,12 @@ keeps working.
 
 Note [masters]: in fp32 with the state on the compute device, a master IS the parameter
 storage (``unit.shard``: a view into the full buffer at stages 0-2, the owned chunk at stage 3),
-so an update lands in the model with no copy and no extra memory. Otherwise (bf16/fp16, or an
-offloaded optimizer) the master is its own fp32 tensor wherever the placement puts it, and
-publishing an update copies it into ``unit.shard`` in the model dtype.
+so an update lands in the model with no copy and no extra memory. So is it at stage 3 in
+bf16/fp16 with the state and the chunk on the device: the owned chunk is then kept in fp32 and
+cast by each gather (Note [fp32 shard] in unit/storage.py). Otherwise (bf16/fp16 at stages
+0-2 or for stage 3's whole-kept units, or an offloaded optimizer) the master is its own fp32
+tensor wherever the placement puts it, and publishing an update copies it into ``unit.shard``
+in the model dtype.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ So on CPU the memory moves instead of being freed: ``GatherPool`` keeps released
 size, and a gather swaps a pooled buffer's memory into the unit's own storage object
 (``UntypedStorage._swap_data_ptr_``), which keeps the identity the saved views rely on. The
 pool holds at most what was gathered at once (the running module, the prefetched one and any
-unit kept for reuse), reported as communication buffers. On CUDA the caching allocator already
+unit kept for reuse), reported as communication buffers, and is emptied at every optimizer
+step, before the update: between steps a unit is its shard alone, as with FSDP2 (the first
+gathers of each forward take memory again; issue 20). On CUDA the caching allocator already
 reuses memory, so units resize their storage as before; so does a torch without the swap.
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
@@ -27,6 +29,15 @@ before its all-gather when it is not there already; the staged
 copy lives until the gather is waited for (the collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
+
+Note [fp32 shard]: in bf16/fp16 with the optimizer state and the chunk both beside the model
+(no offload), the owned chunk is kept in fp32 and IS the optimizer's master
+(``OnDevice.make_master`` calls ``keep_shard_in_fp32``): one copy per shard, 4 bytes per element
+instead of a model-dtype chunk (2) beside an fp32 master (4), as FSDP2's mixed precision keeps
+it. A gather casts this rank's chunk into its slot of the model-dtype ``full`` buffer and
+all-gathers in place, so the other ranks' chunks arrive in the model dtype, each rounded once
+from its fp32 master: the same values a publish into a model-dtype chunk gave, so training is
+bit-for-bit what it was with two copies. The cast needs no buffer beyond ``full`` itself.
 """
 
 from __future__ import annotations
@@ -117,6 +128,8 @@ class FlatUnit:
         self.dtype, self.device = first.dtype, first.device
         lo, hi = self.layout.chunk_range(shard_rank)
         self.partitioned = partition_params
+        # The chunk stays on the compute device (no parameter offload): Note [fp32 shard].
+        self.shard_beside_model = shard_home is None or shard_home.location == "device"
         if partition_params:
             # Note [chunk-only construction]: a partitioned unit never holds its whole buffer
             # while it is built: ``full`` gets its shape with no memory, and each parameter's
@@ -179,7 +192,11 @@ class FlatUnit:
             return
         self._allocate_full()
         source = self.shard
-        if source.device != self.device:
+        if source.dtype != self.dtype:  # Note [fp32 shard]: cast into this rank's slot
+            lo, hi = self.layout.chunk_range(self.rank)
+            source = self.full[lo:hi]
+            source.copy_(self.shard)
+        elif source.device != self.device:
             source = self._staged_shard = source.to(self.device, non_blocking=True)
         self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
         self._move(ParamState.GATHERING)
@@ -202,6 +219,13 @@ class FlatUnit:
         if self.state is ParamState.GATHERED:
             self._free_full()
             self._move(ParamState.SHARDED)
+
+    def keep_shard_in_fp32(self) -> torch.Tensor:
+        """Note [fp32 shard]: the owned chunk becomes an fp32 tensor, returned as the master."""
+        if not (self.partitioned and self.shard_beside_model and self.state is ParamState.SHARDED):
+            raise InternalError(f"unit {self.index}: only an owned chunk beside the model can be kept in fp32")
+        self.shard = self.shard.float()
+        return self.shard
 
     # -- after an optimizer step ---------------------------------------------------------
     def start_refresh(self, group):
