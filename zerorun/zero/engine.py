@@ -229,7 +229,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self._boundary_override: bool | None = None
         self._step_applied = False
         self.last_grad_norm: float | None = None
-        self._window_loss = 0.0
+        # The window's summed loss: a 0-d tensor while it runs (no sync per micro-step), 0.0 between.
+        self._window_loss: torch.Tensor | float = 0.0
         self._window_samples = 0
         self._step_started = time.perf_counter()
         self._recorder = get_recorder()

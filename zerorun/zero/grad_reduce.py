@@ -142,20 +142,24 @@ class GradReducer:
         unit = record.unit
         offset = unit.layout.offsets[position]
         numel = param.numel()
+        grad = param.grad
+        if grad is None:
+            raise InternalError(f"unit {record.index}: a gradient hook fired for a parameter without .grad")
         if self.policy is ReducePolicy.ALL_REDUCE:
-            if record.grad_full is None:  # Note [lazy gradient shards]: the window's first arrival
-                self._create_full(record, arriving=position)
-            view = record.grad_full[offset : offset + numel]
-            if param.grad.data_ptr() != view.data_ptr():
+            full = record.grad_full
+            if full is None:  # Note [lazy gradient shards]: the window's first arrival
+                full = self._create_full(record, arriving=position)
+            view = full[offset : offset + numel]
+            if grad.data_ptr() != view.data_ptr():
                 # Someone replaced .grad (e.g. zero_grad(set_to_none=True)); fold it back in.
-                view.add_(param.grad.reshape(-1))
+                view.add_(grad.reshape(-1))
                 param.grad = view.view(param.shape)
             if not self.communicate:
                 return
         else:
             bucket = record.bucket
             if bucket is None and self._reduces_in_place(unit):
-                record.bucket = param.grad.reshape(-1)
+                record.bucket = grad.reshape(-1)
                 record.written = [True]
                 param.grad = None
             elif bucket is None:
@@ -164,7 +168,9 @@ class GradReducer:
                 bucket = self._take_bucket(record)
                 record.written = [False] * len(unit.params)
             if bucket is not None:
-                bucket[offset : offset + numel].copy_(param.grad.reshape(-1))
+                bucket[offset : offset + numel].copy_(grad.reshape(-1))
+                if record.written is None:
+                    raise InternalError(f"unit {record.index}: a gradient bucket without its written slots")
                 record.written[position] = True
                 param.grad = None
         if record.grad_state is GradState.IDLE:
@@ -187,16 +193,17 @@ class GradReducer:
         record.grad_state = GradState.REDUCING
         unit = record.unit
         if self.policy is ReducePolicy.ALL_REDUCE:
-            if record.grad_full is None:  # nothing arrived on this rank; other ranks may contribute
-                self._create_full(record)
-            handle = collectives.all_reduce(record.grad_full, group=self.group, async_op=True)
+            full = record.grad_full
+            if full is None:  # nothing arrived on this rank; other ranks may contribute
+                full = self._create_full(record)
+            handle = collectives.all_reduce(full, group=self.group, async_op=True)
             self._in_flight.append((record, handle, None))
             return
         bucket = record.bucket
         if bucket is None:  # nothing arrived on this rank; other ranks may still contribute
             bucket = self._take_bucket(record)
             bucket.zero_()
-        else:
+        elif record.written is not None:
             self._zero_unwritten(unit, bucket, record.written)
         record.bucket, record.written = None, None
         chunk = record.grad
@@ -245,15 +252,16 @@ class GradReducer:
             pool.clear()
 
     @staticmethod
-    def _create_full(record: UnitRecord, arriving: int | None = None) -> None:
-        """ALL_REDUCE: the unit's zeroed full gradient buffer; every parameter's ``.grad`` but
-        the ``arriving`` one's (added in by the caller) becomes a view into it."""
+    def _create_full(record: UnitRecord, arriving: int | None = None) -> torch.Tensor:
+        """ALL_REDUCE: the unit's zeroed full gradient buffer (returned); every parameter's
+        ``.grad`` but the ``arriving`` one's (added in by the caller) becomes a view into it."""
         unit = record.unit
-        record.grad_full = torch.zeros_like(unit.full)
-        record.grad = record.grad_full[slice(*unit.layout.chunk_range(unit.rank))]
+        full = record.grad_full = torch.zeros_like(unit.full)
+        record.grad = full[slice(*unit.layout.chunk_range(unit.rank))]
         for position, (param, offset) in enumerate(zip(unit.params, unit.layout.offsets, strict=True)):
             if position != arriving:
-                param.grad = record.grad_full[offset : offset + param.numel()].view(param.shape)
+                param.grad = full[offset : offset + param.numel()].view(param.shape)
+        return full
 
     def _take_bucket(self, record: UnitRecord) -> torch.Tensor:
         unit = record.unit

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
@@ -122,13 +123,14 @@ class UnitUpdater:
         self._window: _Window | None = None
 
     # -- the boundary backward ---------------------------------------------------------
-    def open_window(self, loss_scaler: LossScaler, clip: float) -> None:
+    def open_window(self, loss_scaler: LossScaler, clip: float) -> _Window:
         """Before the boundary micro-step's backward: fix the unscale factor and whether the
         global norm is needed (Note [update while backward runs])."""
         self._window = _Window(
             inverse=1.0 / (self.data_parallel_world * loss_scaler.scale),
             needs_norm=clip > 0 or loss_scaler.dynamic or loss_scaler.scale != 1.0,
         )
+        return self._window
 
     def unit_reduced(self, record: UnitRecord) -> None:
         """grad_reduce: ``record``'s gradient chunk is final; start its work on the worker."""
@@ -147,21 +149,20 @@ class UnitUpdater:
     # -- the step ------------------------------------------------------------------------
     def step(self, *, loss_scaler: LossScaler, clip: float) -> tuple[bool, float | None]:
         """Unscale, check overflow, clip, update, spread. Returns (applied, grad_norm)."""
-        if self._window is None:
-            self.open_window(loss_scaler, clip)
-        window = self._window
+        window = self._window if self._window is not None else self.open_window(loss_scaler, clip)
         self._wait_for_worker()
         if window.needs_norm:
             for record in self.records:
                 if record.grad_square is None:
                     self._norm_piece(record, window)
-        norm, overflow = None, False
+        norm: float | None = None
+        overflow = False
         if window.needs_norm:
             norm = self._global_norm()
             overflow = not math.isfinite(norm)
         applied = loss_scaler.update(overflow)
         if applied:
-            coefficient = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
+            coefficient = clip / (norm + 1e-6) if clip > 0 and norm is not None and norm > clip else 1.0
             for batch in update_batches([r for r in self.records if not r.updated], self.update_bucket_size):
                 self._apply(batch, window, coefficient)
             refresh_replicas(self.records, self.group)
@@ -187,6 +188,8 @@ class UnitUpdater:
         device = self.records[0].unit.device if self.records else torch.device("cpu")
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         for record in self.records:  # unit order, whichever thread computed each piece
+            if record.grad_square is None:
+                raise InternalError(f"unit {record.index}: the global norm was asked for before its piece")
             squares += record.grad_square.to(device)
         if self.shard_world > 1:
             collectives.all_reduce(squares, group=self.group)

@@ -14,7 +14,7 @@ Frozen parameters belong to no unit: they are not in the optimizer and never com
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -35,8 +35,8 @@ class Partition:
     module_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
 
 
-def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[nn.Parameter, int]:
-    """Map each trainable parameter to its optimizer group, checking the two agree."""
+def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Map each trainable parameter (by ``id``) to its optimizer group, checking the two agree."""
     model_params = {id(p) for p in model.parameters()}
     group_of: dict[int, int] = {}
     for index, group in enumerate(optimizer.param_groups):
@@ -132,7 +132,7 @@ def module_tree(model: nn.Module) -> ModuleNode:
 def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """(owner module, parameters) pairs from unit_plan's rules; each parameter appears once."""
     modules = dict(model.named_modules())
-    params = {id(p): p for p in model.parameters()}
+    params: dict[Hashable, nn.Parameter] = {id(p): p for p in model.parameters()}
     eligible = lambda p: p.trainable and p.numel > persistence_threshold  # noqa: E731
     return [(modules[u.owner], [params[p.key] for p in u.params])
             for u in coalesce_units(module_tree(model), eligible, min_numel)]

@@ -158,7 +158,7 @@ class FlatUnit:
                     param.data = view.view(param.shape)
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
-        self._gather_handle = None
+        self._gather_handle: collectives.Handle | collectives._Done | None = None
         self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
@@ -169,16 +169,18 @@ class FlatUnit:
             storage.resize_(self._full_nbytes)
         else:
             self._lent = self.pool.take(self._full_nbytes)
-            storage._swap_data_ptr_(self._lent)
+            storage._swap_data_ptr_(self._lent)  # type: ignore[attr-defined]  # private; GatherPool.SUPPORTED
 
     def _free_full(self) -> None:
         storage = self.full.untyped_storage()
         if self._lent is None:
             storage.resize_(0)
-        else:
-            storage._swap_data_ptr_(self._lent)
-            self.pool.give_back(self._lent)
-            self._lent = None
+            return
+        if self.pool is None:
+            raise InternalError(f"unit {self.index}: a pooled gather buffer without its pool")
+        storage._swap_data_ptr_(self._lent)  # type: ignore[attr-defined]  # private; GatherPool.SUPPORTED
+        self.pool.give_back(self._lent)
+        self._lent = None
 
     # -- stage 3 gathering ------------------------------------------------------------
     def _move(self, new: ParamState) -> None:
@@ -209,6 +211,8 @@ class FlatUnit:
 
     def _finish_gather(self) -> None:
         if self.state is ParamState.GATHERING:
+            if self._gather_handle is None:
+                raise InternalError(f"unit {self.index}: gathering without a collective in flight")
             self._gather_handle.wait()
             self._gather_handle = self._staged_shard = None  # the collective has read the staged copy
             self._move(ParamState.GATHERED)
