@@ -51,6 +51,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import IO
 
 import psutil
 
@@ -119,32 +120,39 @@ class Guardian:
     """The process that ends the worker groups if the agent dies (Note [workers die with their agent])."""
 
     def __init__(self, grace_s: float):
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stdin: IO[bytes] | None = None
         try:
-            self.proc = subprocess.Popen(
+            self.proc = proc = subprocess.Popen(
                 [sys.executable, "-c", GUARDIAN_SOURCE, str(min(grace_s, 2.0))],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,  # a signal to the agent's group or session must not reach it
             )
         except OSError:
-            self.proc = None
+            pass
+        else:
+            if proc.stdin is None:  # asked for as a pipe, so Popen made one; checked once, here
+                raise RuntimeError("the guardian process started without its stdin pipe")
+            self._stdin = proc.stdin
         self._lock = threading.Lock()
 
     def tell(self, word: str) -> None:
-        if self.proc is None:
+        stdin = self._stdin
+        if stdin is None:
             return
         with self._lock:
             try:
-                self.proc.stdin.write(f"{word}\n".encode())
-                self.proc.stdin.flush()
+                stdin.write(f"{word}\n".encode())
+                stdin.flush()
             except (OSError, ValueError):
                 pass
 
     def release(self) -> None:
         """The agent ends normally: the guardian leaves without touching anything."""
         self.tell("done")
-        if self.proc is not None:
+        if self.proc is not None and self._stdin is not None:
             try:
-                self.proc.stdin.close()
+                self._stdin.close()
                 self.proc.wait(timeout=5)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -207,7 +215,9 @@ class NodeAgent:
             stopped = self._stopped
         if stopped:  # a stop raced with the spawn: end this worker at once
             end_groups([proc.pid], 0.0)
-        output = self._thread(self._pump_output, rank, proc)
+        if proc.stdout is None:  # asked for as a pipe, so Popen made one; checked once, here
+            raise RuntimeError(f"rank {rank}'s worker started without its output pipe")
+        output = self._thread(self._pump_output, rank, proc.stdout)
         port = env.get("MASTER_PORT", "")
         if port.isdigit():
             self._thread(self._watch_rendezvous, rank, proc, int(port))
@@ -220,9 +230,8 @@ class NodeAgent:
         return thread
 
     # -- reading ------------------------------------------------------------------------
-    def _pump_output(self, rank: int, proc: subprocess.Popen) -> None:
+    def _pump_output(self, rank: int, stream: IO[bytes]) -> None:
         """Note [bounded output]: a line without an end is sent in MAX_OUTPUT_LINE pieces."""
-        stream = proc.stdout
         while True:
             raw = stream.readline(MAX_OUTPUT_LINE)
             if not raw:

@@ -155,10 +155,10 @@ def resolve_hosts(options: LaunchOptions, environ: Mapping[str, str], gpu_counte
         text = read_small_file(options.hostfile, "hostfile", HostfileError)
         hosts = parse_hostfile(text, source=options.hostfile)
     else:
-        hosts = slurm_hosts(environ) if use_slurm else None
-        if hosts is not None and per_host is not None:
-            hosts = {host: per_host for host in hosts}
-        if hosts is None:
+        slurm_nodes = slurm_hosts(environ) if use_slurm else None
+        if slurm_nodes is not None:
+            hosts = slurm_nodes if per_host is None else {host: per_host for host in slurm_nodes}
+        else:
             if options.gpus is not None:
                 available = gpu_counter()
                 if options.gpus > available:
@@ -206,8 +206,12 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     context = slurm.detect(environ)
     mode = choose_launcher(options.launcher, context, bool(options.hostfile))
     role = None
+    step_label = ""
     if mode == "step":
+        if context is None:  # choose_launcher picks "step" only inside a Slurm step
+            raise LaunchError("not inside a Slurm step (SLURM_JOB_ID is not set)")
         hosts, role = step_hosts(options, environ, context)
+        step_label = f"slurm-{context.job_id}.{context.step_id}"
     else:
         hosts = resolve_hosts(options, environ, gpu_counter, use_slurm=mode != "local")
     local_names = {socket.gethostname()}
@@ -240,7 +244,7 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     token = secrets.token_hex(16)
     if role is not None:
         # One folder per node of the step (several launchers may share a filesystem).
-        base = options.run_dir or os.path.join(cwd, "zerorun-runs", f"slurm-{context.job_id}.{context.step_id}")
+        base = options.run_dir or os.path.join(cwd, "zerorun-runs", step_label)
         run_dir = os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
     else:
         run_dir = os.path.abspath(options.run_dir or default_run_dir(cwd))

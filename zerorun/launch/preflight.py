@@ -127,16 +127,17 @@ def preflight(plan: LaunchPlan, *, ssh_port: int | None = None, ssh_options: lis
     facts: dict[str, dict | str] = {}
     local_needed = any(node.local for node in plan.nodes)
     remote = plan.remote_nodes
+    local_facts: dict | None = None
     if local_needed or remote:
-        facts[local_host] = probe_facts(plan.cwd, target.script, target.module)
+        facts[local_host] = local_facts = probe_facts(plan.cwd, target.script, target.module)
     if remote:
         with ThreadPoolExecutor(max_workers=min(16, len(remote))) as pool:
             answers = pool.map(lambda node: probe_remote(node, plan, ssh_port, ssh_options or []), remote)
             facts.update({node.host: answer for node, answer in zip(remote, answers, strict=True)})
-    elif local_needed:
+    elif local_facts is not None:
         # Single-host runs use this very interpreter: only the script needs checking, and a
         # missing torch is the script's business (it may not use torch at all).
-        facts[local_host]["torch"] = facts[local_host]["torch"] or "n/a"
+        local_facts["torch"] = local_facts["torch"] or "n/a"
     problems = compare_facts(local_host, facts, script_label)
     if problems:
         if len(problems) == 1:

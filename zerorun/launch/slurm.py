@@ -240,15 +240,16 @@ def step_world(environ: Mapping[str, str]) -> StepWorld | None:
     tasks = ctx.step_tasks or 1
     if tasks == 1:
         return None
-    missing = [name for name, value in (("SLURM_PROCID", ctx.proc_id), ("SLURM_LOCALID", ctx.local_id))
-               if value is None]
-    if missing:
+    proc_id, local_id = ctx.proc_id, ctx.local_id
+    if proc_id is None or local_id is None:
+        missing = [name for name, value in (("SLURM_PROCID", proc_id), ("SLURM_LOCALID", local_id))
+                   if value is None]
         raise LaunchError(f"SLURM_STEP_NUM_TASKS={tasks} but {' and '.join(missing)} not set: cannot form the world")
-    if ctx.proc_id >= tasks:
-        raise LaunchError(f"SLURM_PROCID={ctx.proc_id} is not below SLURM_STEP_NUM_TASKS={tasks}")
+    if proc_id >= tasks:
+        raise LaunchError(f"SLURM_PROCID={proc_id} is not below SLURM_STEP_NUM_TASKS={tasks}")
     port = _int(environ, "MASTER_PORT") or master_port(ctx.job_id, ctx.step_id)
     addr = environ.get("MASTER_ADDR") or ctx.step_nodes[0]
-    return StepWorld(ctx.proc_id, tasks, ctx.local_id, addr, port)
+    return StepWorld(proc_id, tasks, local_id, addr, port)
 
 
 def describe(ctx: SlurmContext | None, reach: Mapping[str, str] | None = None,

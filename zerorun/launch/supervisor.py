@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from zerorun.launch import watchdog
 from zerorun.launch.commands import node_agent_command, on_host
@@ -137,7 +138,7 @@ class OutputSink:
         self.logs = logs
         self.tails = tails
         self.last_output = time.monotonic()
-        self._continuing: set[int] = set()
+        self._continuing: set[int | None] = set()  # None: the launcher's own notes
         self._collector = getattr(view, "collector", None)
         self._closed = False
 
@@ -221,7 +222,8 @@ class AgentChannel:
         self.cwd = plan.cwd if node.local else None
         self.argv = node_agent_command(node.reach, node.host, plan.cwd, plan.python, plan.forwarded_env,
                                        ssh_port=ssh_port, ssh_options=ssh_options)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stdin: IO[bytes] | None = None
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=20)
         self.done = False  # the agent said "done": it ended and reaped every worker itself
         self.killed = False  # finish() had to kill it: its workers' fate is unknown
@@ -230,7 +232,7 @@ class AgentChannel:
 
     def start(self, sink: OutputSink) -> None:
         self.sink = sink
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             self.argv,
             cwd=self.cwd,
             stdin=subprocess.PIPE,
@@ -238,22 +240,29 @@ class AgentChannel:
             stderr=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C at the terminal must not hit it before we decide
         )
+        # All three were asked for as pipes, so Popen made them; checked once, here (finish() ends proc).
+        if proc.stdin is None or proc.stdout is None or proc.stderr is None:
+            raise RuntimeError(f"the agent process for {self.host} started without its pipes")
+        self._stdin = proc.stdin
         self._send(json.dumps(self.job))
-        self._stderr_reader = threading.Thread(target=self._pump_stderr, daemon=True)
-        self._threads = [threading.Thread(target=self._pump_events, daemon=True), self._stderr_reader]
+        self._stderr_reader = threading.Thread(target=self._pump_stderr, args=(proc.stderr,), daemon=True)
+        self._threads = [threading.Thread(target=self._pump_events, args=(proc, proc.stdout, sink), daemon=True),
+                         self._stderr_reader]
         for thread in self._threads:
             thread.start()
 
     def _send(self, line: str) -> None:
+        stdin = self._stdin
+        if stdin is None:
+            raise RuntimeError(f"the agent channel to {self.host} is not started")
         with self._stdin_lock:
             try:
-                self.proc.stdin.write((line + "\n").encode())
-                self.proc.stdin.flush()
+                stdin.write((line + "\n").encode())
+                stdin.flush()
             except (BrokenPipeError, OSError, ValueError):
                 pass
 
-    def _pump_events(self) -> None:
-        stream = self.proc.stdout
+    def _pump_events(self, proc: subprocess.Popen[bytes], stream: IO[bytes], sink: OutputSink) -> None:
         while True:
             raw = stream.readline(MAX_EVENT_LINE)
             if not raw:
@@ -269,27 +278,27 @@ class AgentChannel:
             except ValueError:
                 # Not from the agent (a login banner, a shell message): keep it visible.
                 event = {"t": "out", "rank": None, "line": raw.decode("utf-8", "replace").rstrip("\n")}
-            self._deliver(event)
+            self._deliver(event, sink)
         self._stderr_reader.join(timeout=1.0)  # ssh's own last words explain a lost session
-        rc = self.proc.wait()
+        rc = proc.wait()
         self.events.put((self.host, {"t": "gone", "rc": rc, "stderr": list(self.stderr_tail)}))
 
-    def _deliver(self, event: dict) -> None:
+    def _deliver(self, event: dict, sink: OutputSink) -> None:
         kind, rank = event.get("t"), event.get("rank")
         if kind == "out":
-            self.sink.output(self.host, rank, str(event.get("line", "")), bool(event.get("more")))
+            sink.output(self.host, rank, str(event.get("line", "")), bool(event.get("more")))
         elif kind == "tel":
-            self.sink.telemetry(self.host, str(event.get("line", "")))
+            sink.telemetry(self.host, str(event.get("line", "")))
         elif kind == "tel_dropped":
-            self.sink.telemetry_dropped(str(event.get("reason", "oversized")))
+            sink.telemetry_dropped(str(event.get("reason", "oversized")))
         else:
             if kind == "done":
                 self.done = True
             self.events.put((self.host, event))
 
-    def _pump_stderr(self) -> None:
+    def _pump_stderr(self, stream: IO[bytes]) -> None:
         while True:
-            raw = self.proc.stderr.readline(4096)
+            raw = stream.readline(4096)
             if not raw:
                 return
             self.stderr_tail.append(printable(raw.decode("utf-8", "replace"), 500))
@@ -331,9 +340,10 @@ class AgentChannel:
         if self.local:
             result = sweep_run(token, wait_s)
         else:
-            result = self._sweep_remote(token, wait_s)
-            if isinstance(result, str):
-                return result
+            remote = self._sweep_remote(token, wait_s)
+            if isinstance(remote, str):
+                return remote
+            result = remote
         if result["left"]:
             return f"{result['left']} process(es) of the run could not be ended"
         return None
@@ -379,7 +389,8 @@ class Supervisor:
             for node in plan.nodes
         ]
         self._interrupt = threading.Event()
-        self._tails = {w.rank: collections.deque(maxlen=TAIL_LINES) for w in plan.workers}
+        self._tails: dict[int, collections.deque[str]] = {
+            w.rank: collections.deque(maxlen=TAIL_LINES) for w in plan.workers}
         self._host_of = {w.rank: w.host for w in plan.workers}
         self._watch = watchdog.ProgressWatch(hang_timeout_s, time.monotonic(), ranks=tuple(self._tails),
                                              startup_timeout_s=startup_timeout_s)
@@ -429,7 +440,7 @@ class Supervisor:
                 if self._interrupt.is_set() and self._stopping_since is None and self._dumping_since is None:
                     self._stop_all()
                 if self._checkpoint_signal is not None and not self._checkpoint_asked:
-                    self._pass_on_checkpoint_request()
+                    self._pass_on_checkpoint_request(self._checkpoint_signal)
                 if self._stopping_since is not None and now - self._stopping_since > self.grace_s + 8.0:
                     break  # hosts that do not answer: finish() below closes their sessions
                 if now >= next_check:
@@ -451,13 +462,13 @@ class Supervisor:
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
                          self._signal if self._interrupt.is_set() else None, self._checkpoint_signal)
 
-    def _pass_on_checkpoint_request(self) -> None:
+    def _pass_on_checkpoint_request(self, signum: int) -> None:
         """Note [save request waits for training]: a worker installs its SIGUSR1 handler in
         ``zerorun.initialize``; before that SIGUSR1 would kill it (Slurm's timer can fire
         within a second of the job's start). So the request goes to the workers only once every
         rank has reported a step: until then there is nothing to save anyway. A job that never
         reports steps keeps running until Slurm's SIGTERM at the time limit."""
-        name = signal_name(self._checkpoint_signal)
+        name = signal_name(signum)
         collector = getattr(self.view, "collector", None)
         if collector is not None:
             steps = {v.rank: v.step for v in collector.snapshot(output_lines=0).ranks}

@@ -23,6 +23,7 @@ is broadcast from rank 0 first as usual, so what the weights lack agrees across 
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class Weights:
     ``model.`` prefix never trains silently from random values). Integer or boolean data for a
     floating-point parameter is refused unless ``cast=True``."""
 
-    source: object
+    source: str | Path | Mapping[str, torch.Tensor]
     strict: bool = True
     cast: bool = False
 
@@ -186,9 +187,13 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for name, tensor in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(tensor), []).append(name)
-    for name, tensor in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(tensor), []).append(name)
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
     return names
+
+
+def _on_meta(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.is_meta
 
 
 class Materializer:
@@ -202,7 +207,7 @@ class Materializer:
         self.param_init_fn = param_init_fn
         self.aliases = _aliases(model)
         if self.source is not None:
-            self._check_names(spec.strict)
+            self._check_names(self.source, spec.strict)
         self.owners: dict[int, list[nn.Module]] = {}
         for module in model.modules():
             for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
@@ -239,16 +244,16 @@ class Materializer:
                     self._check_shape(buffer, value)
                     module._buffers[name] = value.to(self.device, buffer.dtype)
                 elif buffer.is_meta:
-                    if not self._initialize_module(module) or module._buffers[name].is_meta:
+                    if not self._initialize_module(module) or _on_meta(module._buffers[name]):
                         raise RuntimeConfigError(
                             f"buffer {self.aliases.get(id(buffer), [name])[0]!r} is still on the meta device "
                             f"after {type(module).__name__} was initialized",
                             hint="give initialize(param_init_fn=...) that fills it, or include it in the weights")
 
-    def _check_names(self, strict: bool) -> None:
+    def _check_names(self, source: WeightSource, strict: bool) -> None:
         """Note [strict weights]: which of the model's tensors the weights lack, and which of
         theirs the model has no name for, counted exactly before any value is read."""
-        present = self._present = set(self.source.keys())
+        present = self._present = set(source.keys())
         known = set()
         missing = []
         needed = {id(t) for _, t in _persistent(self.model)} | {id(p) for p in self.model.parameters()}
@@ -256,7 +261,7 @@ class Materializer:
             known.update(names)
             if tensor_id in needed and not present.intersection(names):
                 missing.append(names[0])
-        unexpected = [name for name in self.source.keys() if name not in known]
+        unexpected = [name for name in source.keys() if name not in known]
         if not missing and not unexpected:
             return
         total = len(needed)
@@ -266,7 +271,7 @@ class Materializer:
                          f"(first: {', '.join(map(repr, missing[:3]))})")
         if unexpected:
             parts.append(f"{len(unexpected)} tensors have no name in the model (first: {', '.join(map(repr, unexpected[:3]))})")
-        message = f"weights from {self.source.label}: " + "; ".join(parts)
+        message = f"weights from {source.label}: " + "; ".join(parts)
         prefix = _common_prefix(missing, unexpected)
         hint = (f"the weights' names carry a prefix {prefix!r} the model's lack: strip it from the state dict"
                 if prefix else "pass weights=zerorun.Weights(source, strict=False) to initialize what is missing")
@@ -274,7 +279,7 @@ class Materializer:
             raise RuntimeConfigError(message, hint=hint)
         warnings.warn(message + " (strict=False: the missing ones are initialized)", stacklevel=4)
 
-    def _check_shape(self, param: nn.Parameter, value: torch.Tensor) -> None:
+    def _check_shape(self, param: torch.Tensor, value: torch.Tensor) -> None:
         name = self.aliases[id(param)][0]
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeConfigError(
@@ -290,7 +295,10 @@ class Materializer:
     def _where(self, tensor) -> str:
         names = self.aliases.get(id(tensor), [])
         found = next((n for n in names if n in self._present), names[0] if names else "")
-        return self.source.where(found)
+        source = self.source
+        if source is None:  # only values read from a source are checked against the model
+            raise RuntimeError("a weight check without a weight source")
+        return source.where(found)
 
     def _assign(self, param: nn.Parameter, value: torch.Tensor) -> None:
         with torch.no_grad():
@@ -322,7 +330,8 @@ class Materializer:
         shared seed (Note [same values on every rank]). Parameters that already have values
         (a tied weight placed in an earlier unit) are stood in for by scratch tensors while
         the initializer runs, so it cannot overwrite them. False when there is no initializer."""
-        init = self.param_init_fn or getattr(module, "reset_parameters", None)
+        init = (functools.partial(self.param_init_fn, module) if self.param_init_fn is not None
+                else getattr(module, "reset_parameters", None))
         if init is None:
             return False
         placed = {}
@@ -341,6 +350,6 @@ class Materializer:
                     module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
-                init(module) if self.param_init_fn else init()
+                init()
             module._parameters.update(placed)
         return True

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from _ctypes import CFuncPtr
 
 M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -29,7 +30,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 _applied = False
 
 
-def _libc(symbol: str):
+def _libc(symbol: str) -> CFuncPtr | None:
     """The C library's ``symbol`` (a ctypes function), or None off glibc."""
     name = ctypes.util.find_library("c")
     try:
@@ -52,7 +53,8 @@ def return_large_frees_to_os() -> bool:
     return _applied
 
 
-_libc_trim = None
+_trim_probed = False
+_libc_trim: CFuncPtr | None = None  # glibc's malloc_trim, once probed; stays None off glibc
 DEFAULT_TRIM_INTERVAL = 4
 
 
@@ -81,13 +83,14 @@ def trim_host_heap() -> bool:
     default), 0.99x wall and 0.77x RSS; never (a profiling run), 911-922 MiB, about 0.80x. ZERORUN_HOST_TRIM=N picks the
     trade (1 when resident memory is all that matters).
     """
-    global _libc_trim
-    if _libc_trim is None:
-        _libc_trim = _libc("malloc_trim") or False
-        if _libc_trim:
+    global _libc_trim, _trim_probed
+    if not _trim_probed:
+        _trim_probed = True
+        _libc_trim = _libc("malloc_trim")
+        if _libc_trim is not None:
             _libc_trim.argtypes = [ctypes.c_size_t]
             _libc_trim.restype = ctypes.c_int
-    if not _libc_trim:
+    if _libc_trim is None:
         return False
     _libc_trim(0)
     return True

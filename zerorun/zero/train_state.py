@@ -6,6 +6,7 @@ saves and loads it (zero/checkpoint/engine_state.py)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 import torch
 
@@ -14,11 +15,19 @@ from zerorun.zero.checkpoint.reshard import micro_steps_after_load
 from zerorun.zero.precision import LossScaler
 
 
+class Scheduler(Protocol):
+    """What a resume needs of an LR scheduler: torch's LRScheduler, or the user's own object."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 @dataclasses.dataclass(eq=False)
 class TrainState:
     optimizer: torch.optim.Optimizer
     loss_scaler: LossScaler
-    lr_scheduler: object | None
+    lr_scheduler: Scheduler | None
     gradient_accumulation_steps: int  # the engine's final config's
     global_step: int = 0
     micro_steps: int = 0

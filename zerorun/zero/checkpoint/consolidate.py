@@ -154,7 +154,7 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
     created: list[Path] = []
     try:
         assembler.verify_all()
-        entries = plan_entries(assembler.manifest, DTYPE_CHOICES.get(dtype), strip_prefix)
+        entries = plan_entries(assembler.manifest, DTYPE_CHOICES[dtype] if dtype is not None else None, strip_prefix)
         try:
             parent = out if hf else out.parent
             if not parent.exists():

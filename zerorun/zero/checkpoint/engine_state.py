@@ -92,7 +92,7 @@ def _decode_scalar(entry, device: torch.device):
 
 
 def _python_rng() -> dict:
-    state = {"python": random.getstate()}
+    state: dict[str, object] = {"python": random.getstate()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         name, keys, position, has_gauss, cached = numpy.random.get_state()
@@ -139,7 +139,8 @@ def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
 
 def _rank_entries(engine) -> tuple[list, dict]:
     """(key, dtype, shape) of everything this rank writes, and the scalars of its names."""
-    entries, scalars = [], {}
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    scalars: dict[str, dict] = {}
     if _writes_records(engine):
         for record in engine.records:
             elementwise, record_scalars = _state_split(record, engine.train_state.optimizer)
@@ -367,7 +368,7 @@ def _delete_old(root: Path, keep_last: int, just_saved: str) -> None:
 # -- load -----------------------------------------------------------------------------------
 def _check_fits(engine, manifest: dict, directory: Path) -> None:
     table = model_table(engine.module)
-    shapes = lambda section: {n: i["shape"] for n, i in section.items()}  # noqa: E731
+    shapes = lambda section: {n: i["shape"] for n, i in section.items()}
     problem = (first_mismatch(shapes(manifest["parameters"]), shapes(table["parameters"]))
                or first_mismatch(shapes(manifest["buffers"]), shapes(table["buffers"]), what="buffer"))
     if problem:

@@ -61,7 +61,8 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.contiguous().view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it is a buffer on every version.
+    return memoryview(flat.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def fsync_dir(path: Path) -> None:
@@ -245,7 +246,7 @@ class TensorFile:
         size = _itemsize(dtype)
         begin, end = entry["data_offsets"]
         whole = length is None
-        if whole:
+        if length is None:
             length = (end - begin) // size
         out = torch.empty(length, dtype=dtype)
         self.read_into(key, start, out)
@@ -257,7 +258,9 @@ class TensorFile:
         size = _itemsize(DTYPES[entry["dtype"]])
         begin, end = entry["data_offsets"]
         lo = begin + start * size
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+        # numpy's stubs give ndarray __buffer__ only for Python >= 3.12 (as in _bytes above).
+        view = (memoryview(out.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+                if out.numel() else memoryview(b""))
         if lo + len(view) > end:
             raise CheckpointError(f"checkpoint file {str(self.path)!r}: read past tensor {key!r}")
         self._handle.seek(self._base + lo)

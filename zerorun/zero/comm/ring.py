@@ -76,6 +76,8 @@ class Ring:
             n = self.output.numel()
             last = self.step == self.size - 2
             target = self.output if last else self._sum
+            if target is None:  # _sum is made whenever a step comes before the last one (size > 2)
+                raise RuntimeError(f"ring reduce-scatter step {self.step} of {self.size - 1} has no running-sum buffer")
             torch.add(self._chunk(self.input, self.rank - self.step - 2, n), self._received, out=target)
             self._running = target
         self.step += 1

@@ -222,9 +222,12 @@ class FileSlot:
 
 
 def _slot(record: UnitRecord) -> FileSlot:
-    if record.state_slot is None:
-        record.state_slot = FileSlot()
-    return record.state_slot
+    slot = record.state_slot
+    if slot is None:
+        slot = record.state_slot = FileSlot()
+    if not isinstance(slot, FileSlot):  # UnitRecord types it as object: owned by the state home
+        raise TypeError(f"a unit's state slot is a {type(slot).__name__}, not OnFile's FileSlot")
+    return slot
 
 
 class OnFile(OnHost):
@@ -297,6 +300,13 @@ class OnFile(OnHost):
                 self.pool = BufferPool(self.buffer_count, size, self._model_device, self.pin_memory)
             return self.pool
 
+    def _made_pool(self) -> BufferPool:
+        """The pool, which prefetch made before any read, write or put-away could need it."""
+        pool = self.pool
+        if pool is None:
+            raise RuntimeError("OnFile's buffer pool is used before the first prefetch made it")
+        return pool
+
     def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
         """Note [host shards]: the chunk lives in a file of its own, memory-mapped
         (``torch.from_file(shared=True)``), so a gather reads it from the file and an update's
@@ -327,7 +337,8 @@ class OnFile(OnHost):
             write, slot.write = slot.write, None
             if write is not None:
                 write.result()  # the previous update of this unit must be on disk first
-            buffer = self.pool.take()
+            pool = self._made_pool()
+            buffer = pool.take()
         except BaseException as exc:
             self._failed(exc)
             raise
@@ -335,9 +346,9 @@ class OnFile(OnHost):
             n = record.unit.layout.chunk_numel
             slots = 1 + len(slot.state_names)
             read_exactly(self._path(record), _bytes_of(buffer[: slots * n]), self.rank)
-            self.pool.check()  # a failure elsewhere meanwhile: nobody will consume this read
+            pool.check()  # a failure elsewhere meanwhile: nobody will consume this read
         except BaseException as exc:
-            self.pool.give_back(buffer)
+            pool.give_back(buffer)
             self._failed(exc)
             raise
         return buffer
@@ -353,6 +364,8 @@ class OnFile(OnHost):
         held = _slot(record)
         read, held.read = held.read, None
         self._reading.discard(held)
+        if read is None:  # prefetch above started one unless one was already waiting
+            raise RuntimeError(f"no read of unit {record.index}'s file was started")
         try:
             buffer = read.result()
         except BaseException:
@@ -373,10 +386,12 @@ class OnFile(OnHost):
         n = record.unit.layout.chunk_numel
         held = _slot(record)
         buffer, held.buffer = held.buffer, None
+        if buffer is None:
+            raise RuntimeError(f"unit {record.index} is put away but is not resident")
         state = optimizer.state.get(record.master, {})
         names = [k for k, v in state.items() if torch.is_tensor(v) and v.numel() == n]
         if len(names) + 1 > self.slots:
-            self.pool.give_back(buffer)  # the unit's values stay as the file has them
+            self._made_pool().give_back(buffer)  # the unit's values stay as the file has them
             record.master.data = torch.empty(0, dtype=torch.float32)
             raise RuntimeConfigError(f"{type(optimizer).__name__} keeps {len(names)} state tensors per "
                                      f"parameter; NVMe offload has room for {self.slots - 1}")
@@ -398,7 +413,7 @@ class OnFile(OnHost):
             self._failed(exc)
             raise
         finally:
-            self.pool.give_back(buffer)
+            self._made_pool().give_back(buffer)
 
     def _drop_reads(self) -> None:
         """After a failure: reads still queued are cancelled, finished ones hand their buffers
@@ -409,13 +424,14 @@ class OnFile(OnHost):
                 slot.read = None
                 self._reading.discard(slot)
                 if not read.cancelled() and read.exception() is None:
-                    self.pool.give_back(read.result())
+                    self._made_pool().give_back(read.result())
 
     def settle(self, records: list[UnitRecord]) -> None:
         """Wait for every write behind (before a checkpoint reads the files)."""
         for record in records:
-            if record.state_slot is not None and record.state_slot.write is not None:
-                record.state_slot.write.result()
+            slot = record.state_slot
+            if isinstance(slot, FileSlot) and slot.write is not None:
+                slot.write.result()
 
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
         on_disk = sum(r.unit.layout.chunk_numel * (1 + len(_slot(r).state_names)) * 4 for r in records)
@@ -426,7 +442,8 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, without a copy."""
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12; it is a buffer on every version.
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _remove_scratch(directory: Path, budget: dict) -> None:
