@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zero_parity_harness as parity  # noqa: E402
+import zero_parity_harness as parity
 
-from zerorun.zero.comm.process_group import leaving_together  # noqa: E402
+from zerorun.zero.comm.process_group import leaving_together
 
 VOCAB, WIDTH, NARROW = 17, 15, 7
 STEPS, HALF = 10, 5

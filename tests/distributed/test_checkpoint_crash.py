@@ -24,7 +24,7 @@ from zerorun.errors import CheckpointError
 from zerorun.zero.checkpoint import engine_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint_harness as h  # noqa: E402
+import checkpoint_harness as h
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint_harness as h  # noqa: E402
-import zero_parity_harness as parity  # noqa: E402
+import checkpoint_harness as h
+import zero_parity_harness as parity
 
 LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-5
 
@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
 def _check(losses, final, reference, steps) -> tuple[float, float]:
     """Largest relative loss difference and largest parameter difference (printed with -s)."""
     worst_loss = worst_param = 0.0
-    for step, got in zip(steps, losses):
+    for step, got in zip(steps, losses, strict=True):
         want = reference["losses"][step]
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: loss {got!r} vs reference {want!r}"
         worst_loss = max(worst_loss, abs(got - want) / abs(want))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import checkpoint_harness as h  # noqa: E402
+import checkpoint_harness as h
 
 WORLD = 2
 

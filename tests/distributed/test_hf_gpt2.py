@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect  # noqa: E402  (tests/distributed on sys.path)
+from gloo_world import spawn_and_collect
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -157,7 +157,7 @@ def test_stage3_matches_single_process_reference(results, variant):
         assert "error" not in result, f"rank {rank}: {result.get('error')}"
         losses, ref = result["losses"], result["ref_losses"]
         assert len(losses) == STEPS
-        for step, (got, want) in enumerate(zip(losses, ref)):
+        for step, (got, want) in enumerate(zip(losses, ref, strict=True)):
             assert got == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}: {got} vs {want}"
         # The comparison means something only if training moved the model well past the
         # tolerance: the loss fell and every parameter moved by >> atol.

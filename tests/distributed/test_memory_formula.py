@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect  # noqa: E402  (tests/distributed on sys.path)
+from gloo_world import spawn_and_collect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -124,7 +124,7 @@ def test_model_state_bytes_per_rank_match_the_formula(breakdowns, stage):
     for rank in range(WORLD):
         got = breakdowns[rank][str(stage)]
         unit = FP32 * got["psi"]  # 4Ψ bytes
-        expected = dict(zip(("parameters", "gradients", "optimizer_state"), FORMULA[stage]))
+        expected = dict(zip(("parameters", "gradients", "optimizer_state"), FORMULA[stage], strict=True))
         for family, multiple in expected.items():
             want = multiple * unit
             assert abs(got[family] - want) <= 0.05 * want, (

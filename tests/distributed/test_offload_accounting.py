@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_world import spawn_and_collect  # noqa: E402
+from gloo_world import spawn_and_collect
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +93,7 @@ def _planner(offload: str):
 @pytest.mark.parametrize("mode", ["cpu", "nvme"])
 def test_offload_trains_exactly_like_no_offload(runs, mode):
     for rank in range(2):
-        for got, want in zip(runs[mode][rank]["losses"], runs["none"][rank]["losses"]):
+        for got, want in zip(runs[mode][rank]["losses"], runs["none"][rank]["losses"], strict=True):
             assert abs(got - want) <= 1e-6 * abs(want)
 
 

@@ -21,11 +21,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zero_parity_harness as harness  # noqa: E402
-from gloo_world import spawn_and_collect  # noqa: E402
+import zero_parity_harness as harness
+from gloo_world import spawn_and_collect
 
-import zerorun  # noqa: E402
-from zerorun.errors import RuntimeConfigError  # noqa: E402
+import zerorun
+from zerorun.errors import RuntimeConfigError
 
 
 def _save_odd_net(path: Path) -> dict[str, torch.Tensor]:

@@ -92,7 +92,7 @@ def test_two_ranks_stream_memory_comm_steps_and_a_hang(tmp_path):
         assert samples and all(s["mem"]["rss"] > 10 << 20 for s in samples)
         counts = {}
         for s in samples:
-            for op, (count, nbytes, seconds) in s["comm"].items():
+            for op, (count, _nbytes, _seconds) in s["comm"].items():
                 counts[op] = counts.get(op, 0) + count
         assert counts == {"all_reduce": STEPS, "broadcast": STEPS, "barrier": 1}, counts
         assert [r["step"] for r in mine if r["kind"] == "step"] == list(range(1, STEPS + 1))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect  # noqa: E402  (tests/distributed on sys.path)
+from gloo_world import spawn_and_collect
 
 WORLD = 2
 CAP = 2_000  # master elements per optimizer call

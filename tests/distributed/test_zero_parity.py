@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import zero_parity_harness as harness  # noqa: E402
+import zero_parity_harness as harness
 
 TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-1), "fp16": (2e-3, 1e-2)}
 # Mixed precision, stage s versus stage 0 in the same world: the same rounding everywhere
@@ -73,7 +73,7 @@ def reference(case) -> dict:
 
 def assert_matches(got: dict, expected: dict, dtype: str) -> None:
     loss_tol, param_tol = TOLERANCE[dtype]
-    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"])):
+    for step, (a, b) in enumerate(zip(got["losses"], expected["losses"], strict=True)):
         assert abs(a - b) <= loss_tol * abs(b), f"step {step}: loss {a!r} vs reference {b!r}"
     assert set(got["final"]) == set(expected["final"])
     for name, want in expected["final"].items():
@@ -100,7 +100,7 @@ def test_mixed_precision_stages_agree(world, dtype):
     assert same[0].stage == 0 and len(same) == 4
     for case in same[1:]:
         got = results(world)[case.name]
-        for a, b in zip(got["losses"], base["losses"]):
+        for a, b in zip(got["losses"], base["losses"], strict=True):
             assert abs(a - b) <= 1e-3 * abs(b), case.name
         for name, want in base["final"].items():
             diff = (got["final"][name].float() - want.float()).abs().max().item()
@@ -135,7 +135,7 @@ def test_offload_matches_the_runtime_without_offload(world, case):
     twin = results(world)[case.name.split("+")[0]]
     got = results(world)[case.name]
     assert got["skipped"] == twin["skipped"]
-    for step, (a, b) in enumerate(zip(got["losses"], twin["losses"])):
+    for step, (a, b) in enumerate(zip(got["losses"], twin["losses"], strict=True)):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: loss {a!r} vs without offload {b!r}"
     for name, want in twin["final"].items():
         diff = (got["final"][name].float() - want.float()).abs().max().item()
@@ -163,7 +163,7 @@ def test_fp16_overflow_skips_step_and_lowers_scale(world):
     skipped = got["skipped"]
     assert skipped[0] == 1, "a 2^20 loss scale must overflow on the first step"
     assert 0 < skipped[-1] < harness.STEPS, "the scale must come down far enough to train"
-    for scale, skips in zip(got["scales"], skipped):  # hysteresis 1: halve on every overflow
+    for scale, skips in zip(got["scales"], skipped, strict=True):  # hysteresis 1: halve on every overflow
         assert scale == 2.0 ** (harness.OVERFLOW_SCALE_POWER - skips)
     assert got["skipped_agree"]
     first_applied = skipped[-1]

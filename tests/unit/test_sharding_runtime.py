@@ -432,7 +432,6 @@ def test_stage3_16bit_chunk_is_the_fp32_master(precision, dtype):
     model = _model()
     engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1),
                                 {"zero": {"stage": 3, "param_persistence_threshold": 0}, "precision": {"dtype": precision}})
-    psi = sum(p.numel() for p in model.parameters())
     x, y = torch.randn(4, 7), torch.randn(4, 3)
     for _ in range(2):
         engine.backward(((engine(x).float() - y) ** 2).mean())

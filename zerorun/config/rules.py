@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from zerorun.config.problems import Problems, did_you_mean
 from zerorun.config.schema import BatchConfig, ZerorunConfig

@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from zerorun.errors import PlannerError
 from zerorun.planner.architecture import ModelSpec
@@ -75,7 +75,7 @@ def _import(module_name: str, target: str):
         sys.modules.setdefault(path.stem, module)
         try:
             spec.loader.exec_module(module)
-        except Exception as err:  # noqa: BLE001 - the user's file failed to import: say so in one line
+        except Exception as err:
             raise PlannerError(f"--model {target!r}: importing {module_name!r} failed: "
                                f"{type(err).__name__}: {err}") from None
         return module
@@ -119,7 +119,7 @@ def build_on_meta(factory: Callable, target: str | None = None):
     try:
         with torch.device("meta"):
             model = factory()
-    except Exception as err:  # noqa: BLE001 - the user's code failed: one line naming it
+    except Exception as err:
         raise PlannerError(f"--model {name!r}: building the model failed: {type(err).__name__}: {err}") from None
     if not isinstance(model, torch.nn.Module):
         raise PlannerError(f"the --model function returned {type(model).__name__}, not a torch.nn.Module")

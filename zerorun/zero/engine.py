@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ BROADCAST_BUCKET_NUMEL = 4_000_000
 
 
 def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None,
-               model_parameters=None, state_home_for: Callable[[FlatUnit], Placement] | None = None) -> "Engine":
+               model_parameters=None, state_home_for: Callable[[FlatUnit], Placement] | None = None) -> Engine:
     """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
     a YAML/JSON path or a ZerorunConfig.
 
@@ -197,7 +197,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             materializer.finish()
         if state_home_for is None:
             placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
-            state_home_for = lambda unit: placement  # noqa: E731
+            state_home_for = lambda unit: placement
         # One record per unit (unit/record.py), the one unit list every pass walks.
         self.records: list[UnitRecord] = []
         for unit in partition.units:
@@ -326,11 +326,11 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
         engine_state.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint/engine_state.py)
 
-    def train(self, mode: bool = True) -> "Engine":
+    def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
 
-    def eval(self) -> "Engine":
+    def eval(self) -> Engine:
         return self.train(False)
 
     # -- inspection -----------------------------------------------------------------------
@@ -404,5 +404,5 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
 def _cast_floating(value, dtype: torch.dtype):
     """Floating tensors, also inside tuples, lists, dicts and namedtuples (torch's pytree), cast
     to ``dtype``; integer tensors (token ids, labels) and everything else as they are."""
-    cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+    cast = lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t
     return pytree.tree_map(cast, value)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -33,7 +33,7 @@ class LossScaler:
     hysteresis_left: int = 2
 
     @classmethod
-    def from_config(cls, precision: PrecisionConfig) -> "LossScaler":
+    def from_config(cls, precision: PrecisionConfig) -> LossScaler:
         if precision.dtype != "fp16":
             return cls(scale=1.0, dynamic=False)
         if precision.loss_scale and precision.loss_scale > 0:

@@ -133,7 +133,7 @@ def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: i
     """(owner module, parameters) pairs from unit_plan's rules; each parameter appears once."""
     modules = dict(model.named_modules())
     params: dict[Hashable, nn.Parameter] = {id(p): p for p in model.parameters()}
-    eligible = lambda p: p.trainable and p.numel > persistence_threshold  # noqa: E731
+    eligible = lambda p: p.trainable and p.numel > persistence_threshold
     return [(modules[u.owner], [params[p.key] for p in u.params])
             for u in coalesce_units(module_tree(model), eligible, min_numel)]
 

@@ -22,7 +22,7 @@ attention layer, 8.4M elements gathered for the whole step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 UNIT_OVERFLOW = 2
 # Stage 3 gathers modules' parameters in units of at least min(allgather_bucket_size, this)
@@ -46,7 +46,7 @@ class ModuleNode:
     name: str                          # dotted path; "" for the root
     callable: bool                     # False for containers that are never called
     params: tuple[ParamNode, ...]      # the module's own parameters, registration order
-    children: tuple["ModuleNode", ...]
+    children: tuple[ModuleNode, ...]
 
 
 @dataclass(frozen=True)
