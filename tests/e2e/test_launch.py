@@ -104,7 +104,10 @@ def test_failing_worker_ends_job_with_root_cause(tmp_path, mode):
     else:
         assert "traceback:" in err and "ValueError: bad batch in rank 1" in err
         assert 'failer.py", line' in err
-    pids = [int((run_dir / f"pid{r}").read_text()) for r in (0, 1)]
+    # Rank 1 wrote its pid before failing; on a busy machine rank 0 may be stopped before it got
+    # that far, and the scan of the run's processes covers it either way.
+    pids = [int(path.read_text()) for path in (run_dir / "pid0", run_dir / "pid1") if path.exists()]
+    assert pids, "rank 1 writes its pid before it fails"
     assert_no_job_processes(run_dir, pids)
 
 

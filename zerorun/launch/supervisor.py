@@ -491,6 +491,7 @@ class Supervisor:
         elif kind == "exit" and rank in self._running:
             rc = int(event["rc"])
             self._running.discard(rank)
+            self._watch.rank_started(rank, time.monotonic())  # an ended rank is not starting
             self._exit_codes[rank] = rc
             self.view.on_worker_exit(host, rank, rc)
             if rc != 0 and self._dumping_since is None:
