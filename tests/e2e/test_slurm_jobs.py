@@ -282,7 +282,14 @@ def test_a_real_time_limit_signal_reaches_zerorun_which_saves_and_requeues(clust
     text = log.read_text()
     assert "time limit near (SIGUSR1): every rank saved a checkpoint and stopped" in text, text[-3000:]
     assert list((tmp_path / "ckpt").glob("global_step*"))
-    wait_job(cluster, job, timeout_s=60)
+
+    def cancelled() -> str | None:
+        # A scancel that lands while the first run is still completing misses the requeued
+        # job, which then waits as pending: cancel again until it has ended for good.
+        cluster.run(["scancel", job])
+        return final_state(cluster, job)
+
+    wait_for(cancelled, 180, f"job {job} to end")
 
 
 FAILER = r"""
