@@ -399,6 +399,9 @@ class Supervisor:
         self._warned_at: float | None = None
         self._dumping_since: float | None = None
         self._hang_missing: tuple[int, ...] = ()
+        # The ranks still starting when the start-up limit ended the job (None: it was a hang);
+        # fixed then, because ranks that end of the stack dump stop "starting" meanwhile.
+        self._starting_at_dump: list[int] | None = None
         self._lost_hosts: set[str] = set()
         self._signal: int | None = None
         self._checkpoint_signal: int | None = None
@@ -552,7 +555,8 @@ class Supervisor:
             self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
                                  for v in ranks}, now)
         if self._watch.startup_expired(now):
-            starting = ", ".join(map(str, sorted(self._watch.starting)))
+            self._starting_at_dump = sorted(self._watch.starting)
+            starting = ", ".join(map(str, self._starting_at_dump))
             self._sink.output("launcher", None, f"START-UP: rank(s) {starting} still starting after "
                               f"{self._watch.startup_timeout_s:g} s (--startup-timeout); collecting every rank's "
                               "Python stack and ending the job")
@@ -593,8 +597,8 @@ class Supervisor:
         }
         stacks = {rank: stack for rank, stack in stacks.items() if stack}
         timeout = self._watch.timeout_s
-        if self._watch.starting:
-            starting = sorted(self._watch.starting)
+        if self._starting_at_dump is not None:
+            starting = self._starting_at_dump
             names = "rank " + str(starting[0]) if len(starting) == 1 else "ranks " + ", ".join(map(str, starting))
             reason = (f"still starting after {self._watch.startup_timeout_s:g} s (--startup-timeout): {names} "
                       f"had not joined the rendezvous (torch.distributed.init_process_group)")
