@@ -118,8 +118,26 @@ def job_processes(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def assert_no_job_processes(run_dir: Path, pids: list[int]) -> None:
-    leftover = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+def _still_running(pids: list[int]) -> list[int]:
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return running
+
+
+def assert_no_job_processes(run_dir: Path, pids: list[int], within_s: float = 0.0) -> None:
+    """No worker in ``pids`` and no process of the job is left, waiting up to ``within_s`` for them to go.
+
+    Waits on the very condition it asserts: a process in the middle of exiting has already lost
+    its environment (so ``job_processes`` no longer sees it) but is not yet a zombie."""
+    deadline = time.monotonic() + within_s
+    while (_still_running(pids) or job_processes(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    leftover = _still_running(pids)
     assert not leftover, f"workers still alive: {leftover}"
     assert not job_processes(run_dir), "processes of the job are still running"
 
