@@ -64,7 +64,8 @@ def test_extra_tensors_are_an_error_by_default():
     weights = {**_weights(), "extra.weight": torch.ones(2)}
     with pytest.raises(RuntimeConfigError, match=r"^weights from the given state dict: 1 tensors have no name in the model \(first: 'extra.weight'\)"):
         _init(_model(), weights)
-    engine = _init(_model(), zerorun.Weights(weights, strict=False))
+    with pytest.warns(UserWarning, match=r"1 tensors have no name in the model \(first: 'extra.weight'\) \(strict=False"):
+        engine = _init(_model(), zerorun.Weights(weights, strict=False))
     assert torch.equal(engine.module[0].weight, torch.full((4, 3), 0.5))
 
 
