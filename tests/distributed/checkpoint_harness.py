@@ -70,7 +70,7 @@ class ResumeCase:
 
     def config(self) -> dict:
         return {
-            "zero": {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 20,
+            "zero": {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 40,
                      "allgather_bucket_size": 100, **self.zero},
             "batch": {"gradient_accumulation_steps": self.accumulation},
             "gradient_clipping": self.clipping,

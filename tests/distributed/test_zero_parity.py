@@ -33,8 +33,12 @@ import zero_parity_harness as harness
 
 TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-1), "fp16": (2e-3, 1e-2)}
 # Mixed precision, stage s versus stage 0 in the same world: the same rounding everywhere
-# except summation order, so much tighter than versus the fp32 reference.
-CROSS_STAGE_TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3}
+# except summation order, so much tighter than versus the fp32 reference. (loss: relative,
+# every step; parameters: absolute.) At 3 ranks a 16-bit bucket's sum depends on the order in
+# which gloo adds the ranks' parts, and which parameters share a bucket or unit decides that
+# order: one rounding of up to 2^-8 relative in bf16 (observed 1.4e-3 on the loss at stage 3,
+# bit-identical at 2 ranks, where a sum of two parts has one order), 2^-11 in fp16.
+CROSS_STAGE_TOLERANCE = {"bf16": (2.0**-8, 2e-2), "fp16": (1e-3, 5e-3)}
 PARITY_CASES = [c for c in harness.cases() if "overflow" not in c.name]
 OVERFLOW_CASE = next(c for c in harness.cases() if "overflow" in c.name)
 
@@ -100,11 +104,12 @@ def test_mixed_precision_stages_agree(world, dtype):
     assert same[0].stage == 0 and len(same) == 4
     for case in same[1:]:
         got = results(world)[case.name]
+        loss_tol, param_tol = CROSS_STAGE_TOLERANCE[dtype]
         for a, b in zip(got["losses"], base["losses"], strict=True):
-            assert abs(a - b) <= 1e-3 * abs(b), case.name
+            assert abs(a - b) <= loss_tol * abs(b), case.name
         for name, want in base["final"].items():
             diff = (got["final"][name].float() - want.float()).abs().max().item()
-            assert diff <= CROSS_STAGE_TOLERANCE[dtype], f"{case.name} {name}: {diff:.3g}"
+            assert diff <= param_tol, f"{case.name} {name}: {diff:.3g}"
 
 
 @pytest.mark.slow

@@ -92,7 +92,7 @@ class Case:
         precision = {"dtype": self.dtype, **self.extra.get("precision", {})}
         return {
             # Small buckets and units: several collectives per step, per-module gathers.
-            "zero": {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 20,
+            "zero": {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 40,
                      "allgather_bucket_size": 100, **self.extra.get("zero", {})},
             "precision": precision,
             "batch": {"gradient_accumulation_steps": self.accumulation},

@@ -267,3 +267,24 @@ def test_a_file_system_without_locks_is_one_line_not_a_false_holder(tmp_path, mo
     _train(engine)
     with pytest.raises(CheckpointError, match=r"cannot lock '.*\.zerorun-owner' \(No locks available\)"):
         engine.save_checkpoint(tmp_path / "nolocks")
+
+
+def test_resume_with_no_checkpoint_directory_yet_starts_fresh_then_resumes(tmp_path, capsys):
+    """checkpoint.resume on a job's first start (the directory is not there yet) is step 0, as
+    docs/checkpoints.md promises; the same config then resumes what was saved."""
+    ckpt = tmp_path / "ckpts"
+    config = {"zero": {"stage": 1}, "checkpoint": {"dir": str(ckpt), "resume": True}}
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+        return zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+
+    first = build()
+    assert first.global_step == 0 and not ckpt.exists()
+    assert f"checkpoint.resume: {ckpt} does not exist yet; starting from step 0" in capsys.readouterr().err
+    _train(first, steps=3)
+    first.save_checkpoint(str(ckpt))
+    second = build()
+    assert second.global_step == 3
+    _same(_state(first), _state(second))

@@ -202,11 +202,19 @@ def test_stage3_backward_peak_leaves_out_the_gathered_units_gradient_shards(prec
     assert estimate(model, Job(1), stage3).unreduced_gradients == 0
 
 
-def test_stage3_keeps_small_tensors_whole():
-    model = ModelSpec("m", 1_000_000 + 50, param_sizes=(1_000_000, 50))
-    est = estimate(model, Job(10), Training(stage=3, precision="fp32", param_persistence_threshold=100))
-    assert est.params == 4 * (100_000 + 50)
-    assert est.grads == 4 * shard(1_000_050, 10)  # their gradients are still sharded
+def test_stage3_keeps_small_units_whole():
+    """Note [persistent units]: a unit at or below the threshold stays whole on every rank; a small
+    tensor inside a larger unit (the block's bias) is sharded with it."""
+    from zerorun.zero.unit.plan import ModuleNode, ParamNode
+
+    block = ModuleNode("block", True, (ParamNode("w", 1_000_000), ParamNode("b", 60)), ())
+    tree = ModuleNode("", True, (ParamNode("norm", 50),), (block,))
+    model = ModelSpec("m", 1_000_110, param_sizes=(1_000_000, 60, 50), module_tree=tree)
+    training = Training(stage=3, precision="fp32", param_persistence_threshold=100, allgather_bucket_size=500_000)
+    est = estimate(model, Job(10), training)
+    assert est.params == 4 * (shard(1_000_060, 10) + 50)
+    assert est.grads == 4 * shard(1_000_110, 10)  # the whole unit's gradients are still sharded
+    assert estimate(model, Job(10), replace(training, param_persistence_threshold=0)).params == 4 * shard(1_000_110, 10)
 
 
 def test_activations_reduce_to_the_paper_formula_for_gpt2():

@@ -86,7 +86,7 @@ def test_planner_sizes_stage3_buffers_from_the_engines_units():
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(300, 300) for _ in range(6)], nn.Linear(300, 7))
 
-    training = Training(stage=3, precision="fp32", allgather_bucket_size=150_000, param_persistence_threshold=1000)
+    training = Training(stage=3, precision="fp32", allgather_bucket_size=150_000, param_persistence_threshold=3000)
     with torch.device("meta"):
         spec = count_module(build(), "mlp")
     gathered, bucket, units = stage3_unit_sizes(spec, training)
@@ -94,9 +94,13 @@ def test_planner_sizes_stage3_buffers_from_the_engines_units():
     model = build()
     optimizer = torch.optim.AdamW(model.parameters())
     partition = build_partition(model, optimizer, stage=3, world_size=1, rank=0, bucket_numel=10**8,
-                                persistence_threshold=1000, min_unit_numel=min(150_000, STAGE3_UNIT_CAP))
+                                persistence_threshold=3000, min_unit_numel=min(150_000, STAGE3_UNIT_CAP))
     sharded = [u for u in partition.units if u.partitioned]
     sizes = sorted((u.layout.numel for u in sharded), reverse=True)
-    assert units == len(sharded) == 7  # six 300x300 weights and the 7x300 head (biases persist)
-    assert bucket == sizes[0] == 90_000
+    # Six Linear(300, 300) units, biases with their weights; the head's unit (2,107 elements)
+    # is below the threshold and stays whole (Note [persistent units]).
+    assert units == len(sharded) == 6
+    assert bucket == sizes[0] == 90_300
+    whole = [u for u in partition.units if not u.partitioned]
+    assert sum(u.layout.numel for u in whole) == 7 * 300 + 7
     assert gathered == sum(sizes[:3])  # the running unit and the two backward prefetches

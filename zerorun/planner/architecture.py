@@ -52,7 +52,7 @@ class ModelSpec:
     ``largest_layer_params``: elements of the largest single parameter tensor; ZeRO-3 must
     gather at least this much at once, so it sizes the gather buffer (0 = unknown).
     ``param_sizes``: element count of every parameter tensor when known (empty for a bare
-    ``--params``); used for ZeRO-3's persistence threshold (small tensors stay whole).
+    ``--params``).
     ``module_tree``: a ``zerorun.zero.unit.plan.ModuleNode`` (``--model``, config.json), else None.
     """
 

@@ -165,7 +165,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         )
     n, psi, stage = job.world_size, model.num_params, training.stage
     p, k = training.param_bytes, training.optimizer_bytes
-    # Stage 3 keeps small tensors whole on every rank (their gradients and optimizer state
+    # Stage 3 keeps small units whole on every rank (their gradients and optimizer state
     # are still sharded: they live in ordinary stage-2 style buckets).
     persistent = _persistent_elements(model, training) if stage == 3 else 0
     sharded = psi - persistent
@@ -216,8 +216,22 @@ def estimate(model: ModelSpec, job: Job, training: Training,
 
 
 def _persistent_elements(model: ModelSpec, training: Training) -> int:
-    """Stage 3 keeps tensors of at most ``param_persistence_threshold`` elements whole everywhere."""
-    return sum(size for size in model.param_sizes if size <= training.param_persistence_threshold)
+    """Stage 3 keeps a unit of at most ``param_persistence_threshold`` elements whole everywhere
+    (Note [persistent units] in zero/unit/plan.py). With the module tree, the engine's own units;
+    without it none: its units are taken to be layers, far above the threshold."""
+    from zerorun.zero.unit import plan as unit_plan
+
+    threshold = training.param_persistence_threshold
+    if isinstance(model.module_tree, unit_plan.ModuleNode):
+        sharded = unit_plan.stage3_units(model.module_tree, threshold, _stage3_min_unit(training))
+        return unit_plan.trainable_numel(model.module_tree) - sum(u.numel for u in sharded)
+    return 0
+
+
+def _stage3_min_unit(training: Training) -> int:
+    from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
+
+    return min(training.allgather_bucket_size, STAGE3_UNIT_CAP)
 
 
 def largest_parameter(model: ModelSpec) -> int:
@@ -274,19 +288,19 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     """
     from zerorun.zero.unit import plan as unit_plan
 
-    min_unit = min(training.allgather_bucket_size, unit_plan.STAGE3_UNIT_CAP)
-    threshold = training.param_persistence_threshold
+    min_unit = _stage3_min_unit(training)
+    persistent = _persistent_elements(model, training)
     if isinstance(model.module_tree, unit_plan.ModuleNode):
-        planned = unit_plan.coalesce_units(model.module_tree, lambda q: q.trainable and q.numel > threshold, min_unit)
+        planned = unit_plan.stage3_units(model.module_tree, training.param_persistence_threshold, min_unit)
         if planned:
             bucket = max(u.numel for u in planned)
-            if _persistent_elements(model, training):
-                bucket = max(bucket, min(training.reduce_bucket_size, _persistent_elements(model, training)))
+            if persistent:
+                bucket = max(bucket, min(training.reduce_bucket_size, persistent))
             return unit_plan.max_gathered_numel(planned), bucket, len(planned)
     layer = max(model.largest_layer_params or bucket_elements(model, training), min_unit)
     layer = min(layer, model.num_params)
-    sharded_tensors = [s for s in model.param_sizes if s > threshold]
-    units = max(1, math.ceil(sum(sharded_tensors) / layer)) if model.param_sizes else GATHERED_LAYERS + GRADIENT_BUCKETS_IN_FLIGHT + 1
+    units = (max(1, math.ceil((model.num_params - persistent) / layer)) if model.param_sizes
+             else GATHERED_LAYERS + GRADIENT_BUCKETS_IN_FLIGHT + 1)
     return min(GATHERED_LAYERS, units) * layer, layer, units
 
 

@@ -3,10 +3,11 @@
 Stages 0-2: each optimizer param group's trainable parameters, in reverse registration order
 (roughly the order backward produces their gradients), packed into buckets of
 ``reduce_bucket_size`` elements.
-Stage 3: trainable parameters above ``param_persistence_threshold`` are partitioned, into
-units of whole modules chosen by unit_plan.coalesce_units (one unit per param group per owner),
-and the owner gathers them around its forward and backward. The small parameters stay whole
-on every rank and are bucketed as in stage 2.
+Stage 3: trainable parameters are partitioned into units of whole modules chosen by
+unit/plan.py (one unit per param group per owner), and the owner gathers them around its
+forward and backward. The parameters of a unit of at most ``param_persistence_threshold``
+elements stay whole on every rank instead and are bucketed as in stage 2 (Note [persistent
+units] in unit/plan.py).
 
 Frozen parameters belong to no unit: they are not in the optimizer and never communicated.
 """
@@ -23,7 +24,7 @@ from zerorun.errors import RuntimeConfigError
 from zerorun.zero.unit.layout import ParamSpec, pack_buckets
 from zerorun.zero.unit.storage import FlatUnit
 
-from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units
+from zerorun.zero.unit.plan import ModuleNode, ParamNode, stage3_units
 
 
 @dataclass
@@ -130,12 +131,12 @@ def module_tree(model: nn.Module) -> ModuleNode:
 
 
 def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(owner module, parameters) pairs from unit_plan's rules; each parameter appears once."""
+    """(owner module, parameters) of each partitioned unit from unit/plan.py's rules; each
+    parameter appears once."""
     modules = dict(model.named_modules())
     params: dict[Hashable, nn.Parameter] = {id(p): p for p in model.parameters()}
-    eligible = lambda p: p.trainable and p.numel > persistence_threshold
     return [(modules[u.owner], [params[p.key] for p in u.params])
-            for u in coalesce_units(module_tree(model), eligible, min_numel)]
+            for u in stage3_units(module_tree(model), persistence_threshold, min_numel)]
 
 
 def _add_outside_users(model: nn.Module, units: list[FlatUnit], module_units: dict) -> None:

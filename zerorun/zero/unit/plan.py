@@ -11,6 +11,13 @@ busy CPU; one per transformer block is what FSDP2 users wrap by hand. Smaller le
 travel upward as *pieces*, each remembering the callable module it came from; containers
 (ModuleList/ModuleDict) are never called, so they only pass pieces on; the root takes the rest.
 
+Note [persistent units]: ``param_persistence_threshold`` applies to units, not to single
+parameters. A LayerNorm's weight inside a transformer block rides the block's gather at no
+extra cost, so it is sharded with the block (as FSDP2 shards it); kept whole it would cost every
+rank a full 16-bit copy beside its fp32 shard, which made stage 3 1.002x FSDP2's model state.
+What the threshold still saves is a gather of its own for a unit that is tiny (a root holding
+only the final norm): such a unit stays whole on every rank, bucketed as at stage 2.
+
 Note [no catch-all unit]: when the pieces reaching a module add up to more than
 ``UNIT_OVERFLOW * min_numel``, merging them would make one unit that stays gathered for the
 whole of that module's run. Each piece then becomes a unit of its own module instead. The
@@ -93,6 +100,29 @@ def coalesce_units(root: ModuleNode, eligible: Callable[[ParamNode], bool], min_
     visit(root)
     owners = {name for name, _ in planned}
     return [PlannedUnit(name, tuple(params), _enclosing_owners(name, owners)) for name, params in planned]
+
+
+def stage3_units(root: ModuleNode, persistence_threshold: int, min_numel: int) -> list[PlannedUnit]:
+    """The units stage 3 partitions (Note [persistent units]): every trainable parameter is planned
+    by ``coalesce_units``; a unit of at most ``persistence_threshold`` elements is left out and
+    stays whole on every rank."""
+    planned = coalesce_units(root, lambda param: param.trainable, min_numel)
+    return [unit for unit in planned if unit.numel > persistence_threshold]
+
+
+def trainable_numel(root: ModuleNode) -> int:
+    """Elements of the trainable parameters in the tree, a tied parameter once."""
+    seen: dict[Hashable, int] = {}
+
+    def visit(node: ModuleNode) -> None:
+        for param in node.params:
+            if param.trainable:
+                seen[param.key] = param.numel
+        for child in node.children:
+            visit(child)
+
+    visit(root)
+    return sum(seen.values())
 
 
 def _enclosing_owners(name: str, owners: set[str]) -> int:
