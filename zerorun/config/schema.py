@@ -41,8 +41,11 @@ class ZeroConfig:
     update_bucket_size: int = 6_250_000
     overlap_comm: bool = True
     prefetch_bucket_size: int = 50_000_000
-    # Stage 3: parameters with at most this many elements stay whole on every rank.
-    param_persistence_threshold: int = 100_000
+    # Stage 3: a gather unit of at most this many elements stays whole on every rank (Note
+    # [persistent units] in zero/unit/plan.py). 0: every unit is sharded, as FSDP2 shards every
+    # module it wraps, so model state is never above FSDP2's (issue 20); a small unit then costs
+    # one small gather per use instead of 2 bytes per element on every rank.
+    param_persistence_threshold: int = 0
     # Stage 3: a unit used again within this many elements of other gathers stays gathered
     # between the two uses (DeepSpeed's stage3_max_reuse_distance, and its default).
     max_reuse_distance: int = 1_000_000_000

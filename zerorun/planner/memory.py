@@ -70,7 +70,7 @@ class Training:
     reduce_bucket_size: int = 6_250_000  # config.ZeroConfig's default
     allgather_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 50_000_000
-    param_persistence_threshold: int = 100_000
+    param_persistence_threshold: int = 0
     update_bucket_size: int = 6_250_000  # master elements per optimizer call (Note [bounded update])
     device: Literal["cuda", "cpu"] = "cuda"  # where the step runs: decides Adam's temporaries
     # NVMe offload: the host buffers master and state stream through (zero.offload_optimizer's
