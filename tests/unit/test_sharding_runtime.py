@@ -181,6 +181,10 @@ def test_host_malloc_tuning_is_opt_in(monkeypatch):
     monkeypatch.setattr(host_memory, "_applied", False)
     monkeypatch.delenv("ZERORUN_HOST_MALLOC_TUNING", raising=False)
     assert host_memory.return_large_frees_to_os() is False
+    assert [host_memory.malloc_tuning_mib({"ZERORUN_HOST_MALLOC_TUNING": v}) for v in ("0", "1", "4", "32")] == [0, 1, 4, 32]
+    for bad in ("yes", "-1", "33", "1.5"):
+        with pytest.raises(RuntimeConfigError, match=r"^ZERORUN_HOST_MALLOC_TUNING is .* a threshold in MiB from 1 to 32"):
+            host_memory.malloc_tuning_mib({"ZERORUN_HOST_MALLOC_TUNING": bad})
 
 
 def test_pooled_unit_reuses_its_buffer_and_saved_views_see_the_new_gather():

@@ -3,7 +3,7 @@
 1. ``trim_host_heap`` (on by default for stage 3 on CPU): one ``malloc_trim`` every
    ``ZERORUN_HOST_TRIM`` optimizer steps (default ``DEFAULT_TRIM_INTERVAL``, 0 turns it off),
    Note [trim after step] below.
-2. ``return_large_frees_to_os`` (opt-in, ZERORUN_HOST_MALLOC_TUNING=1), described here:
+2. ``return_large_frees_to_os`` (opt-in, ZERORUN_HOST_MALLOC_TUNING=<MiB>), described here:
 
 Stage 3 saves memory by gathering a unit's parameters just before use and freeing them right
 after. glibc defeats that on the host: after the first large free it raises its mmap threshold
@@ -14,7 +14,10 @@ disabling the dynamic raise) returns every buffer above it to the OS when freed.
 
 The price is a page fault on every large allocation: step time went 1.05x -> 1.35x DDP's
 there (an 8 MiB threshold: 0.84x RSS, 1.07x time). So it is opt-in: set
-ZERORUN_HOST_MALLOC_TUNING=1 when host memory, not time, is the limit. A no-op off glibc.
+ZERORUN_HOST_MALLOC_TUNING to the threshold in MiB (1 to 32; 0 or unset: off) when host memory,
+not time, is the limit. Measured again after issue 20 (scripts/bench_cpu.py --repeats 2
+--systems ddp,zero3, stage 3 against DDP): 4 MiB gave 0.74x peak RSS at 1.08x wall / 1.05x CPU
+time, against 0.80x at 1.00x / 0.98x without it. A no-op off glibc.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 from _ctypes import CFuncPtr
 
 M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 1 << 20
+MAX_THRESHOLD_MIB = 32  # glibc's own ceiling for the dynamic threshold on 64-bit hosts
 
 _applied = False
 
@@ -42,15 +45,27 @@ def _libc(symbol: str) -> CFuncPtr | None:
 def return_large_frees_to_os() -> bool:
     """Returns True when the threshold was set (once per process)."""
     global _applied
-    if _applied or os.environ.get("ZERORUN_HOST_MALLOC_TUNING", "0") != "1":
+    threshold_mib = malloc_tuning_mib(os.environ)
+    if _applied or threshold_mib == 0:
         return _applied
     mallopt = _libc("mallopt")
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    _applied = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    _applied = mallopt(M_MMAP_THRESHOLD, threshold_mib << 20) == 1
     return _applied
+
+
+def malloc_tuning_mib(environ) -> int:
+    """The fixed mmap threshold in MiB from ``ZERORUN_HOST_MALLOC_TUNING`` (0: leave glibc's)."""
+    raw = environ.get("ZERORUN_HOST_MALLOC_TUNING", "0").strip()
+    if not raw.isdigit() or int(raw) > MAX_THRESHOLD_MIB:
+        from zerorun.errors import RuntimeConfigError
+
+        raise RuntimeConfigError(f"ZERORUN_HOST_MALLOC_TUNING is {raw!r}; it must be a threshold in MiB from 1 to "
+                                 f"{MAX_THRESHOLD_MIB} (0 or unset: off)")
+    return int(raw)
 
 
 _trim_probed = False
