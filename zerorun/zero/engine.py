@@ -24,6 +24,7 @@ from zerorun.errors import RuntimeConfigError, UsageError
 from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
+from zerorun.zero.checkpoint import schedule as checkpoint_schedule
 from zerorun.zero.comm import collectives
 from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI
 from zerorun.zero.activation_checkpointing import apply_from_config
@@ -84,7 +85,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
                         launcher_config, world_size=engine.world_size)
-    engine_state.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/engine_state.py)
+    checkpoint_schedule.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/schedule.py)
     return engine
 
 
@@ -324,7 +325,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             )
             self._recorder.set_memory_breakdown(self.memory_breakdown())
         self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
-        engine_state.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint/engine_state.py)
+        checkpoint_schedule.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint/schedule.py)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)

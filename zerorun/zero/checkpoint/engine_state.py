@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 import zerorun
-from zerorun.errors import CheckpointError, RuntimeConfigError, ZerorunError
+from zerorun.errors import CheckpointError, ZerorunError
 from zerorun.zero.comm import collectives
 from zerorun.zero.checkpoint import owner
 from zerorun.zero.checkpoint.client_state import check_client_state
@@ -579,53 +579,6 @@ def _load_rng(reader: Reader, manifest: dict, rank: int) -> None:
         states = [source.read(whole_key(RNG, f"cuda{i}")) for i in range(len(cuda))]
         torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
     _restore_python_rng(manifest["ranks"][rank]["rng"])
-
-
-# -- the config's checkpoint section --------------------------------------------------------
-def resume_from_config(engine) -> None:
-    """``checkpoint.resume``: load the latest checkpoint of ``checkpoint.dir`` when there is one;
-    start fresh when the directory holds none or does not exist yet."""
-    cfg = engine.config.checkpoint
-    if not cfg.resume:
-        return
-    if not cfg.dir:
-        raise RuntimeConfigError("checkpoint.resume is set but checkpoint.dir is not", hint="set checkpoint.dir")
-    if not _exists_everywhere(engine, cfg.dir):
-        # The first start of a job that always passes --resume (a requeued Slurm script, say):
-        # nothing saved yet is a fresh start, not an error.
-        if engine.pg.rank == 0:
-            print(f"zerorun: checkpoint.resume: {cfg.dir} does not exist yet; starting from step 0",
-                  file=sys.stderr, flush=True)
-        return
-    path, _ = load_checkpoint(engine, cfg.dir)
-    if path is not None and engine.pg.rank == 0:
-        print(f"zerorun: resumed from {path} at step {engine.train_state.global_step}", file=sys.stderr, flush=True)
-
-
-def _exists_everywhere(engine, directory: str) -> bool:
-    """Whether ``directory`` exists on every rank (one answer for all: a rank that alone went
-    on to load would wait for the others at the load's collectives)."""
-    here = os.path.isdir(directory)
-    if engine.pg.world_size == 1:
-        return here
-    flag = torch.tensor([1 if here else 0], dtype=torch.int32, device=engine.pg.device)
-    collectives.all_reduce(flag, group=engine.pg.group, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def save_on_interval(engine) -> None:
-    """``checkpoint.interval_steps``: save after every N-th optimizer step, keeping ``keep_last``;
-    ``checkpoint.on_signal``: save and stop when the launcher passed on Slurm's signal."""
-    from zerorun.launch import save_on_signal
-
-    cfg = engine.config.checkpoint
-    saved = cfg.interval_steps > 0 and cfg.dir and engine.train_state.global_step % cfg.interval_steps == 0
-    if saved:
-        save_checkpoint(engine, cfg.dir, keep_last=cfg.keep_last)
-    if cfg.on_signal and cfg.dir and save_on_signal.due(engine):
-        if not saved:
-            save_checkpoint(engine, cfg.dir, keep_last=cfg.keep_last)
-        save_on_signal.stop(engine, cfg.dir)
 
 
 # -- the whole model ------------------------------------------------------------------------
