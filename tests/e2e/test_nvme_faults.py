@@ -66,3 +66,35 @@ def test_a_damaged_scratch_file_ends_the_job_in_seconds_with_one_line(tmp_path, 
     # could not: its agent removed what it recorded once the workers had exited.
     assert not list(nvme.glob("zerorun-*")), list(nvme.glob("zerorun-*/*"))
     assert not list((run_dir / "scratch").glob("rank*"))
+
+
+PARAM_SCRIPT = r'''
+import os, sys, time, torch, zerorun
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"zero": {
+    "stage": 3, "allgather_bucket_size": 100, "offload_param": {"device": "nvme", "nvme_path": sys.argv[1]}}})
+for step in range(40):
+    if step == 3 and engine.rank == 0:
+        engine.quiesce()
+        os.truncate(sorted(engine.records[0].param_home.directory.glob("unit*.bin"))[0], 0)
+    engine.backward(engine(torch.randn(4, 16)).pow(2).mean())
+    engine.step()
+    time.sleep(0.05)
+print("rank", engine.rank, "finished", flush=True)
+'''
+
+
+def test_a_truncated_parameter_file_is_named_as_the_cause_of_the_bus_error(tmp_path):
+    """NVMe parameter chunks are memory-mapped (Note [host shards]): reading a page past a
+    truncated end is a SIGBUS, which the launcher's last line explains instead of only naming it."""
+    (tmp_path / "job.py").write_text(PARAM_SCRIPT)
+    run_dir = tmp_path / "run"
+    done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "120", "--run-dir", str(run_dir),
+                    "job.py", str(tmp_path / "nvme")], tmp_path, timeout=180)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("zerorun: error: rank 0 on host localhost failed: signal SIGBUS (a memory-mapped file "
+                           "it was reading was truncated or removed, such as an NVMe offload file)"), last
+    assert "finished" not in done.stdout
+    assert not job_processes(run_dir)

@@ -93,6 +93,8 @@ def test_route_inserts_run_and_separator():
 def test_describe_exit_names_signals():
     assert describe_exit(3) == "exit code 3"
     assert describe_exit(-signal.SIGKILL) == "signal SIGKILL"
+    assert describe_exit(-signal.SIGBUS) == ("signal SIGBUS (a memory-mapped file it was reading was truncated or "
+                                             "removed, such as an NVMe offload file)")
     assert describe_exit(128 + signal.SIGTERM) == "exit code 143 (signal SIGTERM)"
 
 

@@ -7,13 +7,23 @@ import signal
 import time
 
 
+# What a signal usually means for a training worker, where the name alone says little.
+SIGNAL_CAUSES = {
+    # A read of a memory-mapped page whose file was cut short: zerorun maps NVMe-offloaded
+    # parameter chunks (offload/placements.py, Note [host shards]) and safetensors files.
+    signal.SIGBUS: "a memory-mapped file it was reading was truncated or removed, such as an NVMe offload file",
+}
+
+
 def describe_exit(returncode: int) -> str:
     """``exit code 3`` or ``signal SIGKILL`` (Popen reports a signal as a negative code)."""
     if returncode < 0:
         try:
-            return f"signal {signal.Signals(-returncode).name}"
+            sig = signal.Signals(-returncode)
         except ValueError:
             return f"signal {-returncode}"
+        cause = SIGNAL_CAUSES.get(sig)
+        return f"signal {sig.name}" + (f" ({cause})" if cause else "")
     # A shell reports a signal-killed child as 128+N.
     if returncode > 128 and returncode - 128 in signal.Signals._value2member_map_:
         return f"exit code {returncode} (signal {signal.Signals(returncode - 128).name})"
