@@ -215,17 +215,21 @@ def estimate(model: ModelSpec, job: Job, training: Training,
     )
 
 
-def _persistent_elements(model: ModelSpec, training: Training) -> int:
-    """Stage 3 keeps a unit of at most ``param_persistence_threshold`` elements whole everywhere
-    (Note [persistent units] in zero/unit/plan.py). With the module tree, the engine's own units;
-    without it none: its units are taken to be layers, far above the threshold."""
+def _stage3_plan(model: ModelSpec, training: Training) -> tuple[list | None, int]:
+    """(the units stage 3 partitions, the elements it keeps whole on every rank). A unit of at
+    most ``param_persistence_threshold`` elements stays whole (Note [persistent units] in
+    zero/unit/plan.py). With the module tree, the engine's own units; without it (None, 0): its
+    units are taken to be layers, far above the threshold."""
     from zerorun.zero.unit import plan as unit_plan
 
-    threshold = training.param_persistence_threshold
-    if isinstance(model.module_tree, unit_plan.ModuleNode):
-        sharded = unit_plan.stage3_units(model.module_tree, threshold, _stage3_min_unit(training))
-        return unit_plan.trainable_numel(model.module_tree) - sum(u.numel for u in sharded)
-    return 0
+    if not isinstance(model.module_tree, unit_plan.ModuleNode):
+        return None, 0
+    sharded = unit_plan.stage3_units(model.module_tree, training.param_persistence_threshold, _stage3_min_unit(training))
+    return sharded, unit_plan.trainable_numel(model.module_tree) - sum(u.numel for u in sharded)
+
+
+def _persistent_elements(model: ModelSpec, training: Training) -> int:
+    return _stage3_plan(model, training)[1]
 
 
 def _stage3_min_unit(training: Training) -> int:
@@ -288,16 +292,13 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     """
     from zerorun.zero.unit import plan as unit_plan
 
-    min_unit = _stage3_min_unit(training)
-    persistent = _persistent_elements(model, training)
-    if isinstance(model.module_tree, unit_plan.ModuleNode):
-        planned = unit_plan.stage3_units(model.module_tree, training.param_persistence_threshold, min_unit)
-        if planned:
-            bucket = max(u.numel for u in planned)
-            if persistent:
-                bucket = max(bucket, min(training.reduce_bucket_size, persistent))
-            return unit_plan.max_gathered_numel(planned), bucket, len(planned)
-    layer = max(model.largest_layer_params or bucket_elements(model, training), min_unit)
+    planned, persistent = _stage3_plan(model, training)
+    if planned:
+        bucket = max(u.numel for u in planned)
+        if persistent:
+            bucket = max(bucket, min(training.reduce_bucket_size, persistent))
+        return unit_plan.max_gathered_numel(planned), bucket, len(planned)
+    layer = max(model.largest_layer_params or bucket_elements(model, training), _stage3_min_unit(training))
     layer = min(layer, model.num_params)
     units = (max(1, math.ceil((model.num_params - persistent) / layer)) if model.param_sizes
              else GATHERED_LAYERS + GRADIENT_BUCKETS_IN_FLIGHT + 1)
