@@ -201,7 +201,7 @@ def test_pooled_unit_reuses_its_buffer_and_saved_views_see_the_new_gather():
     saved = weight.detach()[2:4]  # what autograd would have saved in forward
     address = unit.full.data_ptr()
     unit.release()
-    assert unit.full.untyped_storage().nbytes() == 0 and unit.pool.nbytes() == unit._full_nbytes
+    assert unit.full.untyped_storage().nbytes() == 0 and unit.pool.nbytes() == unit.full_nbytes
     with torch.no_grad():
         unit.shard.add_(10.0)  # an optimizer step on the shard
     unit.gather(group=None)

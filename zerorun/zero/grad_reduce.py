@@ -40,6 +40,7 @@ import torch
 
 from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
+from zerorun.zero.host_memory import host_buffer
 from zerorun.zero.unit.record import GradState, UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
 
@@ -58,35 +59,49 @@ class BucketPool:
     """Note [bucket reuse]: gradient buckets of one backward come from a few buffers sized by
     the largest unit, handed from a finished reduce-scatter to the next unit, instead of one
     fresh allocation per unit. Units of different sizes otherwise fragment the host heap
-    (freed-but-resident memory on CPU). The pool is emptied when backward ends, so the
-    optimizer step's temporaries never sit beside idle buckets."""
+    (freed-but-resident memory on CPU). On a CPU host each buffer is a mapping of its own
+    (Note [own mappings] in zero/host_memory.py).
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, keep: int):
-        self.numel, self.dtype, self.device, self.keep = numel, dtype, device, keep
+    Note [pools follow backward] (as the gather pool, unit/storage.py): every unit reduced
+    through a bucket takes exactly one per backward, so the pool knows how many takes are left
+    (``takes_left``) and keeps no more idle buffers than that: after the last such unit (the
+    first block of a GPT) its buffers are gone before the embedding's dense gradient arrives.
+    The pool is emptied when backward ends, so the optimizer step's temporaries never sit
+    beside idle buckets."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, keep: int, users: int):
+        self.numel, self.dtype, self.device, self.keep, self.users = numel, dtype, device, keep, users
         self._free: list[torch.Tensor] = []
         self.allocated = 0  # buffers alive: lent out or free
+        self.takes_left = users  # in this backward
 
     def take(self, numel: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(buffer, view of its first ``numel`` elements); (None, a fresh tensor) when
         ``numel`` is beyond the pool's size (a lone parameter that arrived on no rank)."""
         if numel > self.numel:
             return None, torch.empty(numel, dtype=self.dtype, device=self.device)
+        self.takes_left = max(self.takes_left - 1, 0)
         if self._free:
             buffer = self._free.pop()
+        elif self.device.type == "cpu":
+            buffer = host_buffer(self.numel * self.dtype.itemsize).view(self.dtype)
+            self.allocated += 1
         else:
             buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
             self.allocated += 1
         return buffer, buffer[:numel]
 
     def give_back(self, buffer: torch.Tensor) -> None:
-        if len(self._free) < self.keep:
+        if len(self._free) < min(self.keep, self.takes_left):
             self._free.append(buffer)
         else:
             self.allocated -= 1
 
     def clear(self) -> None:
+        """End of backward: drop the idle buffers; the next backward takes afresh."""
         self.allocated -= len(self._free)
         self._free.clear()
+        self.takes_left = self.users
 
     def nbytes(self) -> int:
         return self.allocated * self.numel * self.dtype.itemsize
@@ -126,13 +141,19 @@ class GradReducer:
                     self._create_full(record)
         else:
             self._create_chunks()
+            largest: dict[tuple, int] = {}
+            users: dict[tuple, int] = {}
             for record in records:
                 unit = record.unit
                 key = (unit.dtype, unit.device)
-                largest = self._pools[key].numel if key in self._pools else 0
+                largest.setdefault(key, 0)
+                users.setdefault(key, 0)
                 if not self._reduces_in_place(unit):
-                    largest = max(largest, unit.layout.padded_numel)
-                self._pools[key] = BucketPool(largest, unit.dtype, unit.device, keep=MAX_IN_FLIGHT + 1)
+                    largest[key] = max(largest[key], unit.layout.padded_numel)
+                    users[key] += 1
+            for (dtype, device), numel in largest.items():
+                self._pools[(dtype, device)] = BucketPool(numel, dtype, device, keep=MAX_IN_FLIGHT + 1,
+                                                          users=users[(dtype, device)])
         for record in records:  # the hooks live as long as the parameters
             for position, param in enumerate(record.unit.params):
                 param.register_post_accumulate_grad_hook(functools.partial(self._arrive, record, position))

@@ -74,6 +74,10 @@ class ParamGatherer:
         # each first appears in it.
         self.backward_order: list[nn.Module] = []
         self._backward_position: dict[nn.Module, int] = {}
+        # Note [pools follow backward] (unit/storage.py): gathers of each byte size from each
+        # position of the recorded forward and backward on.
+        self._forward_wanted_from: list[dict[int, int]] = [{}]
+        self._wanted_from: list[dict[int, int]] = [{}]
         self._finished: list[nn.Module] = []
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
@@ -87,6 +91,8 @@ class ParamGatherer:
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
+        if self.pool is not None:
+            self.pool.expect(None)  # forward keeps what it releases: the next module takes it
         self._recording = []
         self._finished = []
         self._calls = []
@@ -131,8 +137,10 @@ class ParamGatherer:
                 self._backward_position = {}
                 for position, m in enumerate(backward):
                     self._backward_position.setdefault(m, position)
+                self._wanted_from = gathers_still_wanted(self._partitioned_sizes(backward))
         if self._recording != self.forward_order:
             self.forward_order = self._recording
+            self._forward_wanted_from = gathers_still_wanted(self._partitioned_sizes(self.forward_order))
             keep_after, keep_for_backward = plan_kept_units(
                 [[r.index for r in self.module_records[m]] for m in self.forward_order],
                 {r.index: r.unit.layout.numel for r in self.records}, self.max_reuse_distance,
@@ -143,21 +151,32 @@ class ParamGatherer:
         self._release_idle(for_backward=torch.is_grad_enabled())
 
     def _prefetch_forward(self, module: nn.Module) -> None:
-        """Issue the async gather of the module expected to run after ``module`` in forward."""
+        """Issue the async gather of the module expected to run after ``module`` in forward, and
+        tell the pool what the rest of forward will still gather (Note [pools follow backward])."""
         order = self.forward_order
         position = order.index(module) if module in order else -1
         if 0 <= position < len(order) - 1:
             for record in self.module_records[order[position + 1]]:
                 record.unit.start_gather(self.group)
+        if self.pool is not None:
+            on_order = self._on_order and position >= 0
+            self.pool.expect(self._forward_wanted_from[min(position + 2, len(order))] if on_order else None)
+
+    def _partitioned_sizes(self, modules: list[nn.Module]) -> list[list[int]]:
+        """Per module, the byte sizes of the partitioned units its call gathers."""
+        return [[r.unit.full_nbytes for r in self.module_records[m] if r.unit.partitioned] for m in modules]
 
     def _prefetch_backward(self, module: nn.Module) -> None:
-        """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s."""
+        """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s,
+        and tell the pool what the rest of backward will still gather (Note [pools follow backward])."""
         position = self._backward_position.get(module)
         if position is None:
             return
         for following in self.backward_order[position + 1 : position + 1 + BACKWARD_PREFETCH]:
             for record in self.module_records[following]:
                 record.unit.start_gather(self.group)
+        if self.pool is not None:
+            self.pool.expect(self._wanted_from[min(position + 1 + BACKWARD_PREFETCH, len(self._wanted_from) - 1)])
 
     # -- backward -----------------------------------------------------------------------
     def _hook_outputs(self, module: nn.Module, output) -> None:
@@ -241,6 +260,19 @@ def plan_kept_units(
     last = calls_with_units[-1]
     keep_after.setdefault(last, set()).update(order_units[last])
     return keep_after, set(order_units[last])
+
+
+def gathers_still_wanted(sizes_by_position: list[list[int]]) -> list[dict[int, int]]:
+    """Pure: for each position p of a recorded backward (and one past the end), how many
+    gathers of each byte size positions p, p+1, ... make (Note [pools follow backward]).
+    ``sizes_by_position[p]`` lists the byte sizes of the partitioned units position p gathers."""
+    wanted: list[dict[int, int]] = [{}]
+    for sizes in reversed(sizes_by_position):
+        counts = dict(wanted[0])
+        for nbytes in sizes:
+            counts[nbytes] = counts.get(nbytes, 0) + 1
+        wanted.insert(0, counts)
+    return wanted
 
 
 def _reads_params_in_backward(module: nn.Module) -> bool:

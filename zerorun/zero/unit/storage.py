@@ -17,9 +17,11 @@ So on CPU the memory moves instead of being freed: ``GatherPool`` keeps released
 size, and a gather swaps a pooled buffer's memory into the unit's own storage object
 (``UntypedStorage._swap_data_ptr_``), which keeps the identity the saved views rely on. The
 pool holds at most what was gathered at once (the running module, the prefetched one and any
-unit kept for reuse), reported as communication buffers, and is emptied at every optimizer
-step, before the update: between steps a unit is its shard alone, as with FSDP2 (the first
-gathers of each forward take memory again; issue 20). On CUDA the caching allocator already
+unit kept for reuse), reported as communication buffers, gives back what the rest of the pass
+will not gather (Note [pools follow backward] below) and is emptied at every optimizer step,
+before the update: between steps a unit is its shard alone, as with FSDP2 (the first gathers
+of each forward take memory again; issue 20). Large buffers are mappings of their own, so
+what the pool gives back leaves the process (Note [own mappings] in zero/host_memory.py). On CUDA the caching allocator already
 reuses memory, so units resize their storage as before; so does a torch without the swap.
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
@@ -49,6 +51,7 @@ from torch import nn
 
 from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
+from zerorun.zero.host_memory import host_buffer
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
 
 
@@ -77,22 +80,46 @@ _ALLOWED = {
 
 
 class GatherPool:
-    """Released gather buffers, by byte size (Note [gather pool])."""
+    """Released gather buffers, by byte size (Note [gather pool]); large ones in mappings of
+    their own (Note [own mappings] in zero/host_memory.py).
+
+    Note [pools follow backward]: along a recorded forward and backward the gatherer tells the
+    pool how many gathers of each size the rest of the pass will still make (``expect``, from
+    ``gathers_still_wanted`` in param_gather.py); a released buffer beyond that is dropped
+    instead of kept, and a large one's memory leaves the process at once. On the 33.7M GPT
+    stage 3 peaked on a CPU host at the end of backward (the embedding's dense gradient and its
+    shard arriving beside idle pools); now the blocks' buffers go when the last block has run
+    forward, before the head's logits, and again after the first block's backward, and the
+    output head's 33.5 MB buffer right after the head's backward. The peak moved to the loss
+    and went down by 40-60 MiB per rank. Off the recorded order (the first forward, or one that
+    leaves it) the pool keeps everything (``expect(None)``): a wrong guess would only cost a
+    fresh allocation, never correctness.
+    """
 
     SUPPORTED = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
     def __init__(self, device: torch.device):
         self.device = device
         self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._wanted: dict[int, int] | None = None  # None: keep everything released
 
     def take(self, nbytes: int) -> torch.UntypedStorage:
         free = self._free.get(nbytes)
         if free:
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+        return host_buffer(nbytes).untyped_storage()
 
     def give_back(self, storage: torch.UntypedStorage) -> None:
-        self._free.setdefault(storage.nbytes(), []).append(storage)
+        free = self._free.setdefault(storage.nbytes(), [])
+        if self._wanted is None or len(free) < self._wanted.get(storage.nbytes(), 0):
+            free.append(storage)
+
+    def expect(self, wanted: dict[int, int] | None) -> None:
+        """Keep at most ``wanted[nbytes]`` idle buffers of each size from now on (None: all)."""
+        self._wanted = wanted
+        if wanted is not None:
+            for nbytes, free in self._free.items():
+                del free[wanted.get(nbytes, 0):]
 
     def clear(self) -> None:
         self._free.clear()
@@ -144,13 +171,14 @@ class FlatUnit:
                     if start < end:
                         self.shard[start - lo : end - lo].copy_(param.detach().reshape(-1)[start - offset : end - offset])
                     param.data = self.full[offset : offset + param.numel()].view(param.shape)
-            self._full_nbytes = self.full.untyped_storage().nbytes()
+            self.full_nbytes = self.full.untyped_storage().nbytes()
             self.full.untyped_storage().resize_(0)
             if shard_home is not None:  # a Placement (Note [host shards])
                 self.shard = shard_home.place_shard(self.shard, index)
             self.state = ParamState.SHARDED
         else:
             self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self.full_nbytes = self.full.untyped_storage().nbytes()
             with torch.no_grad():
                 for param, offset in zip(self.params, self.layout.offsets, strict=True):
                     view = self.full[offset : offset + param.numel()]
@@ -166,9 +194,9 @@ class FlatUnit:
     def _allocate_full(self) -> None:
         storage = self.full.untyped_storage()
         if self.pool is None:
-            storage.resize_(self._full_nbytes)
+            storage.resize_(self.full_nbytes)
         else:
-            self._lent = self.pool.take(self._full_nbytes)
+            self._lent = self.pool.take(self.full_nbytes)
             storage._swap_data_ptr_(self._lent)  # type: ignore[attr-defined]  # private; GatherPool.SUPPORTED
 
     def _free_full(self) -> None:
