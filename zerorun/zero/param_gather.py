@@ -263,8 +263,8 @@ def plan_kept_units(
 
 
 def gathers_still_wanted(sizes_by_position: list[list[int]]) -> list[dict[int, int]]:
-    """Pure: for each position p of a recorded backward (and one past the end), how many
-    gathers of each byte size positions p, p+1, ... make (Note [pools follow backward]).
+    """Pure: for each position p of a recorded forward or backward (and one past the end), how
+    many gathers of each byte size positions p, p+1, ... make (Note [pools follow backward]).
     ``sizes_by_position[p]`` lists the byte sizes of the partitioned units position p gathers."""
     wanted: list[dict[int, int]] = [{}]
     for sizes in reversed(sizes_by_position):

@@ -21,8 +21,9 @@ unit kept for reuse), reported as communication buffers, gives back what the res
 will not gather (Note [pools follow backward] below) and is emptied at every optimizer step,
 before the update: between steps a unit is its shard alone, as with FSDP2 (the first gathers
 of each forward take memory again; issue 20). Large buffers are mappings of their own, so
-what the pool gives back leaves the process (Note [own mappings] in zero/host_memory.py). On CUDA the caching allocator already
-reuses memory, so units resize their storage as before; so does a torch without the swap.
+what the pool gives back leaves the process (Note [own mappings] in zero/host_memory.py). On
+CUDA the caching allocator already reuses memory, so units resize their storage as before; so
+does a torch without the swap.
 
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
 chunk is kept where its placement's ``place_shard`` puts it (offload/placements.py: cpu, host memory,
@@ -88,8 +89,8 @@ class GatherPool:
     ``gathers_still_wanted`` in param_gather.py); a released buffer beyond that is dropped
     instead of kept, and a large one's memory leaves the process at once. On the 33.7M GPT
     stage 3 peaked on a CPU host at the end of backward (the embedding's dense gradient and its
-    shard arriving beside idle pools); now the blocks' buffers go when the last block has run
-    forward, before the head's logits, and again after the first block's backward, and the
+    shard arriving beside idle pools); now the blocks' buffers go once forward has no block
+    left to gather, before the head's logits, and again after the first block's backward, and the
     output head's 33.5 MB buffer right after the head's backward. The peak moved to the loss
     and went down by 40-60 MiB per rank. Off the recorded order (the first forward, or one that
     leaves it) the pool keeps everything (``expect(None)``): a wrong guess would only cost a
