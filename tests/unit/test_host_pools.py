@@ -25,7 +25,7 @@ def test_gathers_still_wanted_counts_each_size_from_each_position_on():
 
 
 def test_gather_pool_keeps_no_more_than_the_rest_of_the_pass_will_take():
-    pool = GatherPool(torch.device("cpu"))
+    pool = GatherPool()
     small = [pool.take(100) for _ in range(3)]
     large = pool.take(200)
     for storage in [*small, large]:

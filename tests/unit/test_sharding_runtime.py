@@ -196,7 +196,7 @@ def test_pooled_unit_reuses_its_buffer_and_saved_views_see_the_new_gather():
         pytest.skip("this torch has no UntypedStorage._swap_data_ptr_; units resize instead")
     weight = nn.Parameter(torch.arange(6.0))
     unit = FlatUnit(0, 0, [("w", weight)], shard_world=1, shard_rank=0, partition_params=True)
-    unit.pool = GatherPool(torch.device("cpu"))
+    unit.pool = GatherPool()
     unit.gather(group=None)
     saved = weight.detach()[2:4]  # what autograd would have saved in forward
     address = unit.full.data_ptr()

@@ -83,11 +83,9 @@ class BucketPool:
         self.takes_left = max(self.takes_left - 1, 0)
         if self._free:
             buffer = self._free.pop()
-        elif self.device.type == "cpu":
-            buffer = host_buffer(self.numel * self.dtype.itemsize).view(self.dtype)
-            self.allocated += 1
         else:
-            buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            buffer = (host_buffer(self.numel * self.dtype.itemsize).view(self.dtype) if self.device.type == "cpu"
+                      else torch.empty(self.numel, dtype=self.dtype, device=self.device))
             self.allocated += 1
         return buffer, buffer[:numel]
 

@@ -65,7 +65,7 @@ class ParamGatherer:
         self.records = sorted({r.index: r for rs in module_records.values() for r in rs}.values(), key=lambda r: r.index)
         self.pool = None
         if self.records and self.records[0].unit.device.type == "cpu" and GatherPool.SUPPORTED:
-            self.pool = GatherPool(self.records[0].unit.device)  # Note [gather pool] in unit/storage.py
+            self.pool = GatherPool()  # Note [gather pool] in unit/storage.py
             for record in self.records:
                 record.unit.pool = self.pool
         self.forward_order: list[nn.Module] = []
@@ -266,13 +266,13 @@ def gathers_still_wanted(sizes_by_position: list[list[int]]) -> list[dict[int, i
     """Pure: for each position p of a recorded forward or backward (and one past the end), how
     many gathers of each byte size positions p, p+1, ... make (Note [pools follow backward]).
     ``sizes_by_position[p]`` lists the byte sizes of the partitioned units position p gathers."""
-    wanted: list[dict[int, int]] = [{}]
+    wanted: list[dict[int, int]] = [{}]  # built from the end, then reversed
     for sizes in reversed(sizes_by_position):
-        counts = dict(wanted[0])
+        counts = dict(wanted[-1])
         for nbytes in sizes:
             counts[nbytes] = counts.get(nbytes, 0) + 1
-        wanted.insert(0, counts)
-    return wanted
+        wanted.append(counts)
+    return wanted[::-1]
 
 
 def _reads_params_in_backward(module: nn.Module) -> bool:

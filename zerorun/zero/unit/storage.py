@@ -81,8 +81,8 @@ _ALLOWED = {
 
 
 class GatherPool:
-    """Released gather buffers, by byte size (Note [gather pool]); large ones in mappings of
-    their own (Note [own mappings] in zero/host_memory.py).
+    """Released gather buffers of a CPU host, by byte size (Note [gather pool]); large ones in
+    mappings of their own (Note [own mappings] in zero/host_memory.py).
 
     Note [pools follow backward]: along a recorded forward and backward the gatherer tells the
     pool how many gathers of each size the rest of the pass will still make (``expect``, from
@@ -99,8 +99,7 @@ class GatherPool:
 
     SUPPORTED = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self) -> None:
         self._free: dict[int, list[torch.UntypedStorage]] = {}
         self._wanted: dict[int, int] | None = None  # None: keep everything released
 
