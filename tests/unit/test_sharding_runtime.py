@@ -3,6 +3,8 @@ the loss scaler, config errors, the rebuilt optimizer and LR schedulers, state t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -415,9 +417,25 @@ def test_offloaded_update_uses_fused_host_kernels_unless_the_user_chose_one():
     assert optimizer.param_groups[0]["fused"] is True
     assert optimizer.param_groups[1]["foreach"] is True and not optimizer.param_groups[1]["fused"]
     plain = _model()
-    kept = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    zerorun.initialize(plain, kept, {"zero": {"stage": 2}})
-    assert kept.param_groups[0]["fused"] is None  # without offload the user's defaults stand
+    on_cpu = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    zerorun.initialize(plain, on_cpu, {"zero": {"stage": 2}})
+    assert on_cpu.param_groups[0]["fused"] is True  # without a GPU the device's update is a host update
+    declined = _model()
+    kept = torch.optim.AdamW(declined.parameters(), lr=1e-3, fused=False)
+    zerorun.initialize(declined, kept, {"zero": {"stage": 3}})
+    assert kept.param_groups[0]["fused"] is False  # the user's explicit choice stands
+
+
+def test_only_updates_that_run_on_the_host_prefer_fused_kernels():
+    from zerorun.zero.offload.placements import OnDevice, OnHost
+    from zerorun.zero.update import updates_on_host
+
+    def record(home, device):
+        return SimpleNamespace(state_home=home, master=torch.empty(4, device=device))
+
+    assert updates_on_host(record(OnDevice(), "cpu"))
+    assert updates_on_host(record(OnHost(pin_memory=False), "cpu"))
+    assert not updates_on_host(record(OnDevice(), "meta"))  # a GPU's master: the user's kernels stand
 
 
 def test_nvme_buffers_are_no_larger_than_the_largest_unit_needs(tmp_path):

@@ -65,6 +65,12 @@ def install_masters(optimizer: torch.optim.Optimizer, records: list[UnitRecord])
     optimizer.state.clear()  # state is per master from now on; nothing stepped the originals
 
 
+def updates_on_host(record: UnitRecord) -> bool:
+    """Note [host optimizer kernels] in offload/placements.py: an offloaded home updates on the
+    host, and so does the device's home on a machine without a GPU."""
+    return record.state_home.host_kernels or record.master.device.type == "cpu"
+
+
 def prefer_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
     """Note [host optimizer kernels] in offload/placements.py: fused, where the class has it and the user
     chose no kernel."""
@@ -116,7 +122,7 @@ class UnitUpdater:
         self.shard_world = shard_world
         self.update_bucket_size = update_bucket_size  # Note [bounded update]
         install_masters(optimizer, records)
-        if any(r.state_home.host_kernels for r in records):
+        if any(updates_on_host(r) for r in records):
             prefer_fused_kernels(optimizer)
         overlaps = any(r.state_home.overlaps_backward for r in records)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zerorun-update") if overlaps else None
