@@ -329,14 +329,14 @@ def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> 
     if p != 4 and stage >= 2 and training.offload == "none":
         total += (4 - p) * shard(model.num_params, job.world_size)
         if job.world_size > 1:
-            total += 4 * shard(max(_reduced_bucket_sizes(model, training)), job.world_size)
+            total += 4 * shard(max(_reduced_bucket_sizes(model, training), default=0), job.world_size)
     return total
 
 
 def _reduced_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
     """The gradient buckets backward reduce-scatters: stage 2's, or one per stage-3 unit."""
     if training.stage == 2:
-        return gradient_bucket_sizes(model, training) or [0]
+        return gradient_bucket_sizes(model, training)
     _gathered, bucket, units = stage3_unit_sizes(model, training)
     return [bucket] * units
 
@@ -351,10 +351,9 @@ def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> 
     their shards, 4·⌈G/N⌉ bytes (fp32 accumulators in every precision), are not; nor are those
     of the F units in flight, whose outputs the buckets column counts (in fp32 the output
     becomes the accumulator: counting both overstated the 8.4M MLP's stage 3 by 4.2 MB).
-    Stage 2: the F + 1 buckets alive (F in flight, one filling) have no shard yet,
-    4·Σ⌈B/N⌉. Stages 0-1
-    all-reduce full buffers (no buckets to credit against), and a single rank communicates
-    nothing.
+    Stage 2: the F + 1 buckets alive (F in flight, one filling) have no shard yet, 4·Σ⌈B/N⌉.
+    Stages 0-1 all-reduce full buffers (no buckets to credit against), and a single rank
+    communicates nothing.
     """
     if training.stage < 2 or job.world_size == 1 or training.offload != "none":
         return 0

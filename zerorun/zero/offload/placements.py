@@ -136,8 +136,8 @@ class OnHost(OnDevice):
     # 28.6 ms here), agreeing with it to float rounding (1.5e-8 after 10 steps). So a group
     # that left ``fused`` unset is switched to it; one that chose foreach or fused keeps it.
     # Without a GPU the device's update runs on the host too and gets the same kernels
-    # (``updates_on_host`` in update.py: the 33.7M GPT's stage-3 update went from 64 to 17 ms
-    # per step); on a GPU torch's default is already multi-tensor and the user's choice stands.
+    # (``updates_on_host`` in update.py: the 33.7M GPT's stage-3 update went from about 60 to
+    # about 20 ms per step); on a GPU torch's default is already multi-tensor and the user's choice stands.
     host_kernels = True
 
     def __init__(self, pin_memory: bool = True):
