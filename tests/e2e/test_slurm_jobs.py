@@ -81,12 +81,19 @@ FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 
 def final_state(cluster: SlurmCluster, job_id: str) -> str | None:
-    """The job's state once it has ended for good (not requeued), from the jobcomp file; else None."""
+    """The job's state once it has ended for good (not requeued), from the jobcomp file; else None.
+
+    A requeued job cancelled while it waits to start again leaves no jobcomp record of its own
+    (the file's last line for it says PENDING, from the requeue), so then the controller's
+    record, kept for MinJobAge after the end, says how it ended."""
     if cluster.run(["squeue", "-h", "-j", job_id]).stdout.strip():
         return None
     lines = cluster.jobcomp.read_text().splitlines() if cluster.jobcomp.exists() else []
     states = [line.split("JobState=")[1].split()[0] for line in lines if f"JobId={job_id} " in line]
-    return states[-1] if states and states[-1] in FINAL_STATES else None
+    if states and states[-1] in FINAL_STATES:
+        return states[-1]
+    controller = cluster.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"]).stdout.split()
+    return controller[-1] if controller and controller[-1] in FINAL_STATES and states else None
 
 
 def wait_job(cluster: SlurmCluster, job_id: str, timeout_s: float = 120.0) -> str:
