@@ -329,16 +329,16 @@ def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> 
     if p != 4 and stage >= 2 and training.offload == "none":
         total += (4 - p) * shard(model.num_params, job.world_size)
         if job.world_size > 1:
-            total += 4 * shard(max(_reduced_bucket_sizes(model, training), default=0), job.world_size)
+            total += 4 * shard(_largest_reduced_bucket(model, training), job.world_size)
     return total
 
 
-def _reduced_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
-    """The gradient buckets backward reduce-scatters: stage 2's, or one per stage-3 unit."""
+def _largest_reduced_bucket(model: ModelSpec, training: Training) -> int:
+    """The largest gradient bucket backward reduce-scatters: stage 2's, or a stage-3 unit."""
     if training.stage == 2:
-        return gradient_bucket_sizes(model, training)
+        return max(gradient_bucket_sizes(model, training), default=0)
     _gathered, bucket, units = stage3_unit_sizes(model, training)
-    return [bucket] * units
+    return bucket if units else 0
 
 
 def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> int:
@@ -366,7 +366,7 @@ def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> 
 
 def stage3_units_in_flight(units: int) -> int:
     """Units being reduce-scattered at stage 3's backward peak: F, from those not gathered."""
-    return max(0, min(GRADIENT_BUCKETS_IN_FLIGHT, units - min(GATHERED_LAYERS, units)))
+    return min(GRADIENT_BUCKETS_IN_FLIGHT, max(0, units - GATHERED_LAYERS))
 
 
 def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
