@@ -17,7 +17,12 @@ are not counted).
 
 Targets (issue 20, tightening issue 2's): zerorun stages 1-3 <= 1.0x DDP step time, stage 3
 peak RSS <= 0.75x DDP's. Wall time on a shared 2-core machine swings by tens of percent with other
-load: use --repeats (interleaved rounds) and read the CPU-time column beside it.
+load: use --repeats (interleaved rounds) and read the CPU-time column beside it, and the
+per-round ratios printed under the table (each system against the DDP run of its own round).
+
+On gloo, zerorun's reduce-scatters and all-gathers between ranks on one host go through shared
+memory (zerorun/zero/comm/host_channel.py); DDP and FSDP2 use gloo's TCP collectives, as torch
+offers them. ZERORUN_HOST_CHANNEL=0 runs zerorun on gloo's TCP too (its point-to-point ring).
 
     python scripts/bench_cpu.py --preset tiny --steps 3 --warmup 1      # a quick smoke run
 """
@@ -111,6 +116,8 @@ def main(argv=None) -> int:
                               f"peak RSS {result.peak_rss_mib:.0f} MiB")
     results = [merge_repeats(rounds[system]) for system in args.systems]
     console.print(render_table("CPU benchmark (ratios against DDP in this run)", results, "ddp", TARGETS))
+    for line in round_ratios(rounds, "ddp"):
+        console.print(line)
     for r in results:
         if r.error:
             console.print(f"[red]{r.system} failed:[/red] {r.error}")
@@ -119,6 +126,24 @@ def main(argv=None) -> int:
                    "results": [dataclasses.asdict(r) for r in results]}
         Path(args.json_path).write_text(json.dumps(payload, indent=2))
     return 1 if any(r.error for r in results) else 0
+
+
+def round_ratios(rounds: dict[str, list], baseline: str) -> list[str]:
+    """Each system's step time over the baseline's in the same round, and their median. On a
+    shared machine whose load drifts, the two runs of a round are a minute apart, while two
+    systems' median rounds can be many minutes apart."""
+    import statistics
+
+    lines: list[str] = []
+    if baseline not in rounds:
+        return lines
+    for system, results in rounds.items():
+        pairs = [r.step_s / b.step_s for r, b in zip(results, rounds[baseline], strict=True)
+                 if r.error is None and b.error is None and b.step_s > 0]
+        if system != baseline and pairs:
+            lines.append(f"  {system} step / {baseline} step by round: " + " ".join(f"{x:.2f}" for x in pairs)
+                         + f" (median {statistics.median(pairs):.2f})")
+    return lines
 
 
 if __name__ == "__main__":

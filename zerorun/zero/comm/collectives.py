@@ -44,6 +44,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from zerorun.zero.comm.host_channel import host_channel
+from zerorun.zero.comm.host_channel import usable as host_channel_usable
 from zerorun.zero.comm.ring import Ring
 
 
@@ -129,11 +131,11 @@ class _Done:
 DONE = _Done()
 
 
-def _issue(op: str, nbytes: int, call, async_op: bool, *, ring=None):
+def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None):
     seq = next_sequence()
     notify_started(seq, op, nbytes)
     start = time.perf_counter()
-    work = ring(seq) if ring is not None else call(async_op)
+    work = transport(seq) if transport is not None else call(async_op)
     handle = Handle(work, seq, op, nbytes, start)  # None when torch already finished it
     if not async_op:
         handle.wait()
@@ -154,10 +156,15 @@ def all_reduce(tensor: torch.Tensor, *, group, op=ReduceOp.SUM, async_op: bool =
     )
 
 
-def _ring_maker(kind: str, output: torch.Tensor, input: torch.Tensor, group):
-    """gloo on CPU: our point-to-point ring beats gloo's own flat collectives (see comm/ring.py)."""
+def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group):
+    """gloo on CPU: ranks that share a host move the bytes through shared memory
+    (comm/host_channel.py), others through our point-to-point ring (comm/ring.py); both beat
+    gloo's own flat collectives. None: let torch run it (NCCL)."""
     if output.is_cuda or dist.get_backend(group) != "gloo":
         return None
+    channel = host_channel(group)  # opened by the group's first collective here, on every rank
+    if channel is not None and host_channel_usable(output, input):
+        return lambda seq: channel.submit(kind, output, input, seq)
     return lambda seq: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF)
 
 
@@ -170,7 +177,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op
     return _issue(
         "reduce_scatter", _nbytes(input),
         lambda a: _reduce_scatter_flat(output, input, group=group, async_op=a), async_op,
-        ring=_ring_maker("reduce_scatter", output, input, group),
+        transport=_cpu_transport("reduce_scatter", output, input, group),
     )
 
 
@@ -184,7 +191,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bo
     return _issue(
         "all_gather", _nbytes(output),
         lambda a: _all_gather_flat(output, input, group=group, async_op=a), async_op,
-        ring=_ring_maker("all_gather", output, input, group),
+        transport=_cpu_transport("all_gather", output, input, group),
     )
 
 

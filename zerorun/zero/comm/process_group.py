@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.zero.comm.host_channel import close_host_channels
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def leave_together(group=None, *, settle_timeout_s: float = 5.0) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     dist.barrier(group=group)
+    close_host_channels()  # every rank has issued its last collective (the barrier): finish and stop
     if dist.get_backend(group) == "gloo":
         probe = torch.zeros(1)
         unreferenced = sys.getrefcount(probe)
@@ -135,6 +137,7 @@ def leaving_together(group=None):
     try:
         yield
     except BaseException:
+        close_host_channels(finished=False)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         raise

@@ -1,5 +1,10 @@
 """Ring reduce-scatter and all-gather from point-to-point sends, for gloo on CPU.
 
+    pytest tests/distributed/test_cpu_collectives.py -k ring
+
+Used between ranks that cannot share memory (on other hosts, in other namespaces, or
+ZERORUN_HOST_CHANNEL=0); ranks on one host use comm/host_channel.py, two memcpys instead of TCP.
+
 Why: gloo's own flat reduce-scatter and all-gather are far slower than its all-reduce (2 CPU
 ranks, 32 MB: all-reduce 20-27 ms, reduce_scatter_single 52-86 ms, all_gather_single 39-75 ms),
 while a ring of isend/irecv moves the same bytes in 15 ms (reduce-scatter) and 8 ms

@@ -1,0 +1,130 @@
+"""pytest tests/distributed/test_cpu_collectives.py — the two CPU transports of comm/collectives.py:
+shared memory between ranks on one host (comm/host_channel.py) and gloo's point-to-point ring
+(comm/ring.py, ZERORUN_HOST_CHANNEL=0 and ranks on other hosts).
+
+Each transport's reduce-scatter must hand each rank exactly the sum of every rank's chunk, in
+fp32 and bf16, at 2 and 3 ranks, with chunks larger than a channel slot (so several rounds,
+the last one short) and in place (the output is the input's own chunk); values are small
+integers, so every summation order gives the same bits. At 2 ranks nothing chunk-sized is
+allocated while it runs (Note [receive into the output] for the ring; the channel reads its
+peer's slot). The all-gather must put every rank's input in place. The channel must be the one
+used when it is on, leave nothing in /dev/shm once opened, and turn a peer that exits while
+this rank waits for it into an error naming that rank, within seconds rather than a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_world import spawn_and_collect
+
+from zerorun.zero.comm.host_channel import PEER_CHECK_S, SLOT_BYTES
+
+CHUNK = SLOT_BYTES // 4 * 2 + 4099  # elements per rank: 2+ slots in fp32, 4+ in bf16, a short last round
+
+
+def rank_input(rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(-8, 9, (CHUNK * world,), generator=generator).to(dtype)
+
+
+def largest_allocation(run) -> int:
+    """The largest single CPU allocation ``run()`` makes, from torch's profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    return max([0, *sizes])
+
+
+def worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from zerorun.zero.comm import collectives
+    from zerorun.zero.comm.host_channel import host_channel
+    from zerorun.zero.comm.process_group import leaving_together
+
+    settings = json.loads(Path(out_dir, "settings.json").read_text())
+    os.environ["ZERORUN_HOST_CHANNEL"] = settings["channel"]
+    world = settings["world"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results: dict = {}
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            bucket = rank_input(rank, world, dtype)
+            expected = sum(rank_input(r, world, dtype).float() for r in range(world))[rank * CHUNK : (rank + 1) * CHUNK]
+            out = torch.empty(CHUNK, dtype=dtype)
+            largest = largest_allocation(
+                lambda out=out, bucket=bucket: collectives.reduce_scatter(out, bucket, group=None, async_op=True).wait())
+            in_place = rank_input(rank, world, dtype)
+            own_chunk = in_place[rank * CHUNK : (rank + 1) * CHUNK]
+            collectives.reduce_scatter(own_chunk, in_place, group=None)
+            gathered = torch.empty(CHUNK * world, dtype=dtype)
+            collectives.all_gather(gathered, bucket[rank * CHUNK : (rank + 1) * CHUNK], group=None, async_op=True).wait()
+            expected_gather = torch.cat([rank_input(r, world, dtype)[r * CHUNK : (r + 1) * CHUNK] for r in range(world)])
+            gathered_in_place = torch.zeros(CHUNK * world, dtype=dtype)
+            gathered_in_place[rank * CHUNK : (rank + 1) * CHUNK] = bucket[rank * CHUNK : (rank + 1) * CHUNK]
+            collectives.all_gather(gathered_in_place, gathered_in_place[rank * CHUNK : (rank + 1) * CHUNK], group=None)
+            results[name] = {
+                "reduce_scatter_exact": bool(torch.equal(out.float(), expected)),
+                "in_place_reduce_scatter_exact": bool(torch.equal(own_chunk.float(), expected)),
+                "input_untouched": bool(torch.equal(bucket, rank_input(rank, world, dtype))),
+                "largest_allocation": largest,
+                "chunk_bytes": CHUNK * bucket.element_size(),
+                "all_gather_exact": bool(torch.equal(gathered, expected_gather)),
+                "in_place_all_gather_exact": bool(torch.equal(gathered_in_place, expected_gather)),
+            }
+        channel = host_channel(None)
+        results["channel_used"] = channel is not None
+        results["files_left"] = [path for path in (channel.files if channel else []) if os.path.exists(path)]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.mark.parametrize("channel", ["1", "0"], ids=["host_channel", "ring"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_cpu_reduce_scatter_and_all_gather_are_exact(tmp_path, world, channel):
+    (tmp_path / "settings.json").write_text(json.dumps({"world": world, "channel": channel}))
+    results = spawn_and_collect(worker, tmp_path, world)
+    for rank, result in results.items():
+        assert result.pop("channel_used") == (channel == "1"), f"rank {rank}: the wrong transport ran"
+        assert result.pop("files_left") == [], f"rank {rank}: the channel left files in /dev/shm"
+        for dtype, checks in result.items():
+            where = f"rank {rank} {dtype}"
+            assert checks["reduce_scatter_exact"] and checks["input_untouched"], where
+            assert checks["in_place_reduce_scatter_exact"], where
+            assert checks["all_gather_exact"] and checks["in_place_all_gather_exact"], where
+            if world == 2:  # no chunk-sized buffer is made while it runs
+                assert checks["largest_allocation"] < checks["chunk_bytes"], (where, checks)
+
+
+def exiting_peer_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from zerorun.zero.comm import collectives
+    from zerorun.zero.comm.host_channel import PeerExited
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    shard = torch.full((CHUNK,), float(rank))
+    collectives.all_gather(torch.empty(2 * CHUNK), shard, group=None)  # opens the channel
+    result = {"error": None, "seconds": None}
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            collectives.all_gather(torch.empty(2 * CHUNK), shard, group=None)
+        except PeerExited as err:
+            result = {"error": str(err), "seconds": time.monotonic() - started}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)  # rank 1 leaves without entering the second all-gather; no teardown for either
+
+
+def test_a_peer_that_exits_mid_collective_is_named_within_seconds(tmp_path):
+    results = spawn_and_collect(exiting_peer_worker, tmp_path, 2)
+    assert results[0]["error"] is not None, "rank 0's all-gather finished without its peer"
+    assert "rank 1" in results[0]["error"] and "exited" in results[0]["error"], results[0]
+    assert results[0]["seconds"] < PEER_CHECK_S + 10, results[0]
