@@ -8,8 +8,10 @@ the last one short) and in place (the output is the input's own chunk); values a
 integers, so every summation order gives the same bits. At 2 ranks nothing chunk-sized is
 allocated while it runs (Note [receive into the output] for the ring; the channel reads its
 peer's slot). The all-gather must put every rank's input in place. The channel must be the one
-used when it is on, leave nothing in /dev/shm once opened, and turn a peer that exits while
-this rank waits for it into an error naming that rank, within seconds rather than a hang.
+used when it is on, leave nothing in /dev/shm once opened, fall back to the ring on every rank
+when one rank cannot open it (else the ranks would wait on different transports), and turn a
+peer that exits while this rank waits for it into an error naming that rank, within seconds
+rather than a hang.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     from zerorun.zero.comm.host_channel import host_channel
     from zerorun.zero.comm.process_group import leaving_together
 
+    from zerorun.zero.comm import host_channel as host_channel_module
+
     settings = json.loads(Path(out_dir, "settings.json").read_text())
-    os.environ["ZERORUN_HOST_CHANNEL"] = settings["channel"]
+    os.environ["ZERORUN_HOST_CHANNEL"] = "0" if settings["channel"] == "0" else "1"
+    if settings["channel"] == "one_rank_cannot" and rank == 0:  # no /dev/shm here: all take the ring
+        host_channel_module.SHM_DIR = str(Path(out_dir, "missing"))
     world = settings["world"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -89,6 +95,14 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.parametrize("channel", ["1", "0"], ids=["host_channel", "ring"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_cpu_reduce_scatter_and_all_gather_are_exact(tmp_path, world, channel):
+    check_collectives(tmp_path, world, channel)
+
+
+def test_every_rank_takes_the_ring_when_one_cannot_open_the_channel(tmp_path):
+    check_collectives(tmp_path, 2, "one_rank_cannot")
+
+
+def check_collectives(tmp_path, world: int, channel: str) -> None:
     (tmp_path / "settings.json").write_text(json.dumps({"world": world, "channel": channel}))
     results = spawn_and_collect(worker, tmp_path, world)
     for rank, result in results.items():

@@ -70,9 +70,9 @@ class _Peer:
 
 
 def host_channel(group) -> HostChannel | None:
-    """The channel for ``group``, opened on first use (a collective over the group), or None
-    when its ranks cannot share memory (another host, another /dev/shm or pid namespace, more
-    than MAX_RANKS ranks, or ZERORUN_HOST_CHANNEL=0)."""
+    """The channel for ``group``, opened on first use (a collective over the group), or None on
+    every rank when any of its ranks cannot share memory (another host, another /dev/shm or pid
+    namespace, no room in /dev/shm, more than MAX_RANKS ranks, or ZERORUN_HOST_CHANNEL=0)."""
     key = dist.group.WORLD if group is None else group
     with _channels_lock:
         if key not in _channels:
@@ -129,7 +129,9 @@ def _open(group) -> HostChannel | None:
             nonce = secrets.token_hex(8)
             fd, outbox_path = tempfile.mkstemp(prefix="zerorun-outbox-", dir=SHM_DIR)
             with os.fdopen(fd, "r+b") as outbox:
-                outbox.truncate(_HEADER + SLOTS * SLOT_BYTES)
+                # Reserve the pages now: a sparse file on a full tmpfs would pass here and
+                # raise SIGBUS at the first write into a slot, mid-training.
+                os.posix_fallocate(outbox.fileno(), 0, _HEADER + SLOTS * SLOT_BYTES)
                 outbox.write(nonce.encode())
             inbox_path = outbox_path.replace("zerorun-outbox-", "zerorun-inbox-")
             os.mkfifo(inbox_path, 0o600)
@@ -189,8 +191,10 @@ class HostChannel:
                     if _proc_start_time(info["pid"]) != info["start_time"] or info["start_time"] is None:
                         raise OSError(f"rank {r}'s process is not visible from here (another pid namespace)")
                     self.peers.append(_Peer(r, global_rank(r), info["pid"], info["start_time"]))
-            self.outbox_of = {p.rank: os.open(everyone[p.rank]["inbox"], os.O_WRONLY) for p in self.peers}
-            self._fds.extend(self.outbox_of.values())
+            self.outbox_of: dict[int, int] = {}
+            for p in self.peers:
+                self.outbox_of[p.rank] = os.open(everyone[p.rank]["inbox"], os.O_WRONLY)
+                self._fds.append(self.outbox_of[p.rank])
         except (OSError, ValueError):
             self.close()
             raise
