@@ -137,7 +137,7 @@ def _open(group) -> HostChannel | None:
             os.mkfifo(inbox_path, 0o600)
             mine = {"outbox": outbox_path, "inbox": inbox_path, "nonce": nonce, "pid": os.getpid(),
                     "start_time": _proc_start_time(os.getpid())}
-        except OSError:
+        except Exception:  # whatever fails here, this rank must still reach the agreements below
             mine = None
     everyone: list = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
@@ -145,7 +145,7 @@ def _open(group) -> HostChannel | None:
     if all(everyone):
         try:
             channel = HostChannel(group, rank, everyone)
-        except OSError:
+        except Exception:  # as above: a rank that skipped the next agreement would hang the others
             channel = None
     opened: list = [None] * size
     dist.all_gather_object(opened, channel is not None, group=group)
