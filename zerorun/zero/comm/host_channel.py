@@ -3,16 +3,18 @@
     pytest tests/distributed/test_cpu_collectives.py     # exactness at 2 and 3 ranks, a peer that exits
 
 Why: the ring (comm/ring.py) moves every byte through the kernel's TCP loopback, and on a
-CPU-bound host that CPU is taken from the ranks' own compute. Measured on the 2-core VM
-(2 ranks, each gathering an 8.4 MB unit, 4.2 MB from its peer): the ring costs 3.1 ms of CPU
-per rank, this channel two memcpys (our shard into our outbox, the peer's out of its outbox).
-Stage 3 moves 1.5x DDP's bytes per step (all-gather in forward and backward, reduce-scatter),
-so the transport decides whether it can keep up with DDP's all-reduce on a CPU.
+CPU-bound host that CPU is taken from the ranks' own compute. Here a byte costs two memcpys
+(our part into our outbox, the peer's out of its outbox): 33.6 MB between 2 ranks took 3.8-5.3
+ms of CPU per rank against the ring's 8.6-10 (scripts/bench_collectives.py). Stage 3 moves up
+to 1.5x DDP's bytes per step (all-gathers in forward and backward, a reduce-scatter, against
+the all-reduce's reduce-scatter and all-gather), so on a CPU the transport decides whether it
+keeps up with DDP.
 
 Layout: every rank owns an outbox in /dev/shm of SLOTS slots of SLOT_BYTES each, mapped by
 every rank of the group, and an inbox FIFO into which each peer writes one-byte tokens (the
-sender's rank). Both files are unlinked as soon as every rank has opened them, so nothing is
-left behind in /dev/shm however the job ends.
+sender's rank). Both files are unlinked as soon as every rank has opened them, within the
+group's first reduce-scatter or all-gather: from then on nothing is left in /dev/shm however
+the job ends.
 
 Note [rounds]: a collective is cut into rounds of at most one slot per rank; round t (counted
 over the channel's whole life, identical on every rank because the collectives are issued in
