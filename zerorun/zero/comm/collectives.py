@@ -44,8 +44,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from zerorun.zero.comm.host_channel import host_channel
-from zerorun.zero.comm.host_channel import usable as host_channel_usable
+from zerorun.zero.comm.host_channel import host_channel, usable as host_channel_usable
 from zerorun.zero.comm.ring import Ring
 
 

@@ -160,8 +160,6 @@ def _open(group) -> HostChannel | None:
     if channel is not None and not all(opened):
         channel.close()
         channel = None
-    if channel is not None:
-        channel.files = [path for info in everyone for path in (info["outbox"], info["inbox"])]
     return channel
 
 
@@ -170,7 +168,9 @@ class HostChannel:
 
     def __init__(self, group, rank: int, everyone: list[dict]):
         self.rank, self.size = rank, len(everyone)
-        self.files: list[str] = []  # the group's outbox and inbox paths, unlinked once all opened them
+        # the group's outbox and inbox paths, unlinked once every rank has opened them
+        self.files = [path for info in everyone for path in (info["outbox"], info["inbox"])]
+        self._token = bytes([rank])  # READY, Note [rounds]
         global_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
         # Each rank's outbox, mapped; viewed as tensors only for the length of a round, so the
         # channel holds no tensor between collectives (a transport's buffer, like gloo's socket
@@ -301,7 +301,7 @@ class HostChannel:
 
     def _exchange_ready(self) -> None:
         """Note [rounds]: tell every peer our slot is written, wait until theirs are."""
-        self._send(bytes([self.rank]))
+        self._send(self._token)
         for p in self.peers:
             self._take_ready(p)
         self.round += 1
