@@ -1,3 +1,3 @@
 """``deepspeed.runtime``: ``utils.set_random_seed`` and the ``lr_schedules`` DeepSpeed scripts import."""
 
-from . import lr_schedules, utils  # noqa: F401
+from . import lr_schedules, utils, zero  # noqa: F401
