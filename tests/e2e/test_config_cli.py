@@ -93,6 +93,9 @@ def test_offload_combinations_that_cannot_work_are_refused_before_anything_start
           "--set", "zero.offload_optimizer.nvme_path=blocker/sub"], "is not a directory"),
         (["--set", "zero.stage=3", "--set", "zero.offload_param.device=nvme",
           "--set", "zero.offload_param.nvme_path=blocker/sub"], "zero.offload_param.nvme_path: "),
+        # A mistyped mount point: creating the whole chain would fill the root disk unseen.
+        (["--set", "zero.stage=3", "--set", "zero.offload_param.device=nvme",
+          "--set", "zero.offload_param.nvme_path=/does/not/exist/nvme"], "neither does its parent '/does/not/exist'"),
     ]
     for settings, message in cases:
         result = zerorun(["--dry-run", "--nproc", "2", *settings, "train.py"], workdir)
@@ -100,5 +103,8 @@ def test_offload_combinations_that_cannot_work_are_refused_before_anything_start
         assert message in result.stderr and "Traceback" not in result.stderr
         assert "world size" not in result.stdout
     ok = zerorun(["--dry-run", "--nproc", "2", "--set", "zero.stage=2", "--set", "zero.offload_optimizer.device=nvme",
-                  "--set", "zero.offload_optimizer.nvme_path=scratch/nvme", "train.py"], workdir)
+                  "--set", "zero.offload_optimizer.nvme_path=nvme", "train.py"], workdir)
     assert ok.returncode == 0, ok.stderr
+    # Only the last component is missing: fine, and said once.
+    said = [line for line in (ok.stdout + ok.stderr).splitlines() if "does not exist; zerorun creates it" in line]
+    assert len(said) == 1 and str(workdir / "nvme") in said[0], ok.stdout + ok.stderr

@@ -204,3 +204,17 @@ def test_human_bytes():
     assert scratch.human_bytes(512) == "512 bytes"
     assert scratch.human_bytes(300 << 10) == "300.0 KiB"
     assert scratch.human_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_an_nvme_path_whose_parent_is_missing_is_refused_and_the_last_component_is_created(tmp_path):
+    """A mistyped mount point is refused, not created as a chain of directories on the root disk."""
+    mistyped = tmp_path / "mnt" / "nvme"
+    assert "neither does its parent" in scratch.nvme_path_problem(mistyped)
+    with pytest.raises(RuntimeConfigError, match="a mistyped mount point"):
+        _engine(mistyped)
+    assert not (tmp_path / "mnt").exists()
+    fresh = tmp_path / "nvme"
+    assert scratch.nvme_path_problem(fresh) is None
+    engine = _engine(fresh)
+    assert engine.records[0].state_home.directory.parent.parent == fresh
+    del engine

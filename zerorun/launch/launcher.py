@@ -276,18 +276,10 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
         torch_in_child=True,
     )
-    for key in ("offload_optimizer", "offload_param"):
-        nvme = getattr(config.zero, key)
-        if nvme.device == "nvme" and nvme.nvme_path and all(is_local_host(h, local_names) for h in hosts):
-            from zerorun.errors import ConfigError
-            from zerorun.launch.preflight import nvme_path_problem
-
-            problem = nvme_path_problem(os.path.join(cwd, nvme.nvme_path))
-            if problem:
-                raise ConfigError(f"zero.{key}.nvme_path: {problem}",
-                                  hint="point nvme_path at a directory on a local disk you can write")
     config_json = json.dumps(to_dict(config), indent=2)
     notes = list(config.notes)
+    if all(is_local_host(h, local_names) for h in hosts):
+        notes += nvme_path_notes(config, cwd)
     if options.nproc is not None and has_nvidia_gpu():
         notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
                      "machine has GPUs; use --gpus N for GPU workers")
@@ -301,6 +293,27 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
                        slurm=context, mode=mode, save_on_signal=save_on_signal,
                        requeue=config.checkpoint.requeue,
                        startup_timeout_s=config.telemetry.startup_timeout_s)
+
+
+def nvme_path_notes(config, cwd: str) -> list[str]:
+    """Refuse an NVMe path this machine cannot use before any worker starts (ConfigError); the
+    notes say which path zerorun will create. Remote hosts' paths are their engines' to check."""
+    from zerorun.errors import ConfigError
+    from zerorun.zero.offload.scratch import nvme_path_problem
+
+    notes = []
+    for key in ("offload_optimizer", "offload_param"):
+        offload = getattr(config.zero, key)
+        if offload.device != "nvme" or not offload.nvme_path:
+            continue
+        path = os.path.abspath(os.path.join(cwd, offload.nvme_path))
+        problem = nvme_path_problem(path)
+        if problem:
+            raise ConfigError(f"zero.{key}.nvme_path: {problem}",
+                              hint="point nvme_path at a directory on a local disk you can write")
+        if not os.path.exists(path):
+            notes.append(f"zero.{key}.nvme_path: {path} does not exist; zerorun creates it (its parent exists)")
+    return notes
 
 
 def step_hosts(options: LaunchOptions, environ: Mapping[str, str], ctx: slurm.SlurmContext):

@@ -19,25 +19,6 @@ from zerorun.launch.plan import LaunchPlan, NodeSpec
 PROBE_TIMEOUT_S = 30.0
 
 
-def nvme_path_problem(path: str) -> str | None:
-    """Why NVMe offload could not write its scratch files under ``path`` on this machine, or
-    None. A missing directory is fine when its nearest existing parent is writable (the
-    engine creates it)."""
-    import os
-
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        return f"{probe!r} is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe!r} is not writable"
-    return None
-
-
 def probe_facts(cwd, script, module):
     """Runs on each host (its source is shipped over ssh, so it imports only the stdlib)."""
     import importlib.metadata

@@ -50,6 +50,28 @@ def job_key(environ: Mapping[str, str] = os.environ) -> str:
     return f"pid{os.getpid()}"
 
 
+def nvme_path_problem(nvme_path: str | os.PathLike) -> str | None:
+    """Why NVMe offload could not keep its scratch under ``nvme_path`` on this machine, or None.
+
+    Only the last component may be missing (zerorun creates it): a path whose parent does not
+    exist is far more often a mistyped mount point than a wish, and creating the whole chain
+    would put the offload files on the root disk without a word.
+    """
+    path = os.path.abspath(nvme_path)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"{path!r} is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{path!r} is not writable"
+    parent = os.path.dirname(path)
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        return f"{parent!r} is not a directory"
+    if not os.path.isdir(parent):
+        return f"{path!r} does not exist and neither does its parent {parent!r} (a mistyped mount point?)"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path!r} does not exist and its parent {parent!r} is not writable"
+    return None
+
+
 def rank_directory(nvme_path: str | os.PathLike, rank: int, environ: Mapping[str, str] = os.environ) -> Path:
     return Path(os.path.abspath(nvme_path)) / f"zerorun-{job_key(environ)}-rank{rank}"
 
@@ -59,13 +81,18 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
     cleared first when this process has not used it yet (Note [scratch names]). ``key`` is the
     config key named in errors."""
     base = rank_directory(nvme_path, rank)
+    problem = nvme_path_problem(nvme_path)
+    if problem:
+        raise RuntimeConfigError(f"{key}: {problem}",
+                                 hint="point nvme_path at a directory on a local disk you can write")
     try:
         with _lock:
             if base not in _cleared:
                 if base.is_symlink() or base.is_file():
                     base.unlink()
                 shutil.rmtree(base, ignore_errors=True)
-                base.mkdir(parents=True, mode=0o700)
+                base.parent.mkdir(exist_ok=True)  # at most the last component (nvme_path_problem)
+                base.mkdir(mode=0o700)
                 _cleared.add(base)
                 atexit.register(remove_if_empty, base)
                 _record(base, rank)
