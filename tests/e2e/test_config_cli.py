@@ -75,6 +75,21 @@ def test_init_then_dry_run(tmp_path):
     assert again.stderr.startswith("zerorun: error: refusing to overwrite ")
 
 
+def test_without_config_the_launcher_reads_the_zerorun_yaml_a_script_run_by_hand_reads(tmp_path):
+    assert zerorun(["init", "--template", "zero3"], tmp_path).returncode == 0
+    result = zerorun(["--dry-run", "--nproc", "2", "train.py"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"zerorun: note: using config {tmp_path / 'zerorun.yaml'} (no --config given" in result.stderr
+    assert '"stage": 3' in result.stdout
+    # --config still wins, and a directory without zerorun.yaml keeps the defaults, with no note.
+    (tmp_path / "other.yaml").write_text("zero:\n  stage: 1\n")
+    chosen = zerorun(["--dry-run", "--nproc", "2", "--config", "other.yaml", "train.py"], tmp_path)
+    assert '"stage": 1' in chosen.stdout and "using config" not in chosen.stderr
+    (tmp_path / "zerorun.yaml").unlink()
+    bare = zerorun(["--dry-run", "--nproc", "2", "train.py"], tmp_path)
+    assert '"stage": 0' in bare.stdout and "using config" not in bare.stderr
+
+
 def test_init_template_trains_for_real_on_two_cpu_ranks(tmp_path):
     assert zerorun(["init", "--template", "zero2"], tmp_path).returncode == 0
     result = zerorun(["--nproc", "2", "--no-dashboard", "--config", "zerorun.yaml", "train.py", "--steps", "2"],

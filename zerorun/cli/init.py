@@ -16,10 +16,11 @@ from typing import Optional
 import typer
 
 from zerorun.config.problems import did_you_mean
+from zerorun.config.sources import DEFAULT_CONFIG_NAME
 from zerorun.errors import ConfigError
 
 TEMPLATES = ("zero1", "zero2", "zero3", "zero3-offload")
-CONFIG_NAME = "zerorun.yaml"
+CONFIG_NAME = DEFAULT_CONFIG_NAME
 SCRIPT_NAME = "train.py"
 HOSTFILE_NAME = "hostfile"
 SBATCH_NAME = "job.sbatch"

@@ -26,6 +26,9 @@ ENV_SEPARATOR = "__"
 # Top-level keys with a single-word env name (no "__" needed to reach them).
 ENV_TOP_LEVEL = {"ZERORUN_SEED": "seed", "ZERORUN_GRADIENT_CLIPPING": "gradient_clipping"}
 SUFFIXES = (".yaml", ".yml", ".json")
+# The file a script run by hand reads (``zerorun init`` writes it); the launcher without --config
+# reads the same one from its working directory, so both runs train with one config.
+DEFAULT_CONFIG_NAME = "zerorun.yaml"
 MAX_FILE_BYTES = 1 << 20  # a config is a few KB; anything larger is surely the wrong file
 # Note [bounded YAML]: YAML aliases let 400 bytes stand for 10^8 values (each level of a
 # "billion laughs" file repeats the previous one ten times). Parsing builds them shared and
@@ -33,6 +36,20 @@ MAX_FILE_BYTES = 1 << 20  # a config is a few KB; anything larger is surely the 
 # therefore counts the values a document stands for, aliases expanded, before building any.
 MAX_YAML_VALUES = 100_000
 MAX_YAML_DEPTH = 64
+
+
+def launcher_config_file(given: str | None, cwd: str) -> tuple[str | None, str | None]:
+    """(the config file the launcher reads, a note saying where it came from) (pure but for one
+    ``isfile``). --config wins; without it, ``zerorun.yaml`` in the working directory, which is
+    what the init template's ``python train.py`` reads; else none (defaults)."""
+    import os
+
+    if given:
+        return os.path.join(cwd, given), None
+    beside = os.path.join(cwd, DEFAULT_CONFIG_NAME)
+    if os.path.isfile(beside):
+        return beside, f"using config {beside} (no --config given: the {DEFAULT_CONFIG_NAME} of the working directory)"
+    return None, None
 
 
 def read_small_file(path: str | Path, what: str, error=ConfigError, limit: int = MAX_FILE_BYTES) -> str:

@@ -270,14 +270,15 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         # The plan numbers every node's ranks; this launcher runs only its own node's.
         plan = dataclasses.replace(plan, nodes=[node for node in plan.nodes if node.node_rank == role.node_rank])
     from zerorun.config import load_config, to_dict
+    from zerorun.config.sources import launcher_config_file
 
-    config_source = os.path.join(cwd, options.config) if options.config else None
+    config_source, config_note = launcher_config_file(options.config, cwd)
     config = load_config(
         config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
         torch_in_child=True,
     )
     config_json = json.dumps(to_dict(config), indent=2)
-    notes = list(config.notes)
+    notes = ([config_note] if config_note else []) + list(config.notes)
     if all(is_local_host(h, local_names) for h in hosts):
         notes += nvme_path_notes(config, cwd)
     if options.nproc is not None and has_nvidia_gpu():
