@@ -44,7 +44,10 @@ ZERO_AUTO = {
     "gradient_clipping": "auto",
     "bf16": {"enabled": "auto"},
     "fp16": {"enabled": "auto"},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+    # Hugging Face's usual config carries the stage-3 keys at every stage; Trainer fills them only
+    # at stage 3, so at stage 2 they reach the loader as "auto" (DeepSpeed's default applies).
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto"},
 }
 OPTIMIZER_AUTO = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
 
@@ -52,9 +55,6 @@ OPTIMIZER_AUTO = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "ep
 def _config(stage: int, optimizer: bool = False, scheduler: bool = False) -> dict:
     config = copy.deepcopy(ZERO_AUTO)
     config["zero_optimization"]["stage"] = stage
-    if stage == 3:
-        config["zero_optimization"].update(stage3_prefetch_bucket_size="auto",
-                                           stage3_param_persistence_threshold="auto")
     if optimizer:
         config["optimizer"] = copy.deepcopy(OPTIMIZER_AUTO)
     if scheduler:

@@ -100,13 +100,26 @@ def test_auto_outside_the_hf_integration_is_an_error_naming_each_key():
             "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
         }, world_size=2, environ={})
     message = caught.value.message
-    assert "5 problems" in message
+    assert "4 problems" in message
     assert "bf16.enabled = 'auto'" in message and "set it to true or false" in message
     assert "Hugging Face integration" in message
-    for key in ("gradient_clipping", "optimizer.params.lr", "scheduler.params.warmup_max_lr",
-                "zero_optimization.reduce_bucket_size"):
+    for key in ("gradient_clipping", "optimizer.params.lr", "scheduler.params.warmup_max_lr"):
         assert f"{key} = 'auto'" in message
     assert "train_batch_size" not in message
+    assert "reduce_bucket_size" not in message  # DeepSpeed's rule: its default applies (next test)
+
+
+def test_auto_left_in_zero_optimization_takes_the_default_with_a_note():
+    """DeepSpeed's config models drop an "auto" field, so Hugging Face's config, whose stage-3
+    keys Trainer fills only at stage 3, runs at stage 2; zerorun reads it the same way."""
+    default = load_config({"zero_optimization": {"stage": 2}}, environ={}).zero
+    config = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 2, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "offload_optimizer": {"device": "auto"}}}, environ={})
+    assert config.zero == default
+    for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                "offload_optimizer.device"):
+        assert sum(f"zero_optimization.{key}: 'auto' was not filled in" in n for n in config.notes) == 1
 
 
 def test_a_dict_without_auto_loads_as_before():

@@ -8,9 +8,15 @@ Each DeepSpeed key is one of:
 Anything else is an unknown key, reported with a did-you-mean. Nothing is dropped silently.
 
 "auto" values are placeholders the Hugging Face integration fills in from the Trainer's own
-arguments before loading. Outside it only the batch sizes can be derived (from the other two and
-the world size); any other "auto" is an error naming the key, because a zerorun default in its
-place would train differently without saying so (``bf16.enabled: auto`` used to mean fp32).
+arguments before loading. What it leaves is read as DeepSpeed reads it:
+* the batch sizes are derived from the other two and the world size;
+* a key of ``zero_optimization`` (offload sections included) takes zerorun's default, with a note
+  naming the key: DeepSpeed's config models drop a field whose value is "auto", so its default
+  applies there too (Trainer fills ``stage3_prefetch_bucket_size`` only at stage 3, and the same
+  config runs at stage 2 under DeepSpeed);
+* any other "auto" is an error naming the key: DeepSpeed has no rule for it (it would hand the
+  string to the optimizer, or read ``bf16.enabled: auto`` as true), and a zerorun default in its
+  place would train differently without saying so.
 docs/config.md carries the same table for users.
 """
 
@@ -220,6 +226,8 @@ DEEPSPEED_ONLY_OPTIMIZERS = {"lamb", "onebitadam", "zerooneadam", "onebitlamb", 
 # SGD and Adagrad are torch's classes in DeepSpeed too, so their defaults already agree. A
 # DeepSpeed config that leaves the key out must train as it does under DeepSpeed.
 DEEPSPEED_DEFAULTS = {"adam": {"weight_decay": 0.0}, "adamw": {"weight_decay": 0.0}}
+# Sections DeepSpeed reads through its config models, which drop "auto" fields (their default applies).
+DEFAULTS_FOR_AUTO = ("zero_optimization.",)
 AUTO_FIX = "'auto' is filled in only by the Hugging Face integration (HfDeepSpeedConfig / Trainer)"
 
 
@@ -273,6 +281,9 @@ def _map(rule: Map, value: Any, ds_path: str, out: Translation) -> None:
     if value == "auto":
         if rule.target.startswith("batch."):
             out.notes.append(f"{ds_path}: 'auto' derived from the other batch sizes and the world size")
+        elif ds_path.startswith(DEFAULTS_FOR_AUTO):
+            out.notes.append(f"{ds_path}: 'auto' was not filled in; zerorun's default applies "
+                             "(DeepSpeed takes its default for it too)")
         else:
             out.problems.add(ds_path, f"{AUTO_FIX}; give a value here, or remove the key for "
                              f"zerorun's default", value)
