@@ -7,6 +7,8 @@ a real subprocess (``python -m zerorun consolidate ...``) whose output is checke
 - a checkpoint of another model: the error names the first mismatching parameter;
 - a tiny Hugging Face GPT-2 trained under stage 3: the consolidated directory loads with
   ``from_pretrained`` (tied weights written once) and equals the engine's full state dict;
+- a model file of the example GPT (head tied to the token embedding) holds every name and loads
+  with ``load_state_dict(strict=True)``;
 - the rank files and the output are standard safetensors files (the safetensors library loads them);
 - a 201M-parameter stack of Linear layers: consolidation's peak RSS stays below 0.3x the
   model's fp32 bytes above the process's baseline (Note [bounded consolidation]).
@@ -59,15 +61,50 @@ def test_consolidate_writes_the_full_model_as_standard_safetensors(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
     out = load_file(tmp_path / "model.safetensors")
-    assert "head.weight" not in out  # tied to embed.weight: written once
+    assert set(out) == set(full)  # head.weight, tied to embed.weight, too (as its own copy)
     for name, value in out.items():
         assert torch.equal(value, full[name]), name
+    h.DropNet().load_state_dict(out, strict=True)
     done = cli("consolidate", str(ckpt / "global_step2"), str(tmp_path / "model.pt"), "--format", "torch")
     assert done.returncode == 0, done.stderr
     state = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert set(state) == set(full)  # the torch format keeps the tied alias too
+    assert set(state) == set(full)  # the torch format keeps the tied alias too, sharing the tensor
+    assert state["head.weight"].data_ptr() == state["embed.weight"].data_ptr()
     model = h.DropNet()
     model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_the_consolidated_example_gpt_loads_back_with_strict_load_state_dict(tmp_path, fmt):
+    """The example GPT's head is tied to its token embedding: every name is in the file, and the
+    command says how the tied one was written."""
+    sys.path.insert(0, str(REPO / "examples"))
+    from gpt import GPT, PRESETS
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS["nano"])
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero": {"stage": 3}})
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ckpt")
+    full = engine.full_state_dict()
+    out = tmp_path / ("model.safetensors" if fmt == "safetensors" else "model.pt")
+    done = cli("consolidate", str(tmp_path / "ckpt"), str(out), "--format", fmt)
+    assert done.returncode == 0, done.stderr
+    assert "tied names all written" in done.stdout and "head.weight = tok_emb.weight" in done.stdout, done.stdout
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(out)
+    else:
+        state = torch.load(out, weights_only=True)
+    fresh = GPT(PRESETS["nano"])
+    fresh.load_state_dict(state, strict=True)
+    assert fresh.head.weight is fresh.tok_emb.weight  # still one Parameter after loading
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value, full[name].to(value.dtype)), name
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

@@ -35,3 +35,5 @@ def register(app: typer.Typer) -> None:
                    strip_prefix=strip_prefix)
         typer.echo(f"wrote {done['out']}: {done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB "
                    f"(step {done['global_step']}, from {done['source']})")
+        if done["tied"]:
+            typer.echo(done["tied"])

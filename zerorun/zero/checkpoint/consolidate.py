@@ -11,9 +11,12 @@ file mapping: checkpoint/tensor_files.py), cast, written and dropped before the 
 stays near the largest tensor (and its cast copy), whatever the model's size. Only the torch
 format holds everything at once (``torch.save`` takes a whole dict); it says so.
 
-Tied parameters are written once, under their first name (Hugging Face's ``from_pretrained``
-ties them again; safetensors refuses shared tensors anyway); the torch format also lists each
-alias, sharing the tensor.
+Tied parameters: a model file (safetensors or torch) holds every name the model's
+``state_dict()`` has, so a plain ``model.load_state_dict(torch.load/load_file(...), strict=True)``
+works on the model it came from (the example GPT's ``head.weight`` is its ``tok_emb.weight``).
+safetensors refuses two names sharing storage, so there each tied name is its own copy; the torch
+format lets them share one tensor. A Hugging Face directory holds each tied tensor once, under its
+first name, as ``save_pretrained`` writes it (``from_pretrained`` ties them again).
 """
 
 from __future__ import annotations
@@ -54,23 +57,33 @@ class Entry:
         return total
 
 
-def plan_entries(manifest: dict, dtype: torch.dtype | None, strip_prefix: str = "") -> list[Entry]:
+def plan_entries(manifest: dict, dtype: torch.dtype | None, strip_prefix: str = "",
+                 tied_names: bool = True) -> list[Entry]:
     """The output tensors in model order (pure: from the manifest only). Trainable parameters
     become ``dtype`` (default: the training dtype); frozen parameters and buffers keep theirs
-    unless ``dtype`` is given and they are floating point."""
+    unless ``dtype`` is given and they are floating point. With ``tied_names`` each tied name
+    (manifest ``aliases``) is an entry of its own, read from the parameter it is tied to."""
     model_dtype = DTYPES[manifest["dtype"]]
 
     def out(name: str) -> str:
-        return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
+        return _strip(name, strip_prefix)
 
     entries = []
     for name, info in manifest["parameters"].items():
         saved = model_dtype if info["trainable"] else DTYPES.get(info.get("dtype", manifest["dtype"]), model_dtype)
         entries.append(Entry(out(name), name, "param", tuple(info["shape"]), _cast(saved, dtype, info["trainable"])))
+    if tied_names:
+        first = {entry.name: entry for entry in entries}
+        entries += [Entry(out(alias), name, "param", first[name].shape, first[name].dtype)
+                    for alias, name in manifest["aliases"].items()]
     for name, info in manifest["buffers"].items():
         saved = DTYPES.get(info["dtype"], torch.float32)
         entries.append(Entry(out(name), name, "buffer", tuple(info["shape"]), _cast(saved, dtype, False)))
     return entries
+
+
+def _strip(name: str, prefix: str) -> str:
+    return name[len(prefix):] if prefix and name.startswith(prefix) else name
 
 
 def _cast(saved: torch.dtype, wanted: torch.dtype | None, trainable: bool) -> torch.dtype:
@@ -154,7 +167,8 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
     created: list[Path] = []
     try:
         assembler.verify_all()
-        entries = plan_entries(assembler.manifest, DTYPE_CHOICES[dtype] if dtype is not None else None, strip_prefix)
+        entries = plan_entries(assembler.manifest, DTYPE_CHOICES[dtype] if dtype is not None else None, strip_prefix,
+                               tied_names=not hf)
         try:
             parent = out if hf else out.parent
             if not parent.exists():
@@ -163,7 +177,7 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
         except OSError as exc:
             raise CheckpointError(f"cannot create {str(parent)!r} ({exc.strerror})") from None
         if fmt == "torch":
-            written = _write_torch(assembler, entries, target, strip_prefix)
+            written = _write_torch(assembler, entries, target)
         else:
             written = _write_safetensors(assembler, entries, target)
         if hf:  # last, so a failed run leaves no config.json that looks like a model directory
@@ -178,7 +192,18 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
         assembler.close()
         get_recorder().record_activity(None, 0)
     return {"source": str(directory), "out": str(target), "tensors": len(entries), "bytes": written,
-            "global_step": assembler.manifest["global_step"]}
+            "global_step": assembler.manifest["global_step"], "tied": tied_note(assembler.manifest, fmt, hf, strip_prefix)}
+
+
+def tied_note(manifest: dict, fmt: str, hf: bool, strip_prefix: str = "") -> str | None:
+    """What the output holds for tied names (None: the model has none), for the command's output."""
+    pairs = ", ".join(f"{_strip(alias, strip_prefix)} = {_strip(name, strip_prefix)}" for alias, name in manifest["aliases"].items())
+    if not pairs:
+        return None
+    if hf:
+        return f"tied names written once, under the first ({pairs} left out; from_pretrained ties them again)"
+    how = "sharing one tensor" if fmt == "torch" else "each its own copy (safetensors stores no shared tensors)"
+    return f"tied names all written, {how}: {pairs}; load_state_dict(strict=True) takes the file as it is"
 
 
 def _write_safetensors(assembler: Assembler, entries: list[Entry], target: Path) -> int:
@@ -193,13 +218,13 @@ def _write_safetensors(assembler: Assembler, entries: list[Entry], target: Path)
         raise
 
 
-def _write_torch(assembler: Assembler, entries: list[Entry], target: Path, strip_prefix: str) -> int:
-    def strip(name: str) -> str:
-        return name[len(strip_prefix):] if strip_prefix and name.startswith(strip_prefix) else name
-
-    state = {entry.out_name: assembler.tensor(entry) for entry in entries}
-    for alias, name in assembler.manifest["aliases"].items():
-        state[strip(alias)] = state[strip(name)]
+def _write_torch(assembler: Assembler, entries: list[Entry], target: Path) -> int:
+    state: dict[str, torch.Tensor] = {}
+    read: dict[tuple[str, str], torch.Tensor] = {}  # tied names share one tensor (torch.save keeps that)
+    for entry in entries:
+        if (entry.kind, entry.name) not in read:
+            read[entry.kind, entry.name] = assembler.tensor(entry)
+        state[entry.out_name] = read[entry.kind, entry.name]
     temporary = temporary_name(target)
     try:
         torch.save(state, temporary)
