@@ -10,6 +10,7 @@ scratch directory is recorded for the launcher's sweep.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -98,3 +99,66 @@ def test_a_truncated_parameter_file_is_named_as_the_cause_of_the_bus_error(tmp_p
                            "it was reading was truncated or removed, such as an NVMe offload file)"), last
     assert "finished" not in done.stdout
     assert not job_processes(run_dir)
+
+
+SHARED_SCRIPT = r'''
+import os, sys, time, torch, zerorun
+nvme, role, sync = sys.argv[1], sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero": {
+    "stage": 3, "allgather_bucket_size": 100,
+    "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "buffer_count": 2, "buffer_size": 816},
+    "offload_param": {"device": "nvme", "nvme_path": nvme}}})
+data = torch.Generator().manual_seed(engine.rank)
+if role == "second":
+    open(os.path.join(sync, "second_started"), "w").close()
+for step in range(8):
+    if step == 3 and role == "first":
+        open(os.path.join(sync, "first_ready"), "w").close()
+        deadline = time.time() + 300
+        while not os.path.exists(os.path.join(sync, "second_started")) and time.time() < deadline:
+            time.sleep(0.1)
+    loss = engine(torch.randn(4, 16, generator=data)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    if engine.rank == 0:
+        print("loss", step, repr(loss.item()), flush=True)
+'''
+
+
+def _losses(done, run_dir) -> list[float]:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    return [float(line.split()[2]) for line in log.splitlines() if line.startswith("loss ")]
+
+
+@pytest.mark.long
+def test_two_jobs_of_one_slurm_allocation_on_one_nvme_path_both_finish_with_their_solo_losses(tmp_path):
+    """Issue 31 item 1: scratch was named by SLURM_JOB_ID and rank only, so the second job's
+    start removed the first's live files and the first died. Now each launch has its own."""
+    from launch_helpers import start_cli, wait_for_files
+
+    (tmp_path / "job.py").write_text(SHARED_SCRIPT)
+    nvme, sync = tmp_path / "nvme", tmp_path / "sync"
+    sync.mkdir()
+    env = {"SLURM_JOB_ID": "4243"}
+    common = ["--launcher", "local", "--nproc", "2", "--no-dashboard", "--hang-timeout", "300"]
+    solo = _losses(run_cli([*common, "--run-dir", str(tmp_path / "solo"), "job.py", str(nvme), "solo", str(sync)],
+                           tmp_path, timeout=300, env=env), tmp_path / "solo")
+    assert len(solo) == 8
+    first = start_cli([*common, "--run-dir", str(tmp_path / "a"), "job.py", str(nvme), "first", str(sync)], tmp_path,
+                      env=env)
+    try:
+        wait_for_files([sync / "first_ready"], timeout=300, proc=first)
+        second = run_cli([*common, "--run-dir", str(tmp_path / "b"), "job.py", str(nvme), "second", str(sync)],
+                         tmp_path, timeout=300, env=env)
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, 9)
+            first.wait()
+    done_first = type(second)(first.args, first.returncode, out, err)
+    assert _losses(done_first, tmp_path / "a") == pytest.approx(solo, rel=1e-6, abs=1e-7)
+    assert _losses(second, tmp_path / "b") == pytest.approx(solo, rel=1e-6, abs=1e-7)
+    assert not list(nvme.glob("zerorun-*")), list(nvme.glob("zerorun-*/*"))  # each removed its own

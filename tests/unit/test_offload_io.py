@@ -4,7 +4,8 @@ One process, a tiny model with its optimizer state in files. What they prove: a 
 removed unit file, a short read, EIO and ENOSPC each raise one StorageError line naming the
 rank, the file and the bytes moved (never a silent NaN from a stale buffer); every pool buffer
 is back after the error and nothing waits on the pool (no hang at exit); scratch lives under
-fixed per-job-and-rank names, cleared at start-up and removable by the launcher's sweep; the
+per-process names (two jobs of one allocation never share one), a dead process's removed
+at the next start-up and by the launcher's sweep; the
 free-space check is per file system with sane numbers.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,21 +148,69 @@ def test_a_write_failure_ends_the_pool_and_the_next_read_says_why(tmp_path, monk
     assert pool.available == pool.count
 
 
-def test_scratch_names_are_fixed_per_job_and_rank_and_cleared_at_start_up(tmp_path):
+_HOLDER = r"""
+import os, sys, time
+from zerorun.zero.offload import scratch
+directory = scratch.placement_directory(sys.argv[1], 0, "optim", "zero.offload_optimizer.nvme_path")
+(directory / "unit0.bin").write_bytes(bytes(4096))
+print(directory, flush=True)
+if sys.argv[2] == "die":
+    os._exit(0)  # like SIGKILL: no atexit, no finalizer; the kernel drops the lock
+sys.stdin.read()  # alive until the test closes stdin
+"""
+
+
+def _holder(nvme, how, env):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(nvme), how], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    return proc, Path(proc.stdout.readline().strip())
+
+
+def test_two_processes_of_one_slurm_job_never_remove_each_others_scratch(tmp_path, monkeypatch):
+    """Issue 31 item 1: two job steps of one allocation, one nvme_path."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
     nvme = tmp_path / "nvme"
-    left = scratch.rank_directory(nvme, 0)
-    assert left.name == f"zerorun-{scratch.job_key()}-rank0"
-    (left / "optim7").mkdir(parents=True)
-    (left / "optim7" / "unit0.bin").write_bytes(bytes(4096))  # what a killed process of this job left
+    other, theirs = _holder(nvme, "live", {**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert (theirs / "unit0.bin").is_file()
+        engine = _engine(nvme)
+        mine = engine.records[0].state_home.directory
+        assert mine.parent != theirs.parent and mine.parent.name.startswith("zerorun-slurm4243-")
+        assert (theirs / "unit0.bin").stat().st_size == 4096, "the live job's scratch was removed"
+        del engine
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    assert scratch.sweep_dead(nvme) == [str(theirs.parent)]  # once its process is gone
+
+
+def test_a_dead_processs_scratch_is_removed_by_the_next_start_and_a_live_ones_kept(tmp_path):
+    nvme = tmp_path / "nvme"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    dead, left = _holder(nvme, "die", env)
+    dead.wait(timeout=60)
+    assert (left / "unit0.bin").is_file()
+    (nvme / "zerorun-notours-rank0").mkdir()  # not named like ours: never touched
     engine = _engine(nvme)
-    assert not (left / "optim7").exists()
-    assert [p.parent.name for p in _unit_files(nvme)][0].startswith("optim")
-    second = _engine(nvme)  # a second engine of the process keeps its own files
+    assert not left.parent.exists()
+    assert (nvme / "zerorun-notours-rank0").is_dir()
+    mine = engine.records[0].state_home.directory.parent
+    assert mine.name == scratch.rank_directory(nvme, 0).name
+    second = _engine(nvme)  # a second engine of the process keeps its own files, beside the first's
     assert engine.records[0].state_home.directory != second.records[0].state_home.directory
     assert engine.records[0].state_home.directory.exists()
     recorded = (tmp_path / "run" / "scratch" / "rank0").read_text().strip()
-    assert recorded == str(left)
+    assert recorded == str(mine)
     del engine, second
+    lone = scratch.placement_directory(str(nvme), 5, "optim", "key")
+    scratch.remove_if_empty(lone.parent)
+    assert lone.parent.exists()  # a placement still uses it
+    lone.rmdir()
+    scratch.remove_if_empty(lone.parent)  # the last placement takes the directory and its lock file
+    assert not lone.parent.exists() and lone.parent not in scratch._held
 
 
 def test_job_keys():
@@ -175,7 +225,7 @@ def test_the_launcher_sweep_removes_recorded_scratch_and_nothing_else(tmp_path):
     run_dir = tmp_path / "run"
     records = run_dir / "scratch"
     records.mkdir(parents=True)
-    ours = tmp_path / "nvme" / "zerorun-run0123abcd-rank1"
+    ours = tmp_path / "nvme" / "zerorun-run0123abcd-0badcafe-rank1"
     (ours / "optim0").mkdir(parents=True)
     precious = tmp_path / "precious"
     precious.mkdir()

@@ -3,26 +3,35 @@
 Used by offload/placements.py; the launcher's agent calls ``sweep_recorded`` after its workers
 exit. Tests: tests/unit/test_offload_io.py, tests/e2e/test_nvme_faults.py.
 
-Note [scratch names]: a rank's scratch lives in ``NVME_PATH/zerorun-<job>-rank<R>/``, a name
-fixed by the job and the rank, not by the process: ``<job>`` is ``slurm<SLURM_JOB_ID>`` under
-Slurm (a requeued job keeps it), else a digest of the launcher's run directory, else
-``pid<pid>`` for a process started by hand. Because the name is fixed, what an earlier process
-of the same job and rank left behind (a rank killed by the launcher, a hang, SIGKILL) is
-removed when the next one starts, and the leftovers of a killed job never accumulate (with
-per-process names, every unclean exit left its files: 898 MB after one killed 59M-parameter
-run). Each placement of the process takes a subdirectory (``optim0``, ``params0``, ...), so
-two engines of one process never share or delete each other's files. Every rank also records
-its directory in the run directory (``scratch/rank<R>``) so the launcher can remove it at any
-exit it sees, including a SIGKILL that runs no code of ours (``sweep_recorded``).
+Note [scratch names]: a rank's scratch lives in ``NVME_PATH/zerorun-<job>-<launch>-rank<R>/``.
+``<job>`` says whose it is (``slurm<SLURM_JOB_ID>`` under Slurm, else a digest of the launcher's
+run directory, else ``pid<pid>``); ``<launch>`` is eight random hex digits of this process, so
+no two processes ever share a directory. Names used to be fixed by job and rank alone, and the
+start of a process removed what an earlier one of "the same job" left: two job steps of one
+Slurm allocation (or a job and its retry) with one nvme_path then deleted each other's live
+files. Leftovers of dead processes are found by a lock instead of by name: each directory holds
+``.lock``, locked (``fcntl.lockf``) by its process from before the directory gets its name
+(it is built as ``.zerorun-new-<hex>`` and renamed) until the process ends, however it ends. A
+process starting on an nvme_path removes every sibling directory of ours whose lock it can take
+(its owner is dead: a SIGKILL, a crash), so a killed job's files do not accumulate (898 MB
+after one killed 59M-parameter run, before any cleanup), and never touches one whose lock is
+held. POSIX locks belong to the process, so this process never opens the lock file of a
+directory of its own a second time (closing that descriptor would drop its lock). Each placement
+takes a subdirectory (``optim0``, ``params0``, ...), so two engines of one process never share
+or delete each other's files. Every rank also records its directory in the run directory
+(``scratch/rank<R>``) so the launcher can remove it at any exit it sees (``sweep_recorded``).
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import fcntl
 import hashlib
 import itertools
 import os
 import re
+import secrets
 import shutil
 import threading
 from pathlib import Path
@@ -30,9 +39,12 @@ from collections.abc import Iterable, Mapping
 
 from zerorun.errors import RuntimeConfigError
 
-_NAME = re.compile(r"zerorun-[A-Za-z0-9]+-rank[0-9]+\Z")
-_lock = threading.Lock()
-_cleared: set[Path] = set()  # rank directories this process already cleared at start-up
+_NAME = re.compile(r"zerorun-[A-Za-z0-9]+-[0-9a-f]{8}-rank[0-9]+\Z")
+_NEW = re.compile(r"\.zerorun-new-[0-9a-f]{16}\Z")  # a directory not yet renamed to its name
+LOCK_FILE = ".lock"
+_lock = threading.RLock()  # re-entrant: a placement finalizer (remove_if_empty) can run in any allocation
+_launch = secrets.token_hex(4)  # <launch> of Note [scratch names]
+_held: dict[Path, int] = {}  # rank directories of this process -> descriptor of their locked .lock
 _counter = itertools.count()
 # Note [scratch budget]: bytes this process's placements will hold and have written, per file
 # system (st_dev), so optimizer files and parameter files on one disk are checked together.
@@ -73,13 +85,14 @@ def nvme_path_problem(nvme_path: str | os.PathLike) -> str | None:
 
 
 def rank_directory(nvme_path: str | os.PathLike, rank: int, environ: Mapping[str, str] = os.environ) -> Path:
-    return Path(os.path.abspath(nvme_path)) / f"zerorun-{job_key(environ)}-rank{rank}"
+    """This process's scratch directory for ``rank`` under ``nvme_path`` (Note [scratch names])."""
+    return Path(os.path.abspath(nvme_path)) / f"zerorun-{job_key(environ)}-{_launch}-rank{rank}"
 
 
 def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
-    """A fresh subdirectory ``kind<n>`` of this rank's scratch directory, the rank directory
-    cleared first when this process has not used it yet (Note [scratch names]). ``key`` is the
-    config key named in errors."""
+    """A fresh subdirectory ``kind<n>`` of this process's scratch directory for ``rank``, which
+    is made (and dead processes' leftovers beside it removed) when this process has none yet
+    (Note [scratch names]). ``key`` is the config key named in errors."""
     base = rank_directory(nvme_path, rank)
     problem = nvme_path_problem(nvme_path)
     if problem:
@@ -87,13 +100,9 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
                                  hint="point nvme_path at a directory on a local disk you can write")
     try:
         with _lock:
-            if base not in _cleared:
-                if base.is_symlink() or base.is_file():
-                    base.unlink()
-                shutil.rmtree(base, ignore_errors=True)
-                base.parent.mkdir(exist_ok=True)  # at most the last component (nvme_path_problem)
-                base.mkdir(mode=0o700)
-                _cleared.add(base)
+            if base not in _held:
+                sweep_dead(base.parent)
+                _make_locked(base)
                 atexit.register(remove_if_empty, base)
                 _record(base, rank)
             directory = base / f"{kind}{next(_counter)}"
@@ -104,11 +113,71 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
     return directory
 
 
-def remove_if_empty(base: Path) -> None:
+def _make_locked(base: Path) -> None:
+    """Create ``base`` holding a ``.lock`` this process has locked, under a name no sweeper
+    touches until the lock is held."""
+    base.parent.mkdir(exist_ok=True)  # at most the last component (nvme_path_problem)
+    new = base.parent / f".zerorun-new-{secrets.token_hex(8)}"
+    new.mkdir(mode=0o700)
+    fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        base.rmdir()
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno != errno.ENOLCK:  # a file system without locks: nothing is ever swept there
+                raise
+        os.rename(new, base)
     except OSError:
-        pass  # another engine's files are still there; their own finalizers remove them
+        os.close(fd)
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    _held[base] = fd
+
+
+def sweep_dead(nvme_path: Path) -> list[str]:
+    """Remove the directories of ours under ``nvme_path`` whose process is dead: its lock can
+    be taken (Note [scratch names]). The paths removed; a live one is never touched."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(nvme_path))
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        if path in _held or not (_NAME.match(entry.name) or _NEW.match(entry.name)):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # no lock file: not ours to judge (or being removed by its owner)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # alive (or no locks on this file system: then nothing is judged dead)
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+        finally:
+            os.close(fd)
+    return removed
+
+
+def remove_if_empty(base: Path) -> None:
+    """Remove this process's rank directory once no placement uses it (its lock last)."""
+    with _lock:
+        try:
+            if [entry.name for entry in os.scandir(base)] not in ([], [LOCK_FILE]):
+                return  # another engine's files are still there; their own finalizers remove them
+            (base / LOCK_FILE).unlink(missing_ok=True)
+            base.rmdir()
+        except OSError:
+            pass
+        fd = _held.pop(base, None)
+        if fd is not None:
+            os.close(fd)
 
 
 def _record(base: Path, rank: int) -> None:
