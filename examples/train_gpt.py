@@ -5,6 +5,10 @@ prints the loss of every step from rank 0. Also runs on its own as one process:
 
     python examples/train_gpt.py --steps 20
 
+It resumes: ``--steps`` is the total, so after ``zerorun ... --resume examples/train_gpt.py
+--steps 30`` (or ``checkpoint.resume: true``) it continues from the checkpoint's step to 30 on
+the batches the uninterrupted run would have taken.
+
 Everything distributed is in ``zerorun.initialize``: it joins the process group the launcher
 describes (RANK, WORLD_SIZE, ...) and reads the launcher's config (ZERORUN_CONFIG), or runs as
 world size 1 when started plainly. ``--config`` overrides the config for a plain run.
@@ -62,23 +66,38 @@ def main(argv: list[str] | None = None) -> int:
     if checkpointed:
         say(f"activation checkpointing: {len(checkpointed)} modules ({', '.join(checkpointed)})", flush=True)
 
+    # Resumable (docs/checkpoints.md, "Resuming a script"): the loop runs from the engine's step
+    # (0, or the step a --resume / checkpoint.resume load restored) to --steps IN TOTAL, and the
+    # data of step N is a function of N, so a resumed run trains on exactly the batches the
+    # uninterrupted run would have taken from there.
+    resumed_at = engine.global_step
+    if resumed_at:
+        say(f"resuming at step {resumed_at} of {args.steps}", flush=True)
+    accumulation = engine.gradient_accumulation_steps()
     first_loss = last_loss = None
     started = time.perf_counter()
-    for step in range(args.steps):
-        # The global batch is the same for every world size; each rank takes its rows.
-        tokens, targets = synthetic_batch(cfg, args.micro_batch * world, step=step, seed=args.seed)
-        tokens, targets = rank_slice(tokens, rank, world).to(device), rank_slice(targets, rank, world).to(device)
-        loss = engine(tokens, targets)
-        engine.backward(loss)
-        engine.step()
-        mean_loss = _mean_over_ranks(loss.detach(), world)
-        first_loss = mean_loss if first_loss is None else first_loss
-        last_loss = mean_loss
-        say(f"step {step + 1:>4}/{args.steps}  loss {mean_loss:.4f}", flush=True)
+    while engine.global_step < args.steps:
+        step = engine.global_step
+        for micro in range(accumulation):
+            # The global batch is the same for every world size; each rank takes its rows.
+            index = step * accumulation + micro
+            tokens, targets = synthetic_batch(cfg, args.micro_batch * world, step=index, seed=args.seed)
+            tokens, targets = rank_slice(tokens, rank, world).to(device), rank_slice(targets, rank, world).to(device)
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            if micro == accumulation - 1:
+                # Reported before the step() that ends the window: with checkpoint.on_signal the
+                # worker saves and stops inside it.
+                mean_loss = _mean_over_ranks(loss.detach(), world)
+                first_loss = mean_loss if first_loss is None else first_loss
+                last_loss = mean_loss
+                say(f"step {step + 1:>4}/{args.steps}  loss {mean_loss:.4f}", flush=True)
+            engine.step()
     elapsed = time.perf_counter() - started
-    if args.steps:
+    ran = engine.global_step - resumed_at
+    if ran:
         say(f"done: loss {first_loss:.4f} -> {last_loss:.4f} in {elapsed:.1f}s "
-            f"({elapsed / args.steps * 1000:.0f} ms/step)", flush=True)
+            f"({elapsed / ran * 1000:.0f} ms/step)", flush=True)
     return 0
 
 

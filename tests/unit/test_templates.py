@@ -81,7 +81,10 @@ def test_init_writes_config_and_script_and_refuses_to_overwrite(tmp_path, monkey
     result = runner.invoke(app, ["init", "--template", "zero3"])
     assert result.exit_code == 0, result.output
     assert "next: zerorun --nproc 2 --config zerorun.yaml train.py" in result.output
-    assert (tmp_path / "zerorun.yaml").read_text() == (TEMPLATE_DIR / "zero3.yaml").read_text()
+    written = (tmp_path / "zerorun.yaml").read_text()
+    # The run line names the file as written, not the template it came from.
+    assert "# Run:  zerorun --nproc 2 --config zerorun.yaml train.py" in written and "zero3.yaml" not in written
+    assert written == (TEMPLATE_DIR / "zero3.yaml").read_text().replace("zero3.yaml", "zerorun.yaml")
     assert (tmp_path / "train.py").read_text() == (TEMPLATE_DIR / "train.py").read_text()
     assert not (tmp_path / "hostfile").exists()
 
@@ -95,6 +98,21 @@ def test_init_writes_config_and_script_and_refuses_to_overwrite(tmp_path, monkey
     assert result.exit_code == 0, result.output
     assert load_config(tmp_path / "zerorun.yaml", environ={}).zero.offload_param.device == "cpu"
     assert parse_hostfile((tmp_path / "hostfile").read_text()) == {"worker-0": 8, "worker-1": 8}
+
+
+def test_init_slurm_beside_an_edited_script_adds_only_the_sbatch_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app = build_app()
+    assert CliRunner().invoke(app, ["init"]).exit_code == 0
+    (tmp_path / "train.py").write_text("print('my edited script')\n")
+    result = CliRunner().invoke(app, ["init", "--slurm"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "train.py").read_text() == "print('my edited script')\n"
+    assert (tmp_path / "job.sbatch").read_text() == (TEMPLATE_DIR / "job.sbatch").read_text()
+    assert f"kept {tmp_path / 'train.py'} as it is" in result.output
+    assert f"wrote {tmp_path / 'job.sbatch'}" in result.output
+    again = CliRunner().invoke(app, ["init", "--slurm"])  # nothing new to write: refused, nothing touched
+    assert again.exit_code != 0 and "refusing to overwrite" in str(again.exception)
 
 
 def test_init_rejects_an_unknown_template_with_a_suggestion(tmp_path):

@@ -4,7 +4,9 @@ Writes ``zerorun.yaml`` (a copy of one of zerorun/templates/*.yaml) and ``train.
 training script) into the current directory, ``hostfile`` with --hostfile and ``job.sbatch``
 (a Slurm batch script: srun-started agents, checkpoint and requeue before the time limit)
 with --slurm. Existing files
-are never overwritten without --force: they may be the user's edited config.
+are never overwritten without --force: they may be the user's edited config or script. When
+some of the files exist and others do not (``init --slurm`` in a directory ``init`` already
+set up), only the missing ones are written and the others are kept as they are.
 """
 
 from __future__ import annotations
@@ -44,14 +46,27 @@ def planned_files(template: str, directory: Path, hostfile: bool, slurm: bool = 
     return files
 
 
-def write_files(files: list[tuple[Path, str]], force: bool) -> None:
+def file_text(dest: Path, name: str) -> str:
+    """What ``init`` writes to ``dest`` from template ``name``: a config's run line names the file
+    it is written as (zerorun.yaml), not the template it came from (pure but for the read)."""
+    text = template_text(name)
+    if name.endswith(".yaml"):
+        text = text.replace(f"--config {name} ", f"--config {dest.name} ")
+    return text
+
+
+def write_files(files: list[tuple[Path, str]], force: bool) -> list[tuple[Path, str]]:
+    """Write the planned files; returns those written. Without ``force`` existing files are
+    kept, and having nothing new to write is an error (the user's files stay untouched)."""
     existing = [str(dest) for dest, _ in files if dest.exists()]
-    if existing and not force:
+    if existing and not force and len(existing) == len(files):
         raise ConfigError("refusing to overwrite " + ", ".join(existing),
                           hint="pass --force to replace them, or --dir to write elsewhere")
-    for dest, name in files:
+    written = [(dest, name) for dest, name in files if force or not dest.exists()]
+    for dest, name in written:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(template_text(name), encoding="utf-8")
+        dest.write_text(file_text(dest, name), encoding="utf-8")
+    return written
 
 
 def register(app: typer.Typer) -> None:
@@ -66,9 +81,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a starting zerorun.yaml and train.py into the current directory."""
         files = planned_files(template, directory or Path.cwd(), hostfile, slurm)
-        write_files(files, force)
+        written = write_files(files, force)
         for dest, name in files:
-            typer.echo(f"wrote {dest}  (from template {name})")
+            typer.echo(f"wrote {dest}  (from template {name})" if (dest, name) in written
+                       else f"kept {dest} as it is (--force replaces it)")
         config = files[0][0]
         if slurm:
             typer.echo(f"next on Slurm: {'cd ' + str(directory) + ' && ' if directory else ''}sbatch {SBATCH_NAME}")

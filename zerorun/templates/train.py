@@ -5,12 +5,16 @@ data, so it runs anywhere (CPU or GPU) with nothing to download. Replace the mod
 with yours; the three engine calls in the loop stay the same.
 
 Also runs without the launcher (one process, world size 1):  python train.py
+
+It resumes: with ``--resume`` (or ``checkpoint.resume: true``, as job.sbatch sets it) it continues
+from the last checkpoint to ``--steps`` in total on the data the uninterrupted run would take.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -51,21 +55,42 @@ def main() -> None:
     engine = zerorun.initialize(model, optimizer, None if launched else config)
 
     micro_batch = config.batch.micro_batch_size or 4
+    accumulation = config.gradient_accumulation_steps
     # Scaled so targets have unit variance: the loss starts near 1 and visibly falls.
     target_map = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) / 32**0.5
-    data = torch.Generator().manual_seed(1000 + engine.rank)  # each rank sees its own slice of data
+    engine.set_total_steps(args.steps)  # the launcher's dashboard shows a progress bar and ETA
 
-    for step in range(args.steps):
-        for _ in range(config.gradient_accumulation_steps):
+    # Resumable: --steps is the total. With --resume (or checkpoint.resume) initialize() loaded
+    # the latest checkpoint and engine.global_step is its step, so the loop continues from there,
+    # and each batch is a function of (step, micro-step, rank): a resumed run takes exactly the
+    # data the uninterrupted run would have. With a real dataset, keep its position instead:
+    # save it in client_state (engine.save_checkpoint(..., client_state={"seen": n})) or derive
+    # it from the step, as here.
+    first_step, started = engine.global_step, time.perf_counter()
+    while engine.global_step < args.steps:
+        step = engine.global_step
+        for micro in range(accumulation):
+            index = (step * accumulation + micro) * engine.world_size + engine.rank
+            data = torch.Generator().manual_seed(1000 + index)
             inputs = torch.randn(micro_batch, 32, generator=data)
             targets = inputs @ target_map
             outputs = engine(inputs.to(device))
             loss = torch.nn.functional.mse_loss(outputs.float(), targets.to(device))
             engine.backward(loss)
+            if micro == accumulation - 1 and engine.rank == 0:
+                # Before the step() that ends the window: with checkpoint.on_signal the worker
+                # saves and stops inside it.
+                print(f"step {step + 1}/{args.steps}  loss {loss.item():.4f}  "
+                      f"{eta(step - first_step, args.steps - step, time.perf_counter() - started)}", flush=True)
             engine.step()
-        if engine.rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {loss.item():.4f}", flush=True)
 
+
+def eta(done: int, left: int, elapsed_s: float) -> str:
+    """'eta 0:01:05' from the steps this run has done so far (nothing to go on before the first)."""
+    if done <= 0:
+        return "eta -"
+    seconds = round(elapsed_s / done * left)
+    return f"eta {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 if __name__ == "__main__":
     main()
