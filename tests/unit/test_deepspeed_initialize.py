@@ -173,12 +173,15 @@ def test_stage3_state_dict_and_16bit_exports_are_the_whole_model(tmp_path):
 
 
 def test_launchers_device_choice_moves_a_model_built_elsewhere(monkeypatch):
+    from zerorun.worker import device
     from zerorun.zero.engine import _compute_device
 
     monkeypatch.setenv("ZERORUN_DEVICE", "cuda:1")  # what zerorun --gpus sets for local rank 1
+    monkeypatch.setattr(device, "visible_gpus", lambda: 2)  # a node with two GPUs
     assert _compute_device(torch.device("cpu")) == torch.device("cuda", 1)
+    monkeypatch.setattr(device, "visible_gpus", lambda: 0)
     monkeypatch.delenv("ZERORUN_DEVICE")
-    assert _compute_device(torch.device("cpu")) == torch.device("cpu")  # no launcher: where it was built
+    assert _compute_device(torch.device("cpu")) == torch.device("cpu")  # no launcher, no GPU: the CPU
 
 
 def test_no_precedence_warning_when_the_launcher_got_no_config(tmp_path, monkeypatch):

@@ -1,11 +1,12 @@
-"""pytest tests/unit/test_device.py — the device contract (Note [device contract] in zerorun/launch/device.py)."""
+"""pytest tests/unit/test_device.py — the device contract (Note [device contract] in zerorun/worker/device.py)."""
 
 from __future__ import annotations
 
 import sys
 import types
 
-from zerorun.launch.device import device_for_worker, worker_device
+from zerorun.launch.device import device_for_worker
+from zerorun.worker.device import worker_device
 from zerorun.launch.plan import Target, build_plan
 from zerorun.telemetry import recorder
 

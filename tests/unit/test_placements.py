@@ -22,7 +22,7 @@ N = 37
 def fake_unit(values: torch.Tensor, index: int = 0):
     layout = UnitLayout((ParamSpec("w", values.numel()),), world_size=1)
     return SimpleNamespace(index=index, layout=layout, shard=values.clone(), dtype=torch.float32,
-                           device=torch.device("cpu"))
+                           device=torch.device("cpu"), partitioned=False, shard_beside_model=True)
 
 
 class FakeRecord:

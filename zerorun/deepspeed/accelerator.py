@@ -3,9 +3,10 @@ and the CPU.
 
     pytest tests/unit/test_deepspeed_module.py -k accelerator
 
-Which one: ``DS_ACCELERATOR`` (cuda/cpu) when set, as in DeepSpeed; else the launcher's device
-choice (``ZERORUN_DEVICE``: ``--nproc`` means the CPU, ``--gpus`` CUDA); else CUDA when it is
-available. The CPU accelerator talks gloo, the CUDA one NCCL, like the engine's process group.
+Which one: the kind of device the engine trains on, by Note [device contract] in
+zerorun/worker/device.py (``DS_ACCELERATOR``, else the launcher's ``ZERORUN_DEVICE``, else an
+existing group's backend, else CUDA when this process sees a GPU). The CPU accelerator talks
+gloo, the CUDA one NCCL, like the engine's process group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 
 import torch
 
-from zerorun.launch.device import AUTO, worker_device
+from zerorun.worker import device as worker_device
 
 
 class CpuAccelerator:
@@ -154,15 +155,13 @@ class CudaAccelerator(CpuAccelerator):
 
 
 def accelerator_kind(environ=None) -> str:
-    """"cuda" or "cpu" (pure in ``environ`` apart from asking torch whether CUDA is there)."""
+    """"cuda" or "cpu": the engine's device kind (Note [device contract] in zerorun/worker/device.py),
+    so a script's ``get_accelerator().device_name()`` is where the engine trains."""
+    import torch.distributed as dist
+
     environ = os.environ if environ is None else environ
-    named = environ.get("DS_ACCELERATOR", "").strip().lower()
-    if named in ("cpu", "cuda"):
-        return named
-    decided = worker_device(environ)  # Note [device contract] in launch/device.py
-    if decided != AUTO:
-        return "cuda" if str(decided).startswith("cuda") else "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else None
+    return worker_device.device_kind(environ, worker_device.visible_gpus, backend)
 
 
 def get_accelerator() -> CpuAccelerator:

@@ -29,6 +29,7 @@ from torch.distributed import (  # noqa: F401  (DeepSpeed re-exports these names
 )
 
 from zerorun.errors import LaunchError
+from zerorun.worker import device
 
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 
@@ -77,14 +78,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         for name, value in found.items():
             os.environ.setdefault(name, value)
         rank, world_size = int(found["RANK"]), int(found["WORLD_SIZE"])
-    if dist_backend is None:
-        from zerorun.deepspeed.accelerator import get_accelerator
-
-        dist_backend = get_accelerator().communication_backend_name()
-    if dist_backend == "nccl":
-        import torch
-
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK") or 0))
+    # The engine's device and backend (Note [device contract] in zerorun/worker/device.py): NCCL
+    # only when the model will be on this worker's GPU, which is made current before the group.
+    choice = device.this_worker(group_backend=dist_backend)
+    device.bind(choice)
+    dist_backend = dist_backend or choice.backend
     options = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(dist_backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
                             **options)

@@ -243,10 +243,13 @@ def sample_memory() -> dict:
     # The kernel updates its high-water mark lazily, so it can trail the current RSS a little.
     mem["rss_peak"] = max(mem["rss"], peak if sys.platform == "darwin" else peak * 1024)
     torch = sys.modules.get("torch")  # never import torch just to look at it
-    if torch is not None and _may_use_cuda() and torch.cuda.is_initialized():
-        mem["cuda_allocated"] = torch.cuda.memory_allocated()
-        mem["cuda_reserved"] = torch.cuda.memory_reserved()
-        mem["cuda_peak"] = torch.cuda.max_memory_allocated()
+    index = _cuda_index(torch) if torch is not None and _may_use_cuda() and torch.cuda.is_initialized() else None
+    if index is not None:
+        # This worker's GPU by name: this thread's current device is cuda:0 whatever the main
+        # thread chose, so a bare memory_allocated() read GPU 0 on every rank.
+        mem["cuda_allocated"] = torch.cuda.memory_allocated(index)
+        mem["cuda_reserved"] = torch.cuda.memory_reserved(index)
+        mem["cuda_peak"] = torch.cuda.max_memory_allocated(index)
         try:
             pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current")
             if pinned is not None:
@@ -258,35 +261,38 @@ def sample_memory() -> dict:
 
 def _may_use_cuda(environ=os.environ) -> bool:
     """False for a worker the launcher made a CPU worker: it never touches torch.cuda
-    (Note [device contract] in zerorun/launch/device.py)."""
-    from zerorun.launch.device import uses_cuda, worker_device
+    (Note [device contract] in zerorun/worker/device.py)."""
+    from zerorun.worker.device import uses_cuda, worker_device
 
     return uses_cuda(worker_device(environ))
+
+
+def _cuda_index(torch, environ=os.environ) -> int | None:
+    """This worker's GPU by the device contract, or None (a CPU worker, or an environment that
+    names a GPU it does not have: telemetry says cpu rather than fail the worker)."""
+    from zerorun.errors import ZerorunError
+    from zerorun.worker.device import choose_device
+
+    try:
+        choice = choose_device(environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    except ZerorunError:
+        return None
+    return choice.index
 
 
 def _device_info(environ=os.environ) -> dict:
     import psutil
 
-    from zerorun.launch.device import AUTO, worker_device
-
     info = {"device": "cpu", "host_total_bytes": psutil.virtual_memory().total}
-    device = worker_device(environ)
     torch = sys.modules.get("torch")
-    if device == "cpu" or torch is None:
+    if not _may_use_cuda(environ) or torch is None:
         return info
     try:
-        if not torch.cuda.is_available():
+        index = _cuda_index(torch, environ)
+        if index is None:
             return info
-        if torch.cuda.is_initialized():
-            index = torch.cuda.current_device()
-        elif device != AUTO:
-            index = int(device.split(":")[1])
-        else:
-            index = int(environ.get("LOCAL_RANK", 0))
-        if index >= torch.cuda.device_count():
-            return info  # not a GPU this worker has: say cpu rather than fail the worker
-        info["device"] = f"cuda:{index}"
-        info["device_total_bytes"] = torch.cuda.get_device_properties(index).total_memory
+        total = torch.cuda.get_device_properties(index).total_memory
+        info["device"], info["device_total_bytes"] = f"cuda:{index}", total
     except Exception:
         pass
     return info

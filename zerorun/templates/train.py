@@ -20,7 +20,6 @@ import torch
 
 import zerorun
 from zerorun.config import load_config
-from zerorun.launch.device import worker_device
 
 
 def main() -> None:
@@ -38,21 +37,16 @@ def main() -> None:
     else:
         config = load_config("zerorun.yaml", world_size=world_size)
     torch.manual_seed(config.seed or 0)  # the same initial weights on every rank
-    # The launcher decides each worker's device (ZERORUN_DEVICE: cpu for --nproc, cuda:N for
-    # --gpus); run by hand, the first GPU per local rank if there is one.
-    device = worker_device(os.environ)
-    if device == "auto":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(device)
+    # Built on the CPU: the engine moves it to this worker's device (the CPU under --nproc, its GPU
+    # under --gpus, torchrun or srun on a GPU node), and engine.device says which.
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     # The optimizer comes from the config's optimizer section (type, lr, weight decay) when it
     # has one, and under the launcher the engine reads the launcher's config itself (config=None):
     # one source for both, so nothing in zerorun.yaml is silently overridden. Without a config,
     # plain AdamW.
     optimizer = None if config.optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine = zerorun.initialize(model, optimizer, None if launched else config)
+    device = engine.device
 
     micro_batch = config.batch.micro_batch_size or 4
     accumulation = config.gradient_accumulation_steps

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from zerorun.worker.device import rng_devices, seed_generators
 from zerorun.errors import RuntimeConfigError
 from zerorun.zero.host_memory import trim_host_heap
 
@@ -348,8 +349,10 @@ class Materializer:
             for name, buffer in list(module._buffers.items()):
                 if buffer is not None and buffer.is_meta:
                     module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.device)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
+            # Seed (and restore) only the generators init() draws from here: torch.manual_seed would
+            # reseed every GPU's generator and fork_rng restore none of them (the user's CUDA seed lost).
+            with torch.random.fork_rng(devices=rng_devices(self.device)):
+                seed_generators(self.device, int(torch.randint(0, 2**62, (1,), generator=self._rng)))
                 init()
             module._parameters.update(placed)
         return True

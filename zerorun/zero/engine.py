@@ -21,7 +21,6 @@ from torch.utils import _pytree as pytree
 
 from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError
-from zerorun.launch.device import AUTO, worker_device
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
@@ -41,6 +40,7 @@ from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
+from zerorun.worker import device as worker_device
 
 # Chunks are multiples of this many elements (16-32 bytes), so every rank's chunk of every unit
 # starts aligned for vectorised kernels.
@@ -76,7 +76,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     first = next(model.parameters(), None)
     if first is None:
         raise RuntimeConfigError("the model has no parameters to train")
-    pg = resolve_process_group(_compute_device(first.device))
+    pg = resolve_process_group()  # on this worker's device: a model built elsewhere moves there
     cfg = load_config(cfg, world_size=pg.world_size)
     engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
                     model_parameters=model_parameters, state_home_for=state_home_for)
@@ -129,18 +129,10 @@ def _broadcast_state(model: nn.Module, group) -> None:
 
 
 def _compute_device(model_device: torch.device) -> torch.device:
-    """Where the model trains: the launcher's choice (ZERORUN_DEVICE, docs/launch.md), which also
-    moves a model built elsewhere (a CPU-built model goes to cuda:LOCAL_RANK under --gpus, as
-    DeepSpeed moves it); else where it was built; for a model built on the meta device, this
-    rank's GPU when there is one, else the CPU."""
-    decided = worker_device(os.environ)  # Note [device contract] in launch/device.py
-    if decided != AUTO:  # the launcher's choice moves a model built elsewhere, as DeepSpeed does
-        return torch.device(decided)
-    if model_device.type != "meta":
-        return model_device
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK") or 0))
-    return torch.device("cpu")
+    """Where the model trains, wherever it was built (``model_device``): this worker's device by
+    Note [device contract] in zerorun/worker/device.py. A CPU-built model moves to the GPU, as
+    DeepSpeed moves it; one built on the meta device is materialized there."""
+    return worker_device.this_worker().torch_device()
 
 
 def _train_state_field(name: str) -> property:

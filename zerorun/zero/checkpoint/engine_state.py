@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 import zerorun
+from zerorun.worker.device import storage_home
 from zerorun.errors import CheckpointError, ZerorunError
 from zerorun.zero.comm import collectives
 from zerorun.zero.checkpoint import owner
@@ -554,7 +555,7 @@ def _record_state(record, reader: Reader, state_reads: dict, record_scalars: dic
 def _read_engine_state(engine, reader: Reader) -> dict:
     path = reader.check(ENGINE_FILE)
     try:
-        saved = torch.load(path, weights_only=True)
+        saved = torch.load(path, weights_only=True, map_location=storage_home(engine.pg.device))  # device contract
     except Exception as exc:  # the unpickler's refusals are many types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({first})",

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.worker import device
 from zerorun.zero.comm.host_channel import close_host_channels
 
 
@@ -44,33 +45,35 @@ def _env_int(name: str) -> int | None:
         raise RuntimeConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def resolve_process_group(model_device: torch.device) -> ProcessGroupInfo:
-    """Join (or create) the group; NCCL only when the model lives on CUDA."""
+def resolve_process_group() -> ProcessGroupInfo:
+    """Join (or create) the group, on this worker's device (Note [device contract] in
+    zerorun/worker/device.py): NCCL if and only if that device is a GPU, made current first,
+    also when the script started the group itself (``all_gather_object`` and allocations
+    without a device use the current GPU, cuda:0 on every rank otherwise)."""
     if dist.is_available() and dist.is_initialized():
-        return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), model_device)
+        choice = device.this_worker(group_backend=str(dist.get_backend()))
+        device.bind(choice)
+        return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), choice.torch_device())
     if _env_int("WORLD_SIZE") is None and _env_int("RANK") is None:
-        adopt_slurm_step(os.environ)
+        adopt_slurm_step(os.environ)  # before the device: it writes LOCAL_RANK
     from zerorun.launch import save_on_signal
 
     save_on_signal.arm()  # checkpoint.on_signal: SIGUSR1 only noted, never fatal (save_on_signal.py)
+    choice = device.this_worker()
+    device.bind(choice)
     world_size = _env_int("WORLD_SIZE") or 1
     if world_size == 1:
-        return ProcessGroupInfo(None, 0, 1, model_device)
+        return ProcessGroupInfo(None, 0, 1, choice.torch_device())
     rank = _env_int("RANK")
     if rank is None:
         raise RuntimeConfigError("WORLD_SIZE is set but RANK is not; start workers with zerorun or torchrun")
     for needed in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(needed):
             raise RuntimeConfigError(f"WORLD_SIZE={world_size} but {needed} is not set")
-    use_nccl = model_device.type == "cuda" and torch.cuda.is_available()
-    if use_nccl:
-        local_rank = _env_int("LOCAL_RANK") or 0
-        torch.cuda.set_device(local_rank)
-        model_device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl" if use_nccl else "gloo", init_method="env://", rank=rank, world_size=world_size)
+    dist.init_process_group(choice.backend, init_method="env://", rank=rank, world_size=world_size)
     atexit.register(leave_process_group)
     _watch_for_uncaught_exceptions()
-    return ProcessGroupInfo(None, rank, world_size, model_device)
+    return ProcessGroupInfo(None, rank, world_size, choice.torch_device())
 
 
 def adopt_slurm_step(environ) -> None:

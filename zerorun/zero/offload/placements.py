@@ -60,6 +60,20 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
     return grad if grad.dtype == torch.float32 else grad.float()
 
 
+def master_source(dtype: torch.dtype, partitioned: bool, shard_beside_model: bool, shard_device: torch.device,
+                  model_device: torch.device) -> str:
+    """Where a master kept beside the model comes from (pure): "shard" (an fp32 shard is its own
+    master), "fp32 shard" (Note [fp32 shard] in unit/storage.py) or "copy" (a new fp32 tensor on
+    the model's device). A shard offloaded to the host (``offload_param`` without
+    ``offload_optimizer``) is always copied: the gradient is on the model's device, and the
+    optimizer refuses a gradient on another device than its parameter."""
+    if shard_device != model_device:
+        return "copy"
+    if dtype == torch.float32:
+        return "shard"
+    return "fp32 shard" if partitioned and shard_beside_model else "copy"
+
+
 class Placement(Protocol):
     """Where one role's tensors of a unit live; each method's comment says what it does."""
 
@@ -88,11 +102,12 @@ class OnDevice:
     host_kernels = False  # Note [host optimizer kernels]
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.dtype == torch.float32:
+        source = master_source(unit.dtype, unit.partitioned, unit.shard_beside_model, unit.shard.device, unit.device)
+        if source == "shard":
             return unit.shard
-        if unit.partitioned and unit.shard_beside_model:
+        if source == "fp32 shard":
             return unit.keep_shard_in_fp32()  # one copy per shard: Note [fp32 shard] in unit/storage.py
-        return unit.shard.detach().float()
+        return unit.shard.detach().to(unit.device, torch.float32, copy=True)
 
     def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
         return chunk

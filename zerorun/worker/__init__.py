@@ -1,0 +1,1 @@
+"""What a training process decides about itself, with no launcher imported: its device (device.py)."""
