@@ -205,6 +205,11 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         raise LaunchError(f"script {target.script} not found (looked in {cwd})")
     context = slurm.detect(environ)
     mode = choose_launcher(options.launcher, context, bool(options.hostfile))
+    if options.gpus is not None and context is not None and mode in ("srun", "step"):
+        problem = slurm.gpus_problem(options.gpus, environ, gpu_counter)
+        if problem:
+            raise LaunchError(problem, hint="ask Slurm for them (--gpus-per-node=N or --gres=gpu:N), "
+                                            "or use --nproc N for CPU workers")
     role = None
     step_label = ""
     if mode == "step":

@@ -220,6 +220,24 @@ class StepWorld:
     master_port: int
 
 
+def gpus_problem(asked: int, environ: Mapping[str, str], visible_here) -> str | None:
+    """``--gpus N`` against the allocation, before anything starts: the GPUs a node has for
+    this job are SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE, else (on an allocated node: the
+    batch script, a step) the GPUs ``visible_here()`` counts; unknown in a salloc shell on the
+    submit host that names none. A sentence when ``asked`` is more, else None."""
+    have = None
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        match = re.fullmatch(r"\s*(?:[\w.-]+:)?(\d+)\s*", environ.get(name) or "")
+        if match:
+            have, source = int(match.group(1)), name
+            break
+    if have is None and environ.get("SLURMD_NODENAME"):
+        have, source = visible_here(), f"GPUs visible on {environ['SLURMD_NODENAME']}"
+    if have is None or asked <= have:
+        return None
+    return f"--gpus {asked} asks for {asked} GPU(s) per node but the Slurm allocation has {have} ({source})"
+
+
 def step_world(environ: Mapping[str, str]) -> StepWorld | None:
     """Rank, world and rendezvous from a Slurm step for a script started by ``srun`` directly.
 
