@@ -54,3 +54,57 @@ def test_interval_saves_keep_last_and_resume(tmp_path):
     assert "rank 0 starts at step 4" in out and "rank 1 starts at step 4" in out
     assert "resumed from" in out and "rank 1 ends at step 6" in out
     assert sorted(p.name for p in ckpt.iterdir()) == [".zerorun-owner", "global_step6", "latest"]
+
+
+STEP_SCRIPT = """
+import sys, torch, zerorun
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+while engine.global_step < int(sys.argv[1]):
+    data = torch.Generator().manual_seed(1000 * engine.global_step + engine.rank)
+    loss = engine(torch.randn(4, 7, generator=data)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    print(f"loss {engine.global_step} {loss.item()!r}", flush=True)
+"""
+
+
+def _losses(tmp: Path) -> dict[int, float]:
+    lines = (tmp / "run" / "logs" / "rank0.log").read_text().splitlines()
+    return {int(line.split()[1]): float(line.split()[2]) for line in lines if line.startswith("loss ")}
+
+
+@pytest.mark.long
+def test_a_resuming_job_beside_an_empty_latest_resumes_from_the_newest_complete_tag(tmp_path):
+    """Issue 31 item 2, end to end: a 0-byte ``latest`` beside global_step10 and global_step12
+    used to read as "no latest file"; the job trained from step 0 and moved ``latest`` back."""
+    solo, job = tmp_path / "solo", tmp_path / "job"
+    for where in (solo, job):
+        where.mkdir()
+        (where / "train.py").write_text(STEP_SCRIPT)
+        (where / "ckpt.yaml").write_text(
+            f"zero: {{stage: 2}}\ncheckpoint: {{dir: {where / 'ck'}, interval_steps: 2, keep_last: 2}}\n")
+    reference = launch(solo, "train.py", "14")
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    first = launch(job, "train.py", "12")
+    assert first.returncode == 0, first.stdout + first.stderr
+    ckpt = job / "ck"
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step10", "global_step12"]
+    (ckpt / "latest").write_bytes(b"")
+    (job / "ckpt.yaml").write_text(
+        f"zero: {{stage: 2}}\ncheckpoint: {{dir: {ckpt}, interval_steps: 2, keep_last: 3}}\n")
+    second = launch(job, "--resume", "train.py", "14")
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out
+    log = (job / "run" / "logs" / "rank0.log").read_text()
+    note = [line for line in log.splitlines() if "newest complete tag" in line]
+    assert len(note) == 1 and note[0].endswith("latest' is empty; loading the newest complete tag 'global_step12' "
+                                               "instead"), log[-3000:]
+    assert "at step 12" in log and "no latest" not in log
+    resumed = _losses(job)
+    assert sorted(resumed) == [13, 14]
+    expected = _losses(solo)
+    assert [resumed[13], resumed[14]] == pytest.approx([expected[13], expected[14]], rel=1e-6, abs=1e-7)
+    assert sorted(p.name for p in ckpt.glob("global_step*")) == ["global_step10", "global_step12", "global_step14"]
+    assert (ckpt / "latest").read_text() == "global_step14"

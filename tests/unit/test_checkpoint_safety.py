@@ -195,13 +195,17 @@ def test_only_bounded_regular_files_are_read(tmp_path, special):
 
 
 # -- item 10: manifest checksum, optimizer type and groups -------------------------------------
-def test_an_edited_manifest_fails_its_checksum(tmp_path):
+@pytest.mark.parametrize("relabel", [None, 1])
+def test_an_edited_manifest_fails_its_checksum(tmp_path, relabel):
+    """relabel=1: issue 31 item 3, ``format_version: 1`` used to skip the checksum."""
     engine = _engine()
     _train(engine)
     engine.save_checkpoint(tmp_path)
     path = tmp_path / "global_step2" / MANIFEST
     manifest = json.loads(path.read_text())
     manifest["ranks"][0]["scalars"] = {name: {"step": {"tensor": 1000.0, "dtype": "F32"}} for name in manifest["ranks"][0]["scalars"]}
+    if relabel is not None:
+        manifest["format_version"] = relabel
     path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="manifest.json' fails its crc32 checksum"):
         _engine().load_checkpoint(tmp_path)
@@ -288,3 +292,46 @@ def test_resume_with_no_checkpoint_directory_yet_starts_fresh_then_resumes(tmp_p
     second = build()
     assert second.global_step == 3
     _same(_state(first), _state(second))
+
+
+def _resuming(directory, keep_last=3):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+    return zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {
+        "zero": {"stage": 1}, "checkpoint": {"dir": str(directory), "resume": True, "interval_steps": 2,
+                                             "keep_last": keep_last}})
+
+
+@pytest.mark.parametrize("damage", ["empty", "blank", "directory"])
+def test_an_unusable_latest_resumes_from_the_newest_complete_tag_never_from_step_0(tmp_path, capsys, damage):
+    """Issue 31 item 2: a 0-byte ``latest`` read as "no checkpoint yet"; the job trained from
+    step 0 and moved ``latest`` back to its own low step."""
+    first = _resuming(tmp_path, keep_last=2)
+    _train(first, 12)
+    assert sorted(p.name for p in tmp_path.glob("global_step*")) == ["global_step10", "global_step12"]
+    latest = tmp_path / "latest"
+    latest.unlink()
+    if damage == "empty":
+        latest.write_bytes(b"")
+    elif damage == "blank":
+        latest.write_bytes(b" \n\n")
+    else:
+        latest.mkdir()
+    (tmp_path / "global_step14.partial").mkdir()  # an unfinished save is never a candidate
+    capsys.readouterr()
+    again = _resuming(tmp_path)
+    err = capsys.readouterr().err
+    assert again.global_step == 12, err
+    note = [line for line in err.splitlines() if "newest complete tag" in line]
+    assert len(note) == 1 and note[0].endswith("loading the newest complete tag 'global_step12' instead"), err
+    assert "no latest" not in err and "step 0" not in err
+    if damage != "directory":
+        _train(again, 2)
+        assert (tmp_path / "latest").read_text() == "global_step14"
+        assert {"global_step10", "global_step12", "global_step14"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_an_unusable_latest_with_no_complete_tag_is_one_line(tmp_path):
+    (tmp_path / "latest").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"latest' is empty, and no complete checkpoint is beside it"):
+        _resuming(tmp_path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
     if checkpoint.name.endswith(".partial") and checkpoint.is_dir():
         raise CheckpointError(f"{str(checkpoint)!r} is a save that did not finish (a .partial folder)",
                               hint="consolidate a complete tag, e.g. the checkpoint directory's latest")
-    directory = resolve(checkpoint, tag)
+    directory = resolve(checkpoint, tag, say=lambda line: print(line, file=sys.stderr, flush=True))
     if directory is None:
         raise CheckpointError(f"{str(checkpoint)!r} holds no checkpoint yet (no {LATEST!r} file)",
                               hint="pass a tag directory, or --tag")

@@ -411,7 +411,7 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_
     checked: dict = {}
 
     def check() -> None:
-        directory = checked["directory"] = resolve(load_dir, tag)
+        directory = checked["directory"] = resolve(load_dir, tag, say=_say_on_rank0(engine))
         if directory is None:
             return
         manifest = checked["manifest"] = read_manifest(directory)
@@ -450,6 +450,14 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_
     finally:
         reader.close()
     return str(directory), client_state
+
+
+def _say_on_rank0(engine):
+    """A ``say`` for format.resolve: one line on stderr from rank 0 (every rank resolves)."""
+    def say(line: str) -> None:
+        if engine.pg.rank == 0:
+            print(line, file=sys.stderr, flush=True)
+    return say
 
 
 def _files_needed(engine, manifest: dict, plans: list, *, rng: bool) -> list[str]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ FORMAT = "zerorun-checkpoint"
 # checkpoints (without them) still load.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
+_VERSION_2_ONLY = frozenset({"checksum", "param_groups", "group_of"})
 MANIFEST = "manifest.json"
 # Note [untrusted files] (checkpoint/tensor_files.py): bounds on what is read whole.
 LATEST_LIMIT = 4096
@@ -76,15 +79,47 @@ def checked_tag(tag, where: str) -> str:
     return tag
 
 
+class UnusableLatest(CheckpointError):
+    """``latest`` exists but holds no tag: empty, unreadable, not a regular file (Note [unusable latest])."""
+
+
 def latest_tag(root: Path) -> str | None:
+    """The tag ``root/latest`` names; None when there is no ``latest`` (no checkpoint yet).
+    UnusableLatest when it holds no tag; CheckpointError when what it holds is not a tag."""
     path = Path(root) / LATEST
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise UnusableLatest(f"{str(path)!r} is not a regular file")
         text = read_small(path, LATEST_LIMIT).decode("utf-8", errors="replace").strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
-        raise CheckpointError(f"{str(path)!r} is unreadable ({exc.strerror})") from None
-    return checked_tag(text, f"{str(path)!r} names") if text else None
+        raise UnusableLatest(f"{str(path)!r} is unreadable ({exc.strerror})") from None
+    if not text:
+        raise UnusableLatest(f"{str(path)!r} is empty")
+    # A planted tag ("../elsewhere") is refused, not worked around: someone wrote it on purpose.
+    return checked_tag(text, f"{str(path)!r} names")
+
+
+def newest_complete_tag(root: Path) -> str | None:
+    """The tag under ``root`` whose manifest reads and records the highest global step (the
+    newer directory on a tie); None when there is none. Partial saves and moved-aside copies
+    are never candidates (reshard.bad_tag)."""
+    found = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return None
+    for entry in entries:
+        if bad_tag(entry.name) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            step = read_manifest(Path(entry.path)).get("global_step")
+            if isinstance(step, int) and not isinstance(step, bool):
+                found.append((step, entry.stat(follow_symlinks=False).st_mtime, entry.name))
+        except (CheckpointError, OSError):
+            continue
+    return max(found)[2] if found else None
 
 
 def tag_directory(root: Path, tag: str) -> Path:
@@ -125,7 +160,9 @@ def read_manifest(directory: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{str(path)!r} is not a zerorun checkpoint of format version "
                               f"{' or '.join(map(str, READABLE_VERSIONS))}")
-    if manifest["format_version"] >= 2:
+    # A version-2 manifest relabelled as version 1 still carries what only version 2 writes:
+    # the label alone must not turn verification off (a changed label fails the checksum too).
+    if manifest["format_version"] >= 2 or _VERSION_2_ONLY & manifest.keys():
         recorded, actual = manifest.get("checksum"), manifest_checksum(manifest)
         if recorded != actual:
             raise CheckpointError(f"{str(path)!r} fails its crc32 checksum ({actual}, it records {recorded!r}): "
@@ -133,16 +170,30 @@ def read_manifest(directory: Path) -> dict:
     return manifest
 
 
-def resolve(path, tag: str | None = None) -> Path | None:
+def resolve(path, tag: str | None = None, say: Callable[[str], None] | None = None) -> Path | None:
     """The checkpoint directory for ``path`` (a checkpoint root or a tag directory) and ``tag``;
-    None when the root has no ``latest`` yet."""
+    None when the root has no ``latest`` yet.
+
+    Note [unusable latest]: a ``latest`` that exists but holds no tag (empty, unreadable, not
+    a regular file; a crash or a full disk can leave one) used to read as "no checkpoint yet", so a
+    resuming job started from step 0 beside complete tags and then saved over them. Now the
+    newest complete tag is taken instead, and ``say`` (when given) is told so in one line;
+    with no complete tag at all the error is raised."""
     path = Path(path)
     if tag is None and (path / MANIFEST).is_file():
         return path
     if tag is not None:
         checked_tag(tag, "checkpoint tag")
     else:
-        tag = latest_tag(path)
+        try:
+            tag = latest_tag(path)
+        except UnusableLatest as exc:
+            tag = newest_complete_tag(path)
+            if tag is None:
+                raise CheckpointError(f"{exc}, and no complete checkpoint is beside it",
+                                      hint="remove it to start from step 0, or write the tag to load into it") from None
+            if say is not None:
+                say(f"zerorun: {exc}; loading the newest complete tag {tag!r} instead")
         if tag is None:
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
