@@ -19,10 +19,11 @@ def initialize(model, optimizer=None, config=None, *, weights=None, param_init_f
 def __getattr__(name):
     # zerorun.Weights(source, strict=False, cast=True) for initialize(weights=...); imported
     # lazily, as everything here is, so ``import zerorun`` stays free of torch.
-    if name == "Weights":
-        from zerorun.zero.construct import Weights
+    # zerorun.meta_parameters(): build a model whose parameters alone are deferred (construct.py).
+    if name in ("Weights", "meta_parameters"):
+        from zerorun.zero import construct
 
-        return Weights
+        return getattr(construct, name)
     raise AttributeError(f"module 'zerorun' has no attribute {name!r}")
 
 

@@ -36,36 +36,40 @@ import torch.distributed as dist
 from torch import nn
 
 from zerorun.zero.comm import collectives
+from zerorun.zero.construct import meta_parameters, swap_values
 from zerorun.zero.engine_api import LIVE_ENGINES
 from zerorun.zero.unit.record import by_state_home
 from zerorun.zero.unit.storage import ParamState
 
 
 class Init(contextlib.ContextDecorator):
-    """Build modules on the meta device (DeepSpeed's arguments accepted; ``enabled=False`` builds
-    them normally). ``config_dict_or_path``/``config`` are read by ``initialize``, not here. Like
-    DeepSpeed's, entering starts the process group when there is none yet, so loading under
-    ``GatheredParameters`` can broadcast what the modifier rank read."""
+    """Build modules with their parameters on the meta device and everything else real: buffers
+    a constructor computes (rotary ``inv_freq``, masks, ``position_ids``) keep their values
+    (zero/construct.py ``meta_parameters``, Note [parameters only]). DeepSpeed's arguments are
+    accepted; ``enabled=False`` builds modules normally. ``config_dict_or_path``/``config`` are
+    read by ``initialize``, not here. Like DeepSpeed's, entering starts the process group when
+    there is none yet, so loading under ``GatheredParameters`` can broadcast what the modifier
+    rank read."""
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
                  **ignored):
         self.enabled = enabled and module is None  # an already-built module is sharded by initialize
-        self._device = None
+        self._context: contextlib.AbstractContextManager | None = None
 
     def __enter__(self):
         if self.enabled:
             from zerorun.deepspeed.comm import init_distributed
 
             init_distributed()
-            self._device = torch.device("meta")
-            self._device.__enter__()
+            self._context = meta_parameters()
+            self._context.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self._device is not None:
-            self._device.__exit__(*exc)
-            self._device = None
+        if self._context is not None:
+            self._context.__exit__(*exc)
+            self._context = None
         return False
 
 
@@ -139,7 +143,9 @@ class GatheredParameters:
 
         real = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=_compute_device(param.device)),
                             requires_grad=param.requires_grad)
-        torch.utils.swap_tensors(param, real)  # ``real`` is now the meta tensor: kept to swap back
+        # ``real`` is now the meta tensor, kept to swap back; ``param`` keeps its attributes
+        # (transformers marks a loaded parameter ``_is_hf_initialized`` before gathering it).
+        swap_values(param, real)
         self._materialized.append((param, real))
 
     def __exit__(self, kind, value, traceback):
@@ -154,7 +160,7 @@ class GatheredParameters:
                 pool.clear()  # as full_state_dict does: no buffer per distinct unit size left behind
             if self.modifier_rank is None or kind is not None:
                 for param, meta in self._materialized:
-                    torch.utils.swap_tensors(param, meta)
+                    swap_values(param, meta)
         return False
 
     def _write_through(self) -> None:

@@ -1,7 +1,7 @@
 """Sharded construction: give a model built on the meta device real values one unit at a time,
 and stream pretrained weights into any model, each rank reading only what its units need.
 
-    with torch.device("meta"):
+    with zerorun.meta_parameters():      # or torch.device("meta"), see Note [parameters only]
         model = GPT(config)
     engine = zerorun.initialize(model, optimizer, config, weights="model.safetensors")
 
@@ -11,7 +11,7 @@ parameters values: read from the weights source by name, or, for a parameter the
 (or with no source), by running the owning module's ``reset_parameters()`` (or the
 ``param_init_fn`` given to initialize) on fresh memory. The unit then keeps only its chunk
 (stage 3), so a rank's memory during set-up is its shards plus about one unit, never the whole
-model. A parameter keeps its Python identity through this (``torch.utils.swap_tensors``), so an
+model. A parameter keeps its Python identity and attributes through this (``swap_values``), so an
 optimizer built on the meta model's parameters still names them.
 
 Note [same values on every rank]: nothing is broadcast for a materialized model. Every rank
@@ -19,10 +19,23 @@ builds the units in the same order and initializes modules under the same seed
 (``config.seed``, else 0) in a forked RNG, so random initialization yields identical values
 everywhere; weights come from the same file on every rank. An eager model given ``weights=``
 is broadcast from rank 0 first as usual, so what the weights lack agrees across ranks too.
+
+Note [parameters only]: ``meta_parameters()`` (and ``deepspeed.zero.Init``, which uses it)
+defers parameters alone. Everything else a constructor computes is real: a rotary embedding's
+``inv_freq``, a causal mask, ``position_ids``. Under ``torch.device("meta")`` those buffers
+would be meta too, and their values, computed from the config in ``__init__``, cannot be
+recovered afterwards (a module has no initializer for them; ``finish`` then fails naming the
+buffer). A parameter is moved to the meta device the moment it is registered, before the
+constructor's own initializer runs on it, so that initializer works on a meta tensor and costs
+nothing; the only real memory a parameter ever had is its ``torch.empty``, which the allocator
+does not touch. The move keeps the Python object (``swap_values``), so a reference
+the constructor holds, a weight tied to two modules, and attributes set on the parameter stay
+valid. This is the idea of Accelerate's ``init_empty_weights(include_buffers=False)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import warnings
@@ -55,6 +68,54 @@ class Weights:
     source: str | Path | Mapping[str, torch.Tensor]
     strict: bool = True
     cast: bool = False
+
+
+@contextlib.contextmanager
+def meta_parameters():
+    """Build modules whose parameters are on the meta device and whose buffers and other
+    tensors are real (Note [parameters only]); ``initialize`` gives the parameters values."""
+    moved: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(original) -> (original, meta)
+
+    def to_meta(module: nn.Module, name: str, param: nn.Parameter) -> nn.Parameter | None:
+        if param.is_meta:
+            return None
+        if id(param) in moved:  # swapped already, or replaced by a stand-in below
+            return moved[id(param)][1]
+        meta = _meta_like(param)
+        if meta is None:  # a Parameter subclass that cannot be rebuilt: left real, initialize copies it
+            return None
+        try:
+            swap_values(param, meta)
+        except RuntimeError:  # the tensor is shared in a way swap refuses: a new object stands in
+            meta.__dict__.update(param.__dict__)
+            moved[id(param)] = (param, meta)
+            return meta
+        return None
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def swap_values(param: torch.Tensor, other: torch.Tensor) -> None:
+    """``param`` takes ``other``'s data (and ``other`` takes param's), each keeping its own Python
+    attributes: ``torch.utils.swap_tensors`` exchanges ``__dict__`` too, which would move marks
+    such as transformers' ``_is_hf_initialized`` or DeepSpeed's ``ds_*`` to the other object."""
+    own, theirs = dict(param.__dict__), dict(other.__dict__)
+    torch.utils.swap_tensors(param, other)
+    param.__dict__.clear()
+    param.__dict__.update(own)
+    other.__dict__.clear()
+    other.__dict__.update(theirs)
+
+
+def _meta_like(param: nn.Parameter) -> nn.Parameter | None:
+    try:
+        return type(param)(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    except Exception:  # third-party subclasses take other arguments
+        return None
 
 
 def _safetensors():
@@ -249,7 +310,11 @@ class Materializer:
                         raise RuntimeConfigError(
                             f"buffer {self.aliases.get(id(buffer), [name])[0]!r} is still on the meta device "
                             f"after {type(module).__name__} was initialized",
-                            hint="give initialize(param_init_fn=...) that fills it, or include it in the weights")
+                            hint="build the model under zerorun.meta_parameters() instead of torch.device('meta'): "
+                                 "it keeps buffers real (Note [parameters only] in zerorun/zero/construct.py); "
+                                 "or give initialize(param_init_fn=...) that fills it, or include it in the weights")
+                elif buffer.device != self.device:  # built real beside meta parameters: Note [parameters only]
+                    module._buffers[name] = buffer.to(self.device)
 
     def _check_names(self, source: WeightSource, strict: bool) -> None:
         """Note [strict weights]: which of the model's tensors the weights lack, and which of
@@ -307,7 +372,7 @@ class Materializer:
                 # No copy of our own: the unit copies these values into its buffer right away and
                 # never writes through them (unit/storage.py), so the source's tensor can stand in.
                 real = nn.Parameter(value.to(self.device, param.dtype), requires_grad=param.requires_grad)
-                torch.utils.swap_tensors(param, real)
+                swap_values(param, real)
             else:
                 param.copy_(value)
 
@@ -342,7 +407,7 @@ class Materializer:
                     continue
                 empty = torch.empty(param.shape, dtype=param.dtype, device=self.device)
                 if param.is_meta:
-                    torch.utils.swap_tensors(param, nn.Parameter(empty, requires_grad=param.requires_grad))
+                    swap_values(param, nn.Parameter(empty, requires_grad=param.requires_grad))
                 else:
                     placed[name] = param
                     module._parameters[name] = nn.Parameter(empty, requires_grad=param.requires_grad)
