@@ -205,3 +205,35 @@ def test_the_init_starter_runs_without_a_precedence_warning(tmp_path, monkeypatc
         warnings.simplefilter("always")
         runpy.run_path(str(tmp_path / "train.py"), run_name="__main__")
     assert not [w for w in caught if issubclass(w.category, ConfigPrecedenceWarning)]
+
+
+def test_hang_timeout_beside_a_script_config_is_not_warned_about(tmp_path, monkeypatch):
+    """Issue 31 item 16: ``--hang-timeout 15`` sets telemetry.hang_timeout_s in the launcher's
+    config, which only the launcher reads; a config dict in the script replaces none of it."""
+    from zerorun.config import load_config, to_dict
+
+    launcher = tmp_path / "config.json"
+    launcher.write_text(json.dumps(to_dict(load_config(None, environ={}, world_size=1,
+                                                       overrides={"telemetry.hang_timeout_s": 15.0}))))
+    monkeypatch.setenv("ZERORUN_CONFIG", str(launcher))
+    model = nn.Linear(3, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), {"zero": {"stage": 2}})
+    assert not [str(w.message) for w in caught if issubclass(w.category, ConfigPrecedenceWarning)]
+
+
+def test_a_checkpoint_section_beside_deepspeed_keys_is_kept_and_its_deepspeed_keys_noted(tmp_path, capsys):
+    """Issue 31 item 4: the whole section was one "has no effect" note, shown only for --config
+    files, so a script's dict asking for checkpoints got none without a word."""
+    model = nn.Linear(3, 1)
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), {
+        "train_micro_batch_size_per_gpu": 4,
+        "checkpoint": {"dir": str(tmp_path / "ck"), "resume": True, "interval_steps": 1, "tag_validation": "Warn"}})
+    assert engine.config.checkpoint.dir == str(tmp_path / "ck")
+    assert engine.config.checkpoint.resume is True and engine.config.checkpoint.interval_steps == 1
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.startswith("zerorun: note: checkpoint.tag_validation: accepted;")]
+    engine.backward(engine(torch.randn(4, 3)).pow(2).mean())
+    engine.step()
+    assert (tmp_path / "ck" / "global_step1" / "manifest.json").is_file()

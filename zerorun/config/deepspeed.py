@@ -105,6 +105,18 @@ def _under(prefix: str, spec: dict) -> Section:
                     for key, rule in spec.items()})
 
 
+# ``checkpoint`` beside DeepSpeed keys: DeepSpeed's own keys tune its checkpoint engine and have
+# no effect here; zerorun's keys (a user who wrote ``dir`` and ``resume`` asked for checkpoints)
+# are carried over. The whole section used to be one "no effect" note, which a config dict in
+# the script never showed: checkpoints were silently not written.
+CHECKPOINT = {
+    **{key: Map(f"checkpoint.{key}") for key in ("dir", "interval_steps", "keep_last", "resume", "on_signal",
+                                                 "requeue")},
+    **{key: Note("DeepSpeed's checkpoint engine setting; " + NO_EFFECT) for key in (
+        "tag_validation", "load_universal", "use_node_local_storage", "parallel_write",
+        "checkpoint_serialization", "writer")},
+}
+
 ZERO_OPTIMIZATION = {
     "stage": Map("zero.stage"),
     "overlap_comm": Map("zero.overlap_comm"),
@@ -193,8 +205,7 @@ TOP_LEVEL: dict[str, Any] = {
     "activation_checkpointing": Note(
         "DeepSpeed's section tunes deepspeed.checkpointing calls in model code; use zerorun's "
         "activation_checkpointing.modules in a zerorun YAML config instead; " + NO_EFFECT),
-    "checkpoint": Note("zerorun's checkpoint section (dir, interval_steps, keep_last) sets checkpointing; "
-                       + NO_EFFECT),
+    "checkpoint": Section(CHECKPOINT),
     "aio": Note("zerorun's NVMe offload sets its own I/O parameters; " + NO_EFFECT),
     "prescale_gradients": Note("zerorun averages gradients after reduction; remove it",
                                harmless=lambda v: v is False),

@@ -17,6 +17,9 @@ from zerorun.config.schema import ZerorunConfig
 
 # The first few differing keys are enough to recognise the clash; the rest would flood the line.
 MAX_LISTED = 4
+# Read by the launcher alone (its watchdog), never by a worker: --hang-timeout beside a config
+# dict in the script is not replaced by it, so no warning may say it is.
+LAUNCHER_ONLY = ("telemetry.hang_timeout_s", "telemetry.startup_timeout_s")
 
 
 class ConfigPrecedenceWarning(UserWarning):
@@ -42,6 +45,9 @@ def script_config_message(launcher_label: str, launcher: ZerorunConfig, script_l
     away from them counts: a launcher started without --config/--set holds only defaults, and a
     script's config replacing those replaces nothing the user gave (None: no message)."""
     ours, theirs = _leaves(to_dict(script)), _leaves(to_dict(launcher))
+    for path in LAUNCHER_ONLY:  # the script's config cannot replace what only the launcher reads
+        ours.pop(path, None)
+        theirs.pop(path, None)
     if defaults is not None:
         default = _leaves(to_dict(defaults))
         theirs = {path: value for path, value in theirs.items() if default.get(path) != value}

@@ -12,6 +12,7 @@ param_gather.py (stage 3 hooks), precision.py (dtypes and loss scaling).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -82,6 +83,10 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
                     model_parameters=model_parameters, state_home_for=state_home_for)
     if engine.rank == 0:  # one warning per job, not one per rank
         from zerorun.config.precedence import warn_overridden
+
+        if not from_launcher:  # the launcher printed its own config's notes before start
+            for note in cfg.notes:
+                print(f"zerorun: note: {note}", file=sys.stderr, flush=True)
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
                         launcher_config, world_size=engine.world_size)
