@@ -153,11 +153,11 @@ def test_output_lines_are_kept_in_order_and_bounded():
     assert len(c.snapshot(output_lines=50).output) == 5
 
 
-def test_comm_fraction_over_the_window():
+def test_comm_fraction_is_waited_time_over_step_time():
     assert comm_fraction([]) is None
-    assert comm_fraction([(10.0, 1.0)]) is None
-    assert comm_fraction([(10.0, 1.0), (11.0, 1.2), (14.0, 2.0)]) == 0.25
-    assert comm_fraction([(10.0, 0.0), (11.0, 5.0)]) == 1.0  # clamped: clocks are not perfect
+    assert comm_fraction([(1.0, 0.25), (1.0, None)]) is None  # a step that did not say
+    assert comm_fraction([(1.0, 0.25), (3.0, 0.75)]) == 0.25
+    assert comm_fraction([(1.0, 1.5)]) == 1.0  # clamped: never above the step's time
 
 
 def view(rank, step=None, share=None, entered=None, blocked=None) -> RankView:

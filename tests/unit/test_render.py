@@ -36,7 +36,7 @@ def snapshot(**overrides) -> Snapshot:
                  heartbeat_age_s=20.0, straggler=True, samples_per_s=9.0,
                  comm=(CommStat("all_reduce", 40, 10 * GiB, 0.5),)),
     )
-    base = dict(world_size=2, elapsed_s=3725, ranks=ranks, step=40, total_steps=160, samples_per_s=19.0,
+    base = dict(world_size=2, elapsed_s=3725, ranks=ranks, step=40, total_steps=160, samples_per_s=19.0, run_samples_per_s=19.0,
                 output=((0, "epoch 1 loss 2.31"), (1, "warming up")),
                 comm_totals=(CommStat("all_reduce", 80, 20 * GiB, 3.0), CommStat("broadcast", 1, 1024, 0.01)))
     base.update(overrides)
@@ -76,8 +76,11 @@ def test_dashboard_names_ranks_missing_from_a_hung_collective_and_dropped_lines(
     assert "entered by every rank but not finished" in draw(render(snapshot(hang=all_in)))
 
 
-def test_a_rank_that_never_reported_renders_with_placeholders():
+def test_a_rank_not_heard_from_yet_is_starting_and_one_that_exited_unheard_never_reported():
     text = draw(render(Snapshot(world_size=1, elapsed_s=0, ranks=(RankView(rank=0, host="?"),))))
+    assert row(text, "0").split() == ["0", "-", "-", "-", "-", "-", "-", "-", "starting"]
+    assert render_plain(Snapshot(world_size=1, elapsed_s=0, ranks=(RankView(rank=0, host="?"),))).endswith("r0 starting")
+    text = draw(render(Snapshot(world_size=1, elapsed_s=9, ranks=(RankView(rank=0, host="?", exit_code=1),))))
     assert "never" in row(text, "0")
 
 
@@ -98,7 +101,8 @@ def test_plain_line_and_summary():
     assert "all_reduce s" in header and "broadcast s" in header and "samples/s" in header
     assert "gpu 7.0 GiB" in row(text, "0") and "2.500 (40×)" in row(text, "0") and "0.010 (1×)" in row(text, "0")
     assert "gpu 3.0 GiB" in row(text, "1") and "0.500 (40×)" in row(text, "1")
-    assert "job throughput: 19.0 samples/s" in text
+    assert "job throughput: 19.0 samples/s over the run" in text
+    assert "comm wait: share of the run's step time spent blocked on collectives" in text
 
 
 def test_helpers():
@@ -273,7 +277,8 @@ def test_total_steps_from_set_total_steps_reach_the_progress_bar():
 def test_summary_fits_80_columns_with_three_collective_types():
     """At 80 columns the one-column-per-collective summary was cut to 'all_gat…', 'loca…'."""
     ranks = tuple(RankView(rank=r, host="localhost", step=30, mem_label="rss", mem_peak=358 << 20,
-                           samples_per_s=32.7, breakdown=(("total", 14 << 20),),
+                           samples_per_s=32.7, run_samples_per_s=31.9, run_comm_fraction=0.62,
+                           breakdown=(("total", 14 << 20),),
                            comm=(CommStat("all_gather", 242, 1 << 30, 3.2 + r), CommStat("all_reduce", 30, 1 << 20, 0.1),
                                  CommStat("reduce_scatter", 150, 1 << 30, 2.9)))
                   for r in range(2))
@@ -282,7 +287,8 @@ def test_summary_fits_80_columns_with_three_collective_types():
                                  CommStat("reduce_scatter", 300, 2 << 30, 5.8)))
     narrow = draw(render_summary(snap), width=80)
     assert "…" not in narrow and max(len(x) for x in narrow.splitlines()) <= 80
-    assert "localhost" in row(narrow, "0") and "rss 358M" in row(narrow, "0") and "6.200" in row(narrow, "0")
+    assert "localhost" in row(narrow, "0") and "rss 358M" in row(narrow, "0") and "62%" in row(narrow, "0")
+    assert "31.9" in row(narrow, "0") and "32.7" not in narrow  # the run's rate, not the last steps'
     assert "all_gather" in narrow and "484×" in narrow and "7.400" in narrow and "3.200-4.200" in narrow
     wide = draw(render_summary(snap), width=160)  # room enough: one column per collective, as before
     assert "all_gather s" in wide and "3.200 (242×)" in row(wide, "0")

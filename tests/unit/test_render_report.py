@@ -66,7 +66,7 @@ def test_html_report_is_one_self_contained_page(tmp_path, capsys):
     assert page.count("data:image/png;base64,") == 3
     assert "<th>all_gather (s)</th><th>all_reduce (s)</th>" in page
     # rank 2: peak 132 MiB, all_reduce 4 x 1.5 s, 32 samples in 2 s of steps
-    assert "<td>2</td><td>h2</td><td>4</td><td>132.0</td><td>1.000</td><td>6.000</td><td>16.0</td>" in page
+    assert "<td>2</td><td>h2</td><td>4</td><td>132.0</td><td>-</td><td>1.000</td><td>6.000</td><td>16.0</td>" in page
 
 
 @pytest.mark.parametrize("setup,args,message", [
@@ -146,3 +146,14 @@ def test_sparkline_spans_low_to_high():
 
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁"
     assert len(sparkline(list(range(500)))) == 60 and sparkline([]) == ""
+
+
+def test_the_memory_plot_starts_at_zero(tmp_path):
+    """A rank growing from 100 to 131 MiB drawn from 100 up looked like a tripling."""
+    pytest.importorskip("matplotlib", reason="plots need the report extra (matplotlib)")
+    from zerorun.cli.report import _figures, load_metrics
+
+    write_run(tmp_path)
+    figures = _figures(load_metrics(tmp_path))
+    low, high = figures["memory"].axes[0].get_ylim()
+    assert low == 0 and high >= 131

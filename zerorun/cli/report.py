@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 
 from zerorun.errors import ZerorunError
-from zerorun.telemetry.metrics import Metrics, comm_ops, load_records, summarize, throughput
+from zerorun.telemetry.metrics import Metrics, comm_ops, comm_share, load_records, mean_last_loss, summarize, throughput
 
 FORMATS = ("png", "html", "terminal")
 INSTALL_HINT = "pip install 'zerorun[report]'"
@@ -124,28 +124,65 @@ def sparkline(values: list[float], width: int = SPARK_WIDTH) -> str:
 
 def terminal_report(metrics: Metrics, run_dir: Path):
     """The summary table and, when steps were recorded, rank 0's loss trace (pure)."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    ops = comm_ops(metrics)
-    table = Table(title=f"zerorun report: {run_dir}", title_justify="left", header_style="bold")
-    for name in ("rank", "host", "steps", "peak MiB", *(f"{op} s" for op in ops), "samples/s", "last loss"):
+    # Light boxes and per-collective seconds in a table of their own: both fit 80 columns.
+    table = Table(title=f"zerorun report: {run_dir}", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  padding=(0, 1), pad_edge=False, show_edge=False, collapse_padding=True)
+    for name in ("rank", "host", "steps", "peak MiB", "comm wait", "samples/s", "last loss (own)"):
         table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for rank, s in metrics.ranks.items():
-        rate = throughput(s)
         losses = [v for v in s.loss if v is not None]
-        table.add_row(str(rank), Text(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}",
-                      *(f"{s.comm[op][2]:.3f}" if op in s.comm else "-" for op in ops),
-                      "-" if rate is None else f"{rate:.1f}", f"{losses[-1]:.4f}" if losses else "-")
-    parts = [table, Text(f"{len(metrics.ranks)} ranks, {metrics.duration_s:.1f} s of telemetry"
+        table.add_row(str(rank), Text(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}", _wait_cell(s),
+                      _rate_cell(s), f"{losses[-1]:.4f}" if losses else "-")
+    ops = Table(header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False,
+                collapse_padding=True)
+    for name in ("collective", "calls", "seconds, all ranks", "per rank"):
+        ops.add_column(name, justify="left" if name == "collective" else "right", no_wrap=True)
+    for op in comm_ops(metrics):
+        per_rank = [s.comm[op] for s in metrics.ranks.values() if op in s.comm]
+        seconds = [c[2] for c in per_rank]
+        ops.add_row(op, f"{sum(c[0] for c in per_rank)}×", f"{sum(seconds):.3f}", f"{min(seconds):.3f}-{max(seconds):.3f}")
+    parts = [table, *((ops,) if ops.row_count else ()), Text(f"{len(metrics.ranks)} ranks, {metrics.duration_s:.1f} s of telemetry"
                          + (f", {metrics.skipped_lines} unreadable lines skipped" if metrics.skipped_lines else ""))]
+    parts += [Text(line) for line in _run_lines(metrics)]
+    parts.append(Text(LEGEND, style="dim"))
     first = next(iter(metrics.ranks.values()))
     losses = [v for v in first.loss if v is not None]
     if losses:
         parts.append(Text(f"loss (rank {next(iter(metrics.ranks))}, {losses[0]:.4f} -> {losses[-1]:.4f}): "
                           + sparkline(losses)))
     return Group(*parts)
+
+
+LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; <collective> s: "
+          "issue-to-completion time, summed (overlaps compute); samples/s: every step's samples over the summed "
+          "step time (the end-of-run summary's figures)")
+
+
+def _wait_cell(s) -> str:
+    share = comm_share(s)
+    return "-" if share is None else f"{100 * share:.0f}%"
+
+
+def _rate_cell(s) -> str:
+    rate = throughput(s)
+    return "-" if rate is None else f"{rate:.1f}"
+
+
+def _run_lines(metrics: Metrics) -> list[str]:
+    """The job's throughput and the mean loss at the last step every rank reached, as the summary words them."""
+    lines = []
+    rates = [throughput(s) for s in metrics.ranks.values()]
+    if rates and all(r is not None for r in rates):
+        lines.append(f"job throughput: {sum(r for r in rates if r is not None):.1f} samples/s over the run")
+    last = mean_last_loss(metrics)
+    if last is not None:
+        lines.append(f"last step {last[0]}: loss {last[1]:.4g} (mean of ranks)")
+    return lines
 
 
 def _figures(metrics: Metrics) -> dict:
@@ -161,6 +198,7 @@ def _figures(metrics: Metrics) -> dict:
         ax.plot(s.mem_t, [b / MiB for b in s.mem_bytes], label=f"rank {rank} ({s.host})")
     labels = {s.mem_label for s in metrics.ranks.values()}
     ax.set(title="Memory over time per rank", xlabel="seconds", ylabel=f"{' / '.join(sorted(labels))} (MiB)")
+    ax.set_ylim(bottom=0)  # from 0: a bar of 300 MiB growing to 310 must not look like a tripling
     ax.legend(loc="best", fontsize="small")
     figures["memory"] = fig
 
@@ -172,7 +210,7 @@ def _figures(metrics: Metrics) -> dict:
         ax.bar([j + i * width for j in range(len(ops))], [s.comm.get(op, [0, 0, 0])[2] for op in ops],
                width=width, label=f"rank {rank}")
     ax.set_xticks([j + width * (len(metrics.ranks) - 1) / 2 for j in range(len(ops))], ops)
-    ax.set(title="Communication time per collective type", ylabel="seconds")
+    ax.set(title="Communication time per collective type (issue to completion, overlaps compute)", ylabel="seconds")
     if ops:
         ax.legend(loc="best", fontsize="small")
     figures["comm"] = fig
@@ -194,14 +232,12 @@ def _figures(metrics: Metrics) -> dict:
 
 def _html(metrics: Metrics, figures: dict, run_dir: Path) -> str:
     ops = comm_ops(metrics)
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("rank", "host", "steps", "peak memory (MiB)",
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in ("rank", "host", "steps", "peak memory (MiB)", "comm wait",
                                                          *(f"{op} (s)" for op in ops), "samples/s"))
     rows = []
     for rank, s in metrics.ranks.items():
-        rate = throughput(s)
-        cells = [str(rank), html.escape(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}",
-                 *(f"{s.comm[op][2]:.3f}" if op in s.comm else "-" for op in ops),
-                 "-" if rate is None else f"{rate:.1f}"]
+        cells = [str(rank), html.escape(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}", _wait_cell(s),
+                 *(f"{s.comm[op][2]:.3f}" if op in s.comm else "-" for op in ops), _rate_cell(s)]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     images = []
     for name, figure in figures.items():
@@ -218,6 +254,7 @@ def _html(metrics: Metrics, figures: dict, run_dir: Path) -> str:
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}</style></head><body>"
         f"<h1>zerorun report: {html.escape(str(run_dir))}</h1>"
         f"<p>{len(metrics.ranks)} ranks, {metrics.duration_s:.1f} s of telemetry.</p>{note}"
+        + "".join(f"<p>{html.escape(line)}</p>" for line in _run_lines(metrics)) + f"<p>{html.escape(LEGEND)}</p>"
         f"<table><tr>{head}</tr>{''.join(rows)}</table>{''.join(images)}</body></html>"
     )
 

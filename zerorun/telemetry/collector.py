@@ -31,7 +31,6 @@ DROP_REASONS = ("oversized", "malformed", "unauthenticated", "schema")
 # How many recent steps / samples the rates are computed over: long enough to smooth noise,
 # short enough that the dashboard follows a slowdown within a few seconds.
 _STEP_WINDOW = 10
-_SAMPLE_WINDOW = 5
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,11 @@ class RankView:
     lr: float | None = None
     loss_scale: float | None = None
     step_time_s: float | None = None
-    samples_per_s: float | None = None
+    samples_per_s: float | None = None  # over the recent steps (the live rate)
     tokens_per_s: float | None = None
+    # Over every step of the run: what the end-of-run summary and ``zerorun report`` show.
+    run_samples_per_s: float | None = None
+    run_comm_fraction: float | None = None
     # The figure the dashboard bars: GPU allocated on CUDA, resident set size on CPU.
     mem_label: str = "rss"
     mem_used: int | None = None
@@ -70,6 +72,7 @@ class RankView:
     mem_capacity: int | None = None
     mem: tuple = ()  # (key, bytes) pairs of the latest sample, as sent
     breakdown: tuple = ()  # (name, bytes) pairs from engine.memory_breakdown(), as sent
+    # Note [comm share] in recorder.py: the recent steps' waited time over their step time.
     comm_fraction: float | None = None
     bandwidth_bps: float | None = None
     comm: tuple[CommStat, ...] = ()
@@ -103,6 +106,10 @@ class Snapshot:
     total_steps: int | None = None
     samples_per_s: float | None = None
     tokens_per_s: float | None = None
+    run_samples_per_s: float | None = None
+    # The mean over ranks of each rank's own loss at ``step`` (the global batch's loss when the
+    # ranks' batches are equal): what a script printing the all-reduced loss prints.
+    mean_loss: float | None = None
     hang: Hang | None = None
     output: tuple[tuple[int, str], ...] = ()
     dropped: tuple[tuple[str, int], ...] = ()
@@ -121,8 +128,11 @@ class _RankState:
     mem: dict = field(default_factory=dict)
     breakdown: dict = field(default_factory=dict)
     comm: dict = field(default_factory=dict)  # op -> [count, bytes, seconds], cumulative
-    comm_window: deque = field(default_factory=lambda: deque(maxlen=_SAMPLE_WINDOW))  # (t, comm_s)
+    # (step_time_s, samples, tokens, waited_s) of the recent steps, and of every step summed
     steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW))
+    run_steps: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # step time, samples, waited
+    run_complete: list = field(default_factory=lambda: [True, True])  # every step had samples / waited_s
+    losses: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW))  # (step, loss)
     last_step: dict | None = None
     last_step_seen: float | None = None  # collector's clock, when the last step arrived
     entered_seq: int | None = None
@@ -234,7 +244,10 @@ class Collector:
         elif kind == "step":
             state.last_step = m
             state.last_step_seen = now
-            state.steps.append((m["step_time_s"], m.get("samples"), m.get("tokens")))
+            state.steps.append((m["step_time_s"], m.get("samples"), m.get("tokens"), m.get("waited_s")))
+            _add_to_run(state, m)
+            if m.get("loss") is not None:
+                state.losses.append((m["step"], m["loss"]))
         elif kind == "sample":
             state.mem = m["mem"]
             if m.get("breakdown"):
@@ -244,9 +257,6 @@ class Collector:
                 totals[0] += count
                 totals[1] += nbytes
                 totals[2] += seconds
-            if state.comm_window and m["comm_seconds_total"] < state.comm_window[-1][1]:
-                state.comm_window.clear()  # a new recorder in the same rank: its total restarted
-            state.comm_window.append((m["t"], m["comm_seconds_total"]))
             state.entered_seq = m["entered_seq"]
             state.blocked = m.get("blocked")
             state.blocked_seen = now
@@ -270,6 +280,8 @@ class Collector:
                 step=min(steps) if steps else None,
                 total_steps=self.total_steps or _reported_total(self._ranks.values()),
                 samples_per_s=_sum_known(v.samples_per_s for v in views),
+                run_samples_per_s=_sum_known(v.run_samples_per_s for v in views),
+                mean_loss=mean_loss(self._ranks.values(), min(steps)) if steps else None,
                 tokens_per_s=_sum_known(v.tokens_per_s for v in views),
                 hang=hang,
                 output=tuple(list(self._output)[-output_lines:]) if output_lines else (),
@@ -287,10 +299,17 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
     # rate is history again (the end-of-run summary).
     stale = s.exit_code is None and s.last_step_seen is not None and now - s.last_step_seen > stale_after_s
     if s.steps and not stale:
-        total_time = sum(t for t, _, _ in s.steps)
+        total_time = sum(t for t, _, _, _ in s.steps)
         step_time = total_time / len(s.steps)
-        samples_rate = _rate([n for _, n, _ in s.steps], total_time)
-        tokens_rate = _rate([n for _, _, n in s.steps], total_time)
+        samples_rate = _rate([n for _, n, _, _ in s.steps], total_time)
+        tokens_rate = _rate([n for _, _, n, _ in s.steps], total_time)
+    run_time, run_samples, run_waited = s.run_steps
+    run_rate = run_samples / run_time if s.run_complete[0] and run_samples and run_time > 0 else None
+    run_comm = comm_fraction([(run_time, run_waited if s.run_complete[1] else None)])
+    recent_comm = comm_fraction([(t, w) for t, _, _, w in s.steps])
+    if s.exit_code is not None and s.steps:
+        # Ended: the last frame, the summary and ``zerorun report`` show the run's figures alike.
+        samples_rate, recent_comm = run_rate, run_comm
     on_gpu = "cuda_allocated" in s.mem
     blocked = None
     if s.blocked is not None:
@@ -309,13 +328,15 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
         step_time_s=step_time,
         samples_per_s=samples_rate,
         tokens_per_s=tokens_rate,
+        run_samples_per_s=run_rate,
+        run_comm_fraction=run_comm,
         mem_label="gpu" if on_gpu else "rss",
         mem_used=s.mem.get("cuda_allocated" if on_gpu else "rss"),
         mem_peak=s.mem.get("cuda_peak" if on_gpu else "rss_peak"),
         mem_capacity=s.device_total if on_gpu else s.host_total,
         mem=tuple(sorted(s.mem.items())),
         breakdown=tuple(s.breakdown.items()),
-        comm_fraction=comm_fraction(list(s.comm_window)),
+        comm_fraction=recent_comm,
         bandwidth_bps=total_bytes / total_seconds if total_seconds > 0 else None,
         comm=comm,
         heartbeat_age_s=None if s.last_seen is None else now - s.last_seen,
@@ -324,6 +345,25 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
         activity=s.activity,
         exit_code=s.exit_code,
     )
+
+
+def _add_to_run(state: _RankState, m: dict) -> None:
+    """Every step into the run's totals: one definition of samples/s and comm share for the
+    summary and ``zerorun report`` (telemetry/metrics.py folds the same records the same way)."""
+    state.run_steps[0] += m["step_time_s"]
+    for i, key in ((1, "samples"), (2, "waited_s")):
+        if m.get(key) is None:
+            state.run_complete[i - 1] = False
+        else:
+            state.run_steps[i] += m[key]
+
+
+def mean_loss(states, step: int) -> float | None:
+    """The ranks' own losses at ``step`` averaged; None unless every rank reported one for it."""
+    losses = [dict(s.losses).get(step) for s in states]
+    if not losses or any(loss is None for loss in losses):
+        return None
+    return sum(losses) / len(losses)
 
 
 def _with_straggler(view: RankView, straggler: bool) -> RankView:
@@ -352,17 +392,15 @@ def _sum_known(values) -> float | None:
 
 
 # --- pure judgements ---------------------------------------------------------------------
-def comm_fraction(window: list[tuple[float, float]]) -> float | None:
-    """Share of wall time spent in collectives over a window of (worker time, cumulative comm s).
-
-    Both numbers come from the same worker clock, so hosts with skewed clocks compare fairly.
-    """
-    if len(window) < 2:
+def comm_fraction(steps: list[tuple[float, float | None]]) -> float | None:
+    """Share of step time spent waiting for collectives over (step_time_s, waited_s) pairs
+    (Note [comm share] in recorder.py); None when a step did not say what it waited."""
+    if not steps or any(waited is None for _, waited in steps):
         return None
-    (t0, c0), (t1, c1) = window[0], window[-1]
-    if t1 <= t0:
+    total = sum(t for t, _ in steps)
+    if total <= 0:
         return None
-    return min(1.0, max(0.0, (c1 - c0) / (t1 - t0)))
+    return min(1.0, max(0.0, sum(w for _, w in steps if w is not None) / total))
 
 
 def merge_comm(per_rank) -> tuple[CommStat, ...]:

@@ -14,7 +14,9 @@ and one of these kinds (fields beyond the envelope):
              activity: optional {what: str, bytes: int}, long work that is neither a step nor
              a collective ("saving": bytes of the checkpoint written so far); progress while
              ``bytes`` grows (Note [saving is progress] in recorder.py)
-    step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens, total_steps
+    step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens, total_steps,
+             waited_s (seconds of the step the training thread was blocked on collectives: the
+             comm share is waited_s / step_time_s, Note [comm share] in recorder.py)
              (``t`` is when the step ended; steps are written in a burst before each sample)
     bye      sent at interpreter exit, after the last sample
 
@@ -35,7 +37,7 @@ MAX_LINE_BYTES = 64 * 1024
 KINDS = ("hello", "sample", "step", "bye")
 
 _MEM_KEYS = ("rss", "rss_peak", "pinned", "cuda_allocated", "cuda_reserved", "cuda_peak")
-_STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens", "total_steps")
+_STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens", "total_steps", "waited_s")
 
 
 class SchemaError(ValueError):

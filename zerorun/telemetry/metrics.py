@@ -25,7 +25,9 @@ class RankSeries:
     steps: list[int] = field(default_factory=list)
     loss: list[float | None] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
+    waited_s: list[float | None] = field(default_factory=list)  # Note [comm share] in recorder.py
     samples: float = 0.0
+    all_counted: bool = True  # every step said how many samples it took
 
 
 @dataclass
@@ -81,6 +83,9 @@ def summarize(records: list[dict], skipped: int = 0) -> Metrics:
             series.steps.append(r.get("step"))
             series.loss.append(r.get("loss"))
             series.step_time_s.append(r.get("step_time_s") or 0.0)
+            series.waited_s.append(r.get("waited_s"))
+            if r.get("samples") is None:
+                series.all_counted = False
             series.samples += r.get("samples") or 0
     return Metrics(dict(sorted(ranks.items())), skipped, max(r["t"] for r in records) - t0)
 
@@ -90,6 +95,27 @@ def comm_ops(metrics: Metrics) -> list[str]:
 
 
 def throughput(series: RankSeries) -> float | None:
-    """Samples per second of training time (sum of step times), None without samples."""
+    """Samples per second of training time (every step's samples over the sum of step times),
+    None unless every step counted its samples: the end-of-run summary's figure
+    (collector.RankView.run_samples_per_s), from the same records."""
     busy = sum(series.step_time_s)
-    return series.samples / busy if series.samples and busy > 0 else None
+    return series.samples / busy if series.all_counted and series.samples and busy > 0 else None
+
+
+def mean_last_loss(metrics: Metrics) -> tuple[int, float] | None:
+    """(step, the ranks' own losses at it averaged) for the last step every rank reported a loss for."""
+    per_rank = [{st: lo for st, lo in zip(s.steps, s.loss, strict=True) if lo is not None} for s in metrics.ranks.values()]
+    if not per_rank:
+        return None
+    common = set.intersection(*(set(losses) for losses in per_rank))
+    if not common:
+        return None
+    step = max(common)
+    return step, sum(losses[step] for losses in per_rank) / len(per_rank)
+
+
+def comm_share(series: RankSeries) -> float | None:
+    """The share of step time the rank waited for communication over the run (the summary's)."""
+    from zerorun.telemetry.collector import comm_fraction
+
+    return comm_fraction(list(zip(series.step_time_s, series.waited_s, strict=True)))

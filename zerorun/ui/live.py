@@ -103,6 +103,9 @@ class JobView:
         if self._console is None:  # stop() without start(): still report
             self._console = Console(file=self._stream, width=140, no_color=True, highlight=False)
         with self._lock:
+            if self._live is None and snapshot.accepted:
+                # The plain mode's last status line: the figures at the end, as the summary has them.
+                print(draw.render_plain(snapshot), file=self._stream, flush=True)
             self._console.print(draw.render_summary(snapshot, failed=failed))
         self.collector.close()
 

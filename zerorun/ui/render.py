@@ -18,6 +18,9 @@ from zerorun.telemetry.collector import RankView, Snapshot
 
 # A rank silent for this long is drawn yellow, then red: samples arrive every interval_s (1 s).
 STALE_AFTER_S = 5.0
+STARTING = "starting"
+# Each rank's own loss (its rows of the global batch); the header shows their mean.
+OWN_LOSS = "own loss"
 LOST_AFTER_S = 15.0
 OUTPUT_PANEL_LINES = 8
 MEMORY_BAR_WIDTH = 8
@@ -57,7 +60,14 @@ def _header(s: Snapshot) -> Text:
         text.append(f"  {fmt_rate(s.samples_per_s)} samples/s", style="bold")
     if s.tokens_per_s is not None:
         text.append(f"  {fmt_rate(s.tokens_per_s)} tokens/s")
+    if s.mean_loss is not None:
+        text.append(f"  {mean_loss_label(s)}")
     return text
+
+
+def mean_loss_label(s: Snapshot) -> str:
+    """The header's loss says whose it is: the table's column holds each rank's own."""
+    return f"loss {fmt_loss(s.mean_loss)} (mean of ranks)"
 
 
 def eta_seconds(s: Snapshot) -> float | None:
@@ -78,8 +88,8 @@ def _progress(s: Snapshot) -> Text:
 
 
 def comm_cell(r: RankView) -> str:
-    """The share of wall time with a collective in flight (overlapping collectives counted once, see
-    recorder.py); ``-`` before two samples."""
+    """The share of the recent steps' time spent waiting for collectives (Note [comm share] in
+    recorder.py); ``-`` before the first step."""
     return "-" if r.comm_fraction is None else f"{100 * r.comm_fraction:.0f}%"
 
 
@@ -99,14 +109,14 @@ def _rank_table(s: Snapshot) -> Table:
     mixed = len(labels) > 1  # e.g. some ranks on GPU, some on CPU: label every cell instead
     memory = f"mem ({labels[0]})" if len(labels) == 1 else "mem"
     scale = _memory_scale(s)
-    for name, justify in (("rank", "right"), ("host", "left"), ("step", "right"), ("loss", "right"),
+    for name, justify in (("rank", "right"), ("host", "left"), ("step", "right"), (OWN_LOSS, "right"),
                           (memory, "left"), ("peak", "right"), ("comm", "right"), ("bw", "right"),
                           ("seen", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))
     for r in s.ranks:
         table.add_row(
             str(r.rank),
-            Text(r.host[:HOST_WIDTH]),  # Text, not str: a host name is never read as markup
+            Text(host_cell(r)[:HOST_WIDTH]),  # Text, not str: a host name is never read as markup
             "-" if r.step is None else str(r.step),
             fmt_loss(r.loss),
             _memory_cell(r, with_label=mixed, scale=scale),
@@ -117,6 +127,10 @@ def _rank_table(s: Snapshot) -> Table:
             _status_cell(r, shows_straggler(r, s)),
         )
     return table
+
+
+def host_cell(r: RankView) -> str:
+    return "-" if r.heartbeat_age_s is None and r.host == "?" else r.host
 
 
 def _memory_scale(s: Snapshot) -> int | None:
@@ -153,7 +167,8 @@ def bar(fraction: float, width: int, style: str = "green") -> Text:
 
 def _heartbeat_cell(r: RankView) -> Text:
     if r.heartbeat_age_s is None:
-        return Text("never", style="red")
+        # Not heard from yet: starting (imports, process group) until it has exited unheard.
+        return Text("never", style="red") if r.exit_code is not None else Text(STARTING, style="dim")
     style = "red" if r.heartbeat_age_s > LOST_AFTER_S else "yellow" if r.heartbeat_age_s > STALE_AFTER_S else "green"
     return Text(f"{r.heartbeat_age_s:.0f}s", style=style)
 
@@ -199,11 +214,16 @@ def render_plain(s: Snapshot) -> str:
     eta = eta_seconds(s)
     if eta is not None:
         head += f" ETA {fmt_duration(eta)}"
+    if s.mean_loss is not None:
+        head += f" {mean_loss_label(s)}"
     parts = [head]
     for r in s.ranks:
+        if r.heartbeat_age_s is None and r.exit_code is None:
+            parts.append(f"r{r.rank} {STARTING}")
+            continue
         item = f"r{r.rank} mem {fmt_bytes(r.mem_used)}"
         if r.loss is not None:
-            item += f" loss {fmt_loss(r.loss)}"
+            item += f" {OWN_LOSS} {fmt_loss(r.loss)}"
         if r.comm_fraction is not None:
             item += f" comm {100 * r.comm_fraction:.0f}%"
         if shows_straggler(r, s):
@@ -243,9 +263,11 @@ def render_summary(s: Snapshot, failed: bool = False):
     collective types) a rank table and a collective table, so no cell is cut."""
     title = f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})"
     parts = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
-    if s.samples_per_s is not None:
-        parts.append(Text(f"job throughput: {fmt_rate(s.samples_per_s)} samples/s"
-                          + (f", {fmt_rate(s.tokens_per_s)} tokens/s" if s.tokens_per_s else "")))
+    if s.run_samples_per_s is not None:
+        parts.append(Text(f"job throughput: {fmt_rate(s.run_samples_per_s)} samples/s over the run"))
+    if s.mean_loss is not None:
+        parts.append(Text(f"last step {s.step}: {mean_loss_label(s)}"))
+    parts.append(Text(SUMMARY_LEGEND, style="dim"))
     if s.hang is not None:
         parts.append(Text(hang_message(s), style="bold red"))
     dropped = dropped_message(s)
@@ -254,18 +276,31 @@ def render_summary(s: Snapshot, failed: bool = False):
     return Group(*parts)
 
 
+SUMMARY_LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; "
+                  "<collective> s: issue-to-completion time, summed (overlaps compute); "
+                  "samples/s: every step's samples over the summed step time")
+
+
+def _run_rate(r: RankView) -> str:
+    return "-" if r.run_samples_per_s is None else fmt_rate(r.run_samples_per_s)
+
+
+def _run_wait(r: RankView) -> str:
+    return "-" if r.run_comm_fraction is None else f"{100 * r.run_comm_fraction:.0f}%"
+
+
 def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
     with_state = any(r.breakdown for r in s.ranks)
     ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm s", "samples/s"):
+    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm wait", "samples/s"):
         ranks.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         ranks.add_row(
             str(r.rank), Text(r.host[:HOST_WIDTH]), "-" if r.step is None else str(r.step),
             f"{r.mem_label} {fmt_short(r.mem_peak)}" if r.mem_peak is not None else "-",
             *((fmt_short(model_state_bytes(r)),) if with_state else ()),
-            f"{sum(c.seconds for c in r.comm):.3f}" if r.comm else "-",
-            "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
+            _run_wait(r),
+            _run_rate(r),
         )
     tables = [ranks]
     offloaded = [(r.rank, offloaded_label(r)) for r in s.ranks if offloaded_label(r)]
@@ -292,7 +327,7 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
     with_offload = any(offloaded_label(r) for r in s.ranks)
     offload_column = ("offloaded",) if with_offload else ()
     for name in ("rank", "host", "steps", "peak memory", *state_column, *offload_column,
-                 *(f"{op} s" for op in ops), "samples/s"):
+                 "comm wait", *(f"{op} s" for op in ops), "samples/s"):
         table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         seconds = {c.op: c for c in r.comm}
@@ -303,8 +338,9 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
             f"{r.mem_label} {fmt_bytes(r.mem_peak)}" if r.mem_peak is not None else "-",
             *((fmt_bytes(model_state_bytes(r)),) if with_state else ()),
             *((offloaded_label(r) or "-",) if with_offload else ()),
+            _run_wait(r),
             *(_comm_cell(seconds.get(op)) for op in ops),
-            "-" if r.samples_per_s is None else fmt_rate(r.samples_per_s),
+            _run_rate(r),
         )
     return table
 

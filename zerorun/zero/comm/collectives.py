@@ -6,7 +6,10 @@ seconds). Telemetry (zerorun/telemetry) is one such observer; tests can add thei
 
 Observer contract (duck-typed):
     collective_started(seq: int, op: str, nbytes: int) -> None
-    collective_finished(seq: int, op: str, nbytes: int, seconds: float) -> None
+    collective_finished(seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None
+``seconds`` runs from issue to completion (an asynchronous collective overlaps compute for most
+of it); ``waited`` is the part the calling thread spent blocked on it (all of it for a
+blocking collective, the ``wait()`` for an asynchronous one), reported from that thread.
 ``seq`` counts collectives issued by this process, from 0, in program order: the same
 number names the same collective on every rank of a correct SPMD program.
 
@@ -51,7 +54,7 @@ from zerorun.zero.comm.ring import Ring
 class CollectiveObserver(Protocol):
     def collective_started(self, seq: int, op: str, nbytes: int) -> None: ...
 
-    def collective_finished(self, seq: int, op: str, nbytes: int, seconds: float) -> None: ...
+    def collective_finished(self, seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None: ...
 
 
 _observers: list[Any] = []
@@ -79,9 +82,9 @@ def notify_started(seq: int, op: str, nbytes: int) -> None:
         observer.collective_started(seq, op, nbytes)
 
 
-def notify_finished(seq: int, op: str, nbytes: int, seconds: float) -> None:
+def notify_finished(seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None:
     for observer in list(_observers):
-        observer.collective_finished(seq, op, nbytes, seconds)
+        observer.collective_finished(seq, op, nbytes, seconds, waited)
 
 
 # --- the collectives ---------------------------------------------------------------------
@@ -111,13 +114,16 @@ class Handle:
         self._work, self._seq, self._op, self._nbytes, self._start = work, seq, op, nbytes, start
         self._done = False
 
-    def wait(self) -> None:
+    def wait(self, *, blocked_since: float | None = None) -> None:
+        """``blocked_since``: when the caller began to block on it (a blocking collective: its issue)."""
         if self._done:
             return
+        entered = time.perf_counter() if blocked_since is None else blocked_since
         if self._work is not None:
             self._work.wait()
         self._done = True
-        notify_finished(self._seq, self._op, self._nbytes, time.perf_counter() - self._start)
+        now = time.perf_counter()
+        notify_finished(self._seq, self._op, self._nbytes, now - self._start, now - entered)
 
 
 class _Done:
@@ -137,7 +143,7 @@ def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None):
     work = transport(seq) if transport is not None else call(async_op)
     handle = Handle(work, seq, op, nbytes, start)  # None when torch already finished it
     if not async_op:
-        handle.wait()
+        handle.wait(blocked_since=start)
     return handle
 
 
