@@ -14,6 +14,8 @@ DeepSpeed and torchrun spellings work too (``canonical_option``): ``--num_gpus``
 underscore form of every option (``--master_port``). A job started with DeepSpeed's spellings,
 or whose script is given ``--deepspeed``/``--deepspeed_config``, gets ``--local_rank=N`` appended
 to the script's arguments as under DeepSpeed's launcher (``--no-local-rank-arg`` turns it off).
+``--as-deepspeed`` lets the workers ``import deepspeed`` and get zerorun.deepspeed
+(zerorun/deepspeed/as_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from zerorun.errors import JobFailed, LaunchError
 
 # Our options that take no value; every other option takes one (unless written --opt=value).
 FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume", "--local-rank-arg",
-                          "--no-local-rank-arg"})
+                          "--no-local-rank-arg", "--as-deepspeed"})
 MODULE_OPTIONS = ("-m", "--module")
 
 
@@ -43,6 +45,7 @@ OUR_OPTIONS = frozenset({
     "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
     "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
     "--no-dashboard", "--dry-run", "--grace", "--help", "--local-rank-arg", "--no-local-rank-arg", "--launcher",
+    "--as-deepspeed",
 })
 # Spellings only DeepSpeed's launcher uses: a job started with them gets --local_rank=N appended
 # to the script's arguments, as DeepSpeed's launcher does (unless --no-local-rank-arg).
@@ -173,6 +176,10 @@ def register(app: typer.Typer) -> None:
             False, "--local-rank-arg/--no-local-rank-arg",
             help="Append --local_rank=N to the script's arguments, as DeepSpeed's launcher does (on by "
                  "default with DeepSpeed launcher flags or a script given --deepspeed/--deepspeed_config)."),
+        as_deepspeed: bool = typer.Option(
+            False, "--as-deepspeed",
+            help="The workers' `import deepspeed` gives zerorun.deepspeed (with DeepSpeed's package "
+                 "metadata), so DeepSpeed programs and transformers/Accelerate run unchanged."),
         launcher: Optional[str] = typer.Option(
             None, "--launcher", metavar="ssh|slurm|local",
             help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
@@ -205,7 +212,7 @@ def register(app: typer.Typer) -> None:
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
             ssh_options=list(ssh_opt or []), env_file=env_file, config=config,
             config_overrides=overrides, run_dir=run_dir,
-            dashboard=not no_dashboard, grace_s=grace, launcher=launcher,
+            dashboard=not no_dashboard, grace_s=grace, launcher=launcher, as_deepspeed=as_deepspeed,
         )
         if dry_run and gpus is not None:
             # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.

@@ -41,9 +41,27 @@ class Note:
     harmless: Callable[[Any], bool] = lambda value: True
 
 
+def _disabled(value: Any) -> bool:
+    """A feature section that asks for nothing: false/null, ``{"enabled": false, ...}``, or (for
+    ``compression_training``, which has no switch of its own) sub-sections all switched off."""
+    if value is None or value is False or value == {}:
+        return True
+    if not isinstance(value, dict):
+        return False
+    if "enabled" in value:
+        return not value["enabled"]
+    parts = [part for part in value.values() if isinstance(part, dict)]
+    return bool(parts) and len(parts) == len(value) and all(
+        not (part.get("shared_parameters") or {}).get("enabled", False) for part in parts)
+
+
 @dataclass(frozen=True)
 class Unsupported:
+    """A feature zerorun lacks: an error, unless the section leaves it off (DeepSpeed-Chat writes a
+    disabled ``hybrid_engine`` section every time): then a note, as DeepSpeed ignores it."""
+
     text: str
+    off: Callable[[Any], bool] = _disabled
 
 
 @dataclass(frozen=True)
@@ -250,6 +268,7 @@ def translate(data: dict) -> Translation:
     """A DeepSpeed config (already parsed) -> Translation; never raises for bad user values."""
     out = Translation()
     _walk(data, TOP_LEVEL, "", out)
+    _param_offload_below_stage3(data, out)
     _precision(data, out)
     if "optimizer" in data:
         _optimizer(data["optimizer"], out)
@@ -277,7 +296,25 @@ def _walk(section: Any, spec: dict, path: str, out: Translation) -> None:
             else:
                 out.problems.add(key_path, f"not supported: {rule.text}", value)
         elif isinstance(rule, Unsupported):
-            out.problems.add(key_path, rule.text)
+            if _safe(rule.off, value):
+                out.notes.append(f"{key_path}: disabled, so ignored (a DeepSpeed feature zerorun does not have)")
+            else:
+                out.problems.add(key_path, rule.text)
+
+
+def _param_offload_below_stage3(data: dict, out: Translation) -> None:
+    """DeepSpeed reads ``offload_param`` only at stage 3 and ignores it below (DeepSpeed-Chat
+    writes it whenever --offload is given); zerorun, which would refuse it there, does the same
+    with a note. Stage "auto" or absent is DeepSpeed's default, 0."""
+    zero = data.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    offload = out.data.get("zero", {}).get("offload_param")
+    if offload is None or (isinstance(stage, int) and stage >= 3) or stage == 3:
+        return
+    del out.data["zero"]["offload_param"]
+    if offload.get("device", "none") != "none":
+        out.notes.append(f"zero_optimization.offload_param: ignored below stage 3 (stage {stage!r}), as DeepSpeed "
+                         "ignores it; parameters are offloaded only at stage 3")
 
 
 def _safe(predicate: Callable[[Any], bool], value: Any) -> bool:

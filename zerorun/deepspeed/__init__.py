@@ -12,11 +12,18 @@ compression) import and raise UnsupportedFeature on first use.
 
 from __future__ import annotations
 
-from zerorun import __version__  # noqa: F401
-from zerorun.deepspeed import accelerator, comm, moe, ops, pipe, runtime, utils, zero  # noqa: F401
+from zerorun.deepspeed.as_deepspeed import version as _version
+
+# DeepSpeed's API version this module follows, labelled as zerorun's: "0.19.8+zerorun.<zerorun's>".
+__version__ = _version()
+from zerorun.deepspeed import (  # noqa: F401
+    accelerator, checkpoint, comm, compression, moe, ops, pipe, runtime, utils, zero,
+)
+from zerorun.deepspeed.accelerator import get_accelerator  # noqa: F401  (DeepSpeed re-exports it here)
 from zerorun.deepspeed.arguments import add_config_arguments  # noqa: F401
 from zerorun.deepspeed.comm import init_distributed  # noqa: F401
 from zerorun.deepspeed.initialize import initialize  # noqa: F401
+from zerorun.deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
 from zerorun.deepspeed.unsupported import stand_in
 
 # Tensor parallelism and inference: names a DeepSpeed script calls at the top level.

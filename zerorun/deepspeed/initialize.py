@@ -13,13 +13,23 @@ What it does beyond ``zerorun.initialize`` is DeepSpeed's bookkeeping:
   share, shuffled with seed 0 and never re-seeded per epoch, exactly as DeepSpeed's loader.
 At stage 3 each parameter also gets DeepSpeed's ``ds_numel`` (its element count; a stage-3
 parameter keeps its full shape, so it equals ``numel()``).
+* no optimizer and no optimizer section: an engine for forward passes only (evaluation, a frozen
+  reference model, Trainer's ``evaluate()`` before ``train()``), returned with optimizer None as
+  DeepSpeed returns it; its ``backward``/``step`` raise. Underneath it is the same sharded engine
+  over an SGD of learning rate 0 (it never steps), so stage 3 gathers as in training;
+* ``engine.config`` is a DeepSpeed-shaped dict that still answers the typed fields
+  (deepspeed/config_view.py); ``engine.optimizer.overflow`` says whether the last step was
+  skipped (fp16), as DeepSpeed's optimizers do.
 Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 """
 
 from __future__ import annotations
 
-from zerorun.errors import ConfigError
+import os
+
+from zerorun.deepspeed.config_view import DeepSpeedConfigView
 from zerorun.deepspeed.unsupported import refuse
+from zerorun.errors import ConfigError, UsageError
 
 
 def _config_source(args, config, config_params):
@@ -55,14 +65,67 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         model_parameters = list(model_parameters)  # a generator would be spent by the first reader
     if callable(optimizer) and not hasattr(optimizer, "param_groups"):
         optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
+    forward_only = optimizer is None and not _config_has_optimizer(source)
+    if forward_only:
+        optimizer = _never_stepping_optimizer(model, model_parameters)
     engine = engine_initialize(model, optimizer, source, model_parameters=model_parameters)
+    engine.config = DeepSpeedConfigView(engine.config, _given_dict(source))
+    engine.optimizer.overflow = False
+    if forward_only:
+        engine.backward = engine.step = _refuse_training  # instance attributes: this engine only
     if engine.stage == 3:
         for param in model.parameters():  # DeepSpeed's count of a partitioned parameter's elements
             param.ds_numel = param.numel()  # type: ignore[attr-defined]  (full shape, empty storage)
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer) if _is_factory(lr_scheduler) else lr_scheduler
     loader = _training_loader(engine, training_data, collate_fn) if training_data is not None else None
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    return engine, None if forward_only else engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source_or_launchers(source):
+    import os
+
+    return source if source is not None else os.environ.get("ZERORUN_CONFIG") or None
+
+
+def _config_has_optimizer(source) -> bool:
+    from zerorun.config import load_config
+
+    source = _config_source_or_launchers(source)
+    if source is None:
+        return False
+    return load_config(source, environ={}).optimizer is not None
+
+
+def _given_dict(source) -> dict | None:
+    """The DeepSpeed dict behind the config (a dict, or a JSON file), for engine.config's view."""
+    from zerorun.config.deepspeed import looks_like_deepspeed
+    from zerorun.config.sources import read_file
+
+    source = _config_source_or_launchers(source)
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            source = read_file(source)
+        except Exception:  # the engine already loaded it; a view without it is still right
+            return None
+    return source if isinstance(source, dict) and looks_like_deepspeed(source) else None
+
+
+def _never_stepping_optimizer(model, model_parameters):
+    """SGD at learning rate 0 over the trainable parameters: the engine's shards need an
+    optimizer to be built, and this one never steps (backward/step are refused)."""
+    import torch
+
+    params = list(model_parameters) if model_parameters is not None else [
+        p for p in model.parameters() if p.requires_grad]
+    # One group, possibly empty (a wholly frozen model): torch refuses only an empty list of groups.
+    return torch.optim.SGD([{"params": params}], lr=0.0)
+
+
+def _refuse_training(*args, **kwargs):
+    raise UsageError("this engine was built without an optimizer (deepspeed.initialize without optimizer= "
+                     "and a config without an 'optimizer' section): it runs forward passes only",
+                     hint="pass optimizer=... or add an optimizer section to train with it")
 
 
 def _is_factory(scheduler) -> bool:

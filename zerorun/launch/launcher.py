@@ -53,6 +53,8 @@ class LaunchOptions:
     grace_s: float = 3.0
     # --launcher ssh|slurm|local; None picks slurm inside an allocation (choose_launcher).
     launcher: str | None = None
+    # --as-deepspeed: workers import zerorun.deepspeed as `deepspeed` (zerorun/deepspeed/as_deepspeed.py).
+    as_deepspeed: bool = False
 
 
 @dataclass
@@ -289,6 +291,14 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     if options.nproc is not None and has_nvidia_gpu():
         notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
                      "machine has GPUs; use --gpus N for GPU workers")
+    if options.as_deepspeed:
+        from zerorun.deepspeed.as_deepspeed import shadowed_deepspeed, worker_env
+
+        for worker in plan.workers:
+            worker.env.update(worker_env({**environ, **plan.forwarded_env}))
+        real = shadowed_deepspeed()
+        notes.append("--as-deepspeed: the workers' `import deepspeed` is zerorun.deepspeed"
+                     + (f"; the installed {real} is not used by this job" if real else ""))
     save_on_signal = config.checkpoint.on_signal
     if save_on_signal:
         for worker in plan.workers:

@@ -304,6 +304,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         if self._trim_every and (self.global_step == 1 or self.global_step % self._trim_every == 0):
             trim_host_heap()  # Note [trim after step] in host_memory.py
         self._step_applied = applied
+        self.optimizer.overflow = not applied  # DeepSpeed's optimizers say so (Accelerate reads it)
         if not applied:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:
@@ -385,9 +386,12 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         return engine_state.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        load_module_strict: bool = True):
         """Load ``load_dir/tag`` (default: the ``latest`` one) at any world size, stage or offload;
-        returns (path, client_state), (None, None) when there is no checkpoint yet."""
+        returns (path, client_state), (None, None) when there is no checkpoint yet.
+        ``load_module_strict`` (DeepSpeed's keyword, passed by Trainer) is accepted: a zerorun
+        checkpoint of this model holds every parameter, so the load is always strict."""
         return engine_state.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)

@@ -107,6 +107,33 @@ class DeepSpeedEngineAPI:
             raise AttributeError(f"neither the engine nor its model ({type(module).__name__}) has an "
                                  f"attribute {name!r}") from None
 
+    # -- DeepSpeed's engine surface beyond training ----------------------------------------
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``stage3_gather_16bit_weights_on_model_save`` (or its older fp16 name),
+        False when absent, as DeepSpeed answers it: Accelerate and Trainer then gather the whole
+        model for ``save_model`` at stage 3, or save an engine checkpoint instead."""
+        from zerorun.deepspeed.config_view import deepspeed_dict
+
+        zero = deepspeed_dict(self.config).get("zero_optimization") or {}
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
+                             zero.get("stage3_gather_fp16_weights_on_model_save", False)))
+
+    @property
+    def tput_timer(self):
+        """DeepSpeed's throughput timer (deepspeed/utils/timer.py), one per engine."""
+        timer = self.__dict__.get("_tput_timer")
+        if timer is None:
+            from zerorun.deepspeed.utils.timer import ThroughputTimer
+
+            timer = self.__dict__["_tput_timer"] = ThroughputTimer(self)
+        return timer
+
+    def destroy(self) -> None:
+        """DeepSpeed's teardown of an engine: nothing stays gathered, writes are on disk, and
+        ``GatheredParameters`` no longer looks in this engine. The model and process group stay."""
+        self.quiesce()
+        LIVE_ENGINES.discard(self)
+
     # -- whole-model exports ---------------------------------------------------------------
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The whole model in its training dtype on the CPU on rank 0, None on the other ranks

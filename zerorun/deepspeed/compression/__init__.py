@@ -3,6 +3,6 @@ UnsupportedFeature on first use (zerorun/deepspeed/unsupported.py)."""
 
 from zerorun.deepspeed.unsupported import module_getattr
 
-from . import compress  # noqa: F401  (a real submodule, not a stand-in)
+from . import compress, helper  # noqa: F401  (real submodules, not stand-ins)
 
 __getattr__ = module_getattr("deepspeed.compression", "model compression")

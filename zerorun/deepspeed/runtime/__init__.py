@@ -1,3 +1,3 @@
-"""``deepspeed.runtime``: ``utils.set_random_seed`` and the ``lr_schedules`` DeepSpeed scripts import."""
+"""``deepspeed.runtime``: ``utils.set_random_seed``, ``lr_schedules``, ``engine.DeepSpeedEngine`` and ``zero``."""
 
-from . import lr_schedules, utils, zero  # noqa: F401
+from . import engine, lr_schedules, utils, zero  # noqa: F401
