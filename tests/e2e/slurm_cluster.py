@@ -68,8 +68,11 @@ def _resolves(name: str) -> bool:
 
 
 class SlurmCluster:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, grace_time: int | None = None):
+        """``grace_time`` set: a preempting cluster (Note [preempting cluster]) whose low
+        partition's jobs get that many seconds between SIGTERM and the kill."""
         self.dir = Path(workdir).resolve()
+        self.grace_time = grace_time
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge.socket"
         self.jobcomp = self.dir / "jobcomp.txt"
@@ -124,11 +127,28 @@ MinJobAge=30
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
-{nodes}
-PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
+{self._preemption()}{nodes}
+{self._partitions()}
 """)
         # Debian's slurmd looks for cgroup.conf beside slurm.conf even with no cgroup plugin.
         (d / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\n")
+
+    # Note [preempting cluster]: as HPC sites set it up. Jobs of the high partition (higher
+    # PriorityTier) preempt running jobs of the low one, which are requeued (PreemptMode=REQUEUE,
+    # JobRequeue=1); Slurm sends the low job SIGTERM (and SIGCONT) and kills it after its
+    # partition's GraceTime. Without grace_time: one partition, "debug", and no preemption.
+    def _preemption(self) -> str:
+        if self.grace_time is None:
+            return ""
+        return "PreemptType=preempt/partition_prio\nPreemptMode=REQUEUE\nJobRequeue=1\n"
+
+    def _partitions(self) -> str:
+        nodes = ",".join(NODES)
+        if self.grace_time is None:
+            return f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP"
+        return (f"PartitionName=low Nodes={nodes} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 "
+                f"PreemptMode=REQUEUE GraceTime={self.grace_time}\n"
+                f"PartitionName=high Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF")
 
     def _start(self, argv: list[str], pid_file: Path, what: str, timeout_s: float = 30.0) -> None:
         self._pid_files.append(pid_file)

@@ -144,3 +144,42 @@ def test_threads_share_out_the_cpus_slurm_gave():
 def test_describe_names_the_allocation_nodes_reach_port_and_signals():
     text = "\n".join(slurm.describe(slurm.detect(SALLOC), {"n1": "srun", "n2": "srun"}, 20030, ["SIGUSR1: save"]))
     assert "salloc" in text and "n1: reached by srun" in text and "port 20030" in text and "SIGUSR1" in text
+
+
+# Records as slurm-wlm 22.05 printed them at the moment of the SIGTERM (tests/e2e/slurm_cluster.py;
+# Note [why Slurm sent SIGTERM] in zerorun/launch/slurm.py), shortened to the fields that matter.
+RECORD = ("JobId=4 JobName=job.sh UserId=root(0) JobState={state} Reason={reason} Dependency=(null) Requeue=1 "
+          "Restarts={restarts} BatchFlag=1 ExitCode=0:0 RunTime=00:01:26 TimeLimit=00:01:00 "
+          "StartTime=2026-11-26T04:03:05 EndTime=2026-11-26T04:04:31 PreemptEligibleTime=2026-11-26T04:03:05 "
+          "PreemptTime={preempt} SuspendTime=None Partition=low Command=/tmp/job.sh /tmp/a=b WorkDir=/tmp")
+
+
+@pytest.mark.parametrize("state, reason, restarts, preempt, at_start, cause", [
+    ("COMPLETING", "None", 0, "None", 0, "cancelled"),  # scancel
+    ("CANCELLED", "None", 0, "None", 0, "cancelled"),
+    ("COMPLETING", "TimeLimit", 0, "None", 0, "time limit"),
+    ("TIMEOUT", "TimeLimit", 0, "None", 0, "time limit"),
+    ("RUNNING", "None", 0, "2026-11-26T04:04:58", 0, "preempted"),  # GraceTime 30: steps signalled
+    ("PREEMPTED", "None", 0, "None", 0, "preempted"),
+    ("COMPLETING", "None", 1, "None", 0, "requeued"),  # GraceTime 0, PreemptMode=REQUEUE
+    ("COMPLETING", "None", 3, "None", 3, "cancelled"),  # a requeued job's own scancel
+    ("NODE_FAIL", "None", 0, "None", 0, "node failure"),
+    ("COMPLETING", "NodeDown", 0, "None", 0, "node failure"),
+    ("RUNNING", "None", 0, "None", 0, None),  # scancel --signal=TERM, kill: Slurm is not ending it
+])
+def test_why_slurm_sent_sigterm_comes_from_the_job_record(state, reason, restarts, preempt, at_start, cause):
+    record = slurm.parse_job_record(RECORD.format(state=state, reason=reason, restarts=restarts, preempt=preempt))
+    assert record["Command"] == "/tmp/job.sh" and record["WorkDir"] == "/tmp"
+    assert slurm.stop_cause(record, at_start) == cause
+
+
+def test_without_a_record_only_the_time_limit_can_be_told():
+    assert slurm.stop_cause(None, end_time=1000, now=995.0) == "time limit"
+    assert slurm.stop_cause(None, end_time=1000, now=900.0) is None
+    assert slurm.stop_cause(None) is None
+
+
+def test_the_restart_count_and_array_task_are_read():
+    ctx = slurm.detect({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "2", "SLURM_ARRAY_TASK_ID": "3"})
+    assert ctx is not None and ctx.restart_count == 2 and ctx.array_task_id == 3
+    assert slurm.detect({"SLURM_JOB_ID": "7"}).restart_count == 0

@@ -127,11 +127,16 @@ def test_checkpoint_on_signal_arms_every_worker(job_dir):
 
 
 def test_signals_say_what_they_meant():
-    assert signal_meaning(signal.SIGUSR1) == "time limit near (SIGUSR1)"
-    assert signal_meaning(signal.SIGTERM, "CANCELLED") == "cancelled (SIGTERM, scancel)"
-    assert signal_meaning(signal.SIGTERM, "TIMEOUT") == "time limit (SIGTERM)"
-    assert signal_meaning(signal.SIGTERM, "RUNNING", end_time=1000, now=995.0) == "time limit (SIGTERM)"
-    assert signal_meaning(signal.SIGTERM, "PREEMPTED") == "preempted (SIGTERM)"
+    assert signal_meaning(signal.SIGUSR1, in_slurm=True) == "time limit near (SIGUSR1)"
+    # Outside Slurm nothing has a time limit (issue 31 item 19).
+    assert signal_meaning(signal.SIGUSR1) == "SIGUSR1 received (a checkpoint request; not a Slurm job)"
+    assert signal_meaning(signal.SIGUSR1, "preempted", in_slurm=True) == "preempted (SIGUSR1)"
+    assert signal_meaning(signal.SIGTERM, "cancelled", True) == "cancelled (SIGTERM, scancel)"
+    assert signal_meaning(signal.SIGTERM, "time limit", True) == "time limit (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM, "preempted", True) == "preempted (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM, "node failure", True) == "node failure (SIGTERM)"
+    assert signal_meaning(signal.SIGTERM, "requeued", True).startswith("preempted or requeued (SIGTERM")
+    assert signal_meaning(signal.SIGTERM, None, True).startswith("signalled (SIGTERM) while Slurm still runs")
     assert signal_meaning(signal.SIGTERM) == "interrupted (SIGTERM)"
     assert signal_meaning(signal.SIGHUP).startswith("hung up")
     assert signal_meaning(signal.SIGINT) == "interrupted (Ctrl-C)"

@@ -12,12 +12,13 @@ import os
 import sys
 import warnings
 
-import typer
-
 from zerorun.errors import LaunchError, ZerorunError
+from zerorun.launch import early_signals
 
 
-def build_app() -> typer.Typer:
+def build_app():
+    import typer
+
     from zerorun.cli import consolidate, env, estimate, init, report, run
 
     app = typer.Typer(
@@ -65,7 +66,24 @@ def _refuse_misspelt_subcommand(word: str, is_file=os.path.exists) -> None:
                           hint="subcommands: " + ", ".join(SUBCOMMANDS) + "; anything else is taken for a script")
 
 
+def launches(routed: list[str]) -> bool:
+    """Whether the routed command line starts a job (``run`` without ``--dry-run``), pure."""
+    if routed[:1] != ["run"]:
+        return False
+    ours = routed[1:routed.index("--")] if "--" in routed else routed[1:]
+    return "--dry-run" not in ours and "--help" not in ours
+
+
 def main(argv: list[str] | None = None) -> None:
+    # Before anything else (typer is not even imported yet): Note [signals from the first instant].
+    early_signals.install()
+    try:
+        _main(argv)
+    finally:
+        early_signals.release(raise_pending=False)
+
+
+def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--version"], ["-V"]):
         from zerorun import __version__
@@ -74,9 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     # torch warns at import when numpy is missing; the launcher never converts to numpy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    app = build_app()
     try:
-        app(args=route(argv), prog_name="zerorun", standalone_mode=True)
+        routed = route(argv)
+        if not launches(routed):
+            early_signals.release(raise_pending=True)  # ordinary signal behaviour for the rest
+        build_app()(args=routed, prog_name="zerorun", standalone_mode=True)
     except ZerorunError as err:
         report_error(err)
         raise SystemExit(err.exit_code) from None

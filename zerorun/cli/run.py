@@ -20,6 +20,7 @@ to the script's arguments as under DeepSpeed's launcher (``--no-local-rank-arg``
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional
 
@@ -227,6 +228,11 @@ def register(app: typer.Typer) -> None:
             return
         print(f"zerorun: run directory {job.plan.run_dir}", file=sys.stderr, flush=True)
         result = execute(job)
+        if not result.started:
+            # Note [signals from the first instant]: a stopping signal came before any worker ran.
+            print(f"zerorun: {stop_reason(job, result.signal)} before any worker started; nothing was started",
+                  file=sys.stderr)
+            raise typer.Exit(interrupted_exit_code(result))
         logs = f"{result.run_dir}/logs"
         print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
         stopped = stopped_clause(result.leftovers)
@@ -259,26 +265,28 @@ def stopped_clause(leftovers: dict[str, str]) -> str:
         f"host {host}: {problem}" for host, problem in sorted(leftovers.items()))
 
 
-def stop_reason(job, signum: int) -> str:
+def stop_reason(job, signum: int, cause: str | None = None) -> str:
     """What the signal that stopped the job meant (Note [Slurm signals] in launch/launcher.py)."""
-    import time
+    from zerorun.launch.launcher import signal_meaning, slurm_stop_cause
 
-    from zerorun.launch.launcher import signal_meaning, slurm_job_state
-
-    ctx = job.slurm
-    # No waiting for a settled state here: Slurm's SIGKILL follows its SIGTERM after KillWait.
-    state = slurm_job_state(ctx.job_id, settle_s=0.0) if ctx is not None and signum == 15 else None
-    return signal_meaning(signum, state, ctx.end_time if ctx else None, time.time())
+    if cause is None and signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        cause = slurm_stop_cause(job.slurm)
+    reason = signal_meaning(signum, cause, in_slurm=job.slurm is not None)
+    if cause in ("preempted", "requeued", "node failure") and not job.save_on_signal and signum == signal.SIGTERM:
+        reason += ("; nothing was saved on the signal (checkpoint.on_signal: true saves one): a requeued job "
+                   "resumes from the last interval checkpoint")
+    return reason
 
 
 def slurm_ended(job) -> str | None:
     """What ended the job when Slurm says it is over (cancelled, time limit, preempted), else None."""
-    from zerorun.launch.launcher import signal_meaning, slurm_job_state
+    from zerorun.launch.launcher import signal_meaning, slurm_stop_cause
 
-    state = slurm_job_state(job.slurm.job_id)
-    if state is None or not any(word in state.upper() for word in ("CANCEL", "TIMEOUT", "PREEMPT")):
+    cause = slurm_stop_cause(job.slurm)
+    if cause is None:
         return None
-    return signal_meaning(15, state).replace(" (SIGTERM, scancel)", " (scancel)").replace(" (SIGTERM)", "")
+    return signal_meaning(signal.SIGTERM, cause, in_slurm=True).replace(" (SIGTERM, scancel)", " (scancel)").replace(
+        " (SIGTERM)", "").replace("SIGTERM; ", "")
 
 
 def finish_after_checkpoint(job, result, logs: str) -> None:

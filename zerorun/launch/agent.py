@@ -55,7 +55,7 @@ from typing import IO
 
 import psutil
 
-from zerorun.launch import save_on_signal
+from zerorun.launch import early_signals, save_on_signal
 from zerorun.launch.processes import end_groups
 from zerorun.telemetry.events import MAX_LINE_BYTES
 
@@ -92,10 +92,17 @@ signal_all(signal.SIGKILL)
 """
 
 
-def _die_with_parent(parent_pid: int, prctl) -> Callable[[], None]:
-    """The preexec hook of every worker: SIGKILL when the agent dies (Note [workers die with their agent])."""
+def _die_with_parent(parent_pid: int, prctl, hold_usr1: bool = False) -> Callable[[], None]:
+    """The preexec hook of every worker: SIGKILL when the agent dies (Note [workers die with their agent]).
+
+    ``hold_usr1`` (workers that save on signals): SIGUSR1 starts blocked, so one that comes before
+    the worker's handler exists stays pending instead of killing it, and is delivered when
+    ``zerorun.initialize`` arms the handler (save_on_signal.arm unblocks it; Note [signals from
+    the first instant] in early_signals.py). A blocked signal mask survives exec."""
 
     def hook() -> None:
+        if hold_usr1:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         if prctl is not None:
             prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent_pid:  # the agent died before prctl took effect
@@ -175,7 +182,7 @@ class NodeAgent:
         self._waiters: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
         self._stopped = False
-        self._preexec = _die_with_parent(os.getpid(), _libc_prctl())
+        self._preexec = _die_with_parent(os.getpid(), _libc_prctl(), hold_usr1=self.saves_on_signal)
 
     # -- starting -----------------------------------------------------------------------
     def start(self) -> None:
@@ -428,6 +435,9 @@ def write_job_files(files: dict[str, str]) -> None:
 
 def _serve() -> int:
     """The remote side: read the job, run it, stream events, end on 'stop' or EOF."""
+    # Srun's signals (--signal=USR1@N without B:, scancel) can come while the job line is read:
+    # remembered, then handled below (Note [signals from the first instant]).
+    early_signals.install()
     out_lock = threading.Lock()
     broken = threading.Event()
 
@@ -466,10 +476,13 @@ def _serve() -> int:
             stop_requested.set()
             threading.Thread(target=agent.stop, daemon=True).start()
 
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, request_stop)
+    handlers: dict[int, Callable] = {sig: request_stop for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, (lambda *_: agent.checkpoint()) if agent.saves_on_signal else request_stop)
+        handlers[sig] = (lambda *_: agent.checkpoint()) if agent.saves_on_signal else request_stop
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    for signum in early_signals.take():
+        handlers[signum](signum, None)
 
     def watch_stdin():
         # "dump" collects stacks, "checkpoint" asks for a save; any other line ("stop") or EOF (launcher or ssh session

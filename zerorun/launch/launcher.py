@@ -432,7 +432,8 @@ class ForgivingStream:
 # save_on_signal.py) and stop, and with checkpoint.requeue the launcher then runs
 # ``scontrol requeue`` so the next start resumes (``checkpoint.resume``). Without on_signal,
 # USR1/USR2 stop the job like TERM. The last message says what the signal meant, asking
-# Slurm for the job's state where SIGTERM alone cannot tell (``signal_meaning``).
+# Slurm for the job's record where SIGTERM alone cannot tell (``signal_meaning``, Note [why
+# Slurm sent SIGTERM] in slurm.py).
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 CHECKPOINT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -448,45 +449,51 @@ def signal_plan(save_on_signal: bool, requeue: bool) -> list[str]:
             f"signals: SIGUSR1/SIGUSR2 (sbatch --signal=B:USR1@SECONDS): {usr}"]
 
 
-def signal_meaning(signum: int, job_state: str | None = None, end_time: int | None = None,
-                   now: float | None = None) -> str:
-    """What a signal that stopped the job meant, in words (pure)."""
+def signal_meaning(signum: int, cause: str | None = None, in_slurm: bool = False) -> str:
+    """What a signal that stopped the job meant, in words (pure); ``cause`` from
+    ``slurm.stop_cause`` (Note [why Slurm sent SIGTERM] in slurm.py)."""
     name = signal.Signals(signum).name
-    if signum in CHECKPOINT_SIGNALS:
-        return f"time limit near ({name})"
     if signum == signal.SIGINT:
         return "interrupted (Ctrl-C)"
     if signum == signal.SIGHUP:
         return "hung up (SIGHUP: the session went away)"
-    state = (job_state or "").upper()
-    if "TIMEOUT" in state or (end_time is not None and now is not None and now >= end_time - 10):
+    if cause == "preempted":
+        return f"preempted ({name})"  # SIGTERM, or USR1 with preempt_send_user_signal
+    if signum in CHECKPOINT_SIGNALS:
+        # Outside Slurm nothing has a time limit: someone (a user, a scheduler) asked for a save.
+        return f"time limit near ({name})" if in_slurm else f"{name} received (a checkpoint request; not a Slurm job)"
+    if cause == "time limit":
         return f"time limit ({name})"
-    if "PREEMPT" in state:
-        return f"preempted ({name})"
-    if "CANCEL" in state or job_state is not None:
+    if cause == "node failure":
+        return f"node failure ({name})"
+    if cause == "requeued":
+        return f"preempted or requeued ({name}; Slurm requeued the job)"
+    if cause == "cancelled":
         return f"cancelled ({name}, scancel)"
+    if in_slurm:
+        return f"signalled ({name}) while Slurm still runs the job (scancel --signal or kill)"
     return f"interrupted ({name})"  # outside Slurm: someone (kill, a supervisor) stopped it
 
 
-def slurm_job_state(job_id: int, timeout_s: float = 3.0, settle_s: float = 5.0) -> str | None:
-    """JobState of a Slurm job as scontrol reports it, or None when it cannot be asked.
-
-    A cancelled job shows COMPLETING until its steps are gone; it is asked again (for at most
-    ``settle_s``) until the final state (CANCELLED, TIMEOUT, PREEMPTED...) shows.
-    """
+def slurm_job_record(job_id: int, timeout_s: float = 3.0) -> dict[str, str] | None:
+    """The job's record as ``scontrol -o show job`` prints it, or None when it cannot be asked."""
     import subprocess
 
-    deadline = time.monotonic() + settle_s
-    while True:
-        try:
-            done = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
-                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        state = next((word.partition("=")[2] for word in done.stdout.split() if word.startswith("JobState=")), None)
-        if state != "COMPLETING" or time.monotonic() > deadline:
-            return state
-        time.sleep(0.2)
+    try:
+        done = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return slurm.parse_job_record(done.stdout) if done.returncode == 0 and done.stdout.strip() else None
+
+
+def slurm_stop_cause(ctx: slurm.SlurmContext | None) -> str | None:
+    """Why Slurm is ending this job now (asks scontrol; None outside Slurm or when it is not)."""
+    import time
+
+    if ctx is None:
+        return None
+    return slurm.stop_cause(slurm_job_record(ctx.job_id), ctx.restart_count, end_time=ctx.end_time, now=time.time())
 
 
 def requeue_slurm_job(job_id: int) -> str | None:
@@ -505,10 +512,26 @@ def requeue_slurm_job(job_id: int) -> str | None:
 
 def execute(job: PreparedJob, view_factory=None):
     """Pre-flight, write the run dir, start and supervise; returns a JobResult."""
+    from zerorun.launch import early_signals
     from zerorun.launch.preflight import preflight
-    from zerorun.launch.supervisor import Supervisor
+    from zerorun.launch.supervisor import JobResult, Supervisor
 
+    # Note [signals from the first instant] (early_signals.py): what came before now, and during
+    # the pre-flight, is acted on here; a stopping signal means nothing starts at all.
+    early: list[int] = []
+
+    def stopped_before_start() -> JobResult | None:
+        early.extend(early_signals.take())
+        signum = early_signals.first_stop(early, job.save_on_signal)
+        if signum is None:
+            return None
+        return JobResult(None, True, {}, job.plan.run_dir, signal=signum, started=False)
+
+    if (result := stopped_before_start()) is not None:
+        return result
     preflight(job.plan, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options)
+    if (result := stopped_before_start()) is not None:
+        return result
     write_run_dir(job)
     extra = {}
     if view_factory is None:
@@ -532,6 +555,8 @@ def execute(job: PreparedJob, view_factory=None):
             supervisor.interrupt(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in HANDLED_SIGNALS}
+    for signum in early + early_signals.take():
+        on_signal(signum, None)  # a checkpoint signal from before the start: saved at the first step
     try:
         return supervisor.run()
     finally:

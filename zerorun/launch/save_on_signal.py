@@ -28,6 +28,9 @@ def arm(environ=None) -> bool:
     if environ.get(ENV_NAME) != "1" or _armed:
         return _armed
     signal.signal(signal.SIGUSR1, _note_request)
+    # The agent starts workers with SIGUSR1 blocked (agent._die_with_parent): one that came
+    # before this handler was pending all along and is delivered now, not lost and not fatal.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     _armed = True
     return True
 

@@ -66,6 +66,8 @@ class SlurmContext:
     cpus_on_node: int | None = None  # first entry of SLURM_JOB_CPUS_PER_NODE
     node_name: str | None = None  # SLURMD_NODENAME: set on an allocated node (batch script, steps)
     end_time: int | None = None  # SLURM_JOB_END_TIME (Unix seconds), where Slurm sets it
+    restart_count: int = 0  # SLURM_RESTART_COUNT: how often the job was requeued before this start
+    array_task_id: int | None = None  # SLURM_ARRAY_TASK_ID in a job array
 
     @property
     def in_step(self) -> bool:
@@ -132,6 +134,8 @@ def detect(environ: Mapping[str, str]) -> SlurmContext | None:
         cpus_on_node=_first_count(environ.get("SLURM_JOB_CPUS_PER_NODE")) or _int(environ, "SLURM_CPUS_ON_NODE"),
         node_name=environ.get("SLURMD_NODENAME") or None,
         end_time=_int(environ, "SLURM_JOB_END_TIME"),
+        restart_count=_int(environ, "SLURM_RESTART_COUNT") or 0,
+        array_task_id=_int(environ, "SLURM_ARRAY_TASK_ID"),
     )
 
 
@@ -287,3 +291,56 @@ def describe(ctx: SlurmContext | None, reach: Mapping[str, str] | None = None,
         lines.append(f"  rendezvous port {port}")
     lines += [f"  {line}" for line in signal_plan]
     return lines
+
+
+# Note [why Slurm sent SIGTERM]: scancel, the time limit, preemption and a failed node all
+# reach a job as SIGTERM; only the job's record tells them apart, and while the job still has
+# live steps (the launcher is one) its JobState is COMPLETING whatever the cause. Measured on
+# slurm-wlm 22.05 (tests/e2e/slurm_cluster.py), the record at the moment of the SIGTERM:
+#
+#   scancel                      JobState=COMPLETING Reason=None, Restarts unchanged
+#   time limit                   JobState=COMPLETING Reason=TimeLimit
+#   preemption, GraceTime > 0    JobState=RUNNING, PreemptTime set (the steps get SIGTERM,
+#                                the batch script does not; the kill comes at PreemptTime+grace)
+#   preemption, GraceTime 0      JobState=COMPLETING, Restarts one more than at our start
+#                                (PreemptMode=REQUEUE: already requeued)
+#   a node failure               JobState=NODE_FAIL (or Reason NodeDown/NodeFail)
+#
+# A SIGTERM while the record shows none of these (RUNNING, no PreemptTime) is a user's
+# ``scancel --signal=TERM`` or a plain kill: the job is not being ended by Slurm.
+
+STOP_CAUSES = ("preempted", "time limit", "node failure", "requeued", "cancelled")
+
+
+def parse_job_record(text: str) -> dict[str, str]:
+    """``scontrol -o show job`` output (one line of KEY=VALUE words) as a dict (pure)."""
+    fields: dict[str, str] = {}
+    for word in text.split():
+        key, equals, value = word.partition("=")
+        if equals and key and key not in fields:
+            fields[key] = value
+    return fields
+
+
+def stop_cause(record: Mapping[str, str] | None, restarts_at_start: int = 0, *, end_time: int | None = None,
+               now: float | None = None) -> str | None:
+    """Why Slurm is ending the job, from its record (Note [why Slurm sent SIGTERM]), pure: one of
+    STOP_CAUSES, or None when the record says Slurm is not ending it (or there is no record and
+    the time limit is not near)."""
+    if record is None:
+        near_limit = end_time is not None and now is not None and now >= end_time - 10
+        return "time limit" if near_limit else None
+    state = record.get("JobState", "").upper()
+    reason = record.get("Reason", "")
+    if record.get("PreemptTime", "None") not in ("None", "", "Unknown", "N/A") or "PREEMPT" in state:
+        return "preempted"
+    if "TIMEOUT" in state or reason == "TimeLimit":
+        return "time limit"
+    if "NODE_FAIL" in state or reason in ("NodeDown", "NodeFail", "Node_Fail"):
+        return "node failure"
+    restarts = record.get("Restarts", "")
+    if restarts.isdigit() and int(restarts) > restarts_at_start:
+        return "requeued"
+    if state in ("CANCELLED", "COMPLETING", "COMPLETED", "FAILED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"):
+        return "cancelled"
+    return None

@@ -58,6 +58,8 @@ class JobResult:
     signal: int | None = None
     # The signal (SIGUSR1/2) on which every worker was asked to save a checkpoint and stop.
     checkpoint_signal: int | None = None
+    # False when a signal came before any worker started (Note [signals from the first instant]).
+    started: bool = True
 
     @property
     def ok(self) -> bool:
@@ -210,8 +212,11 @@ class Supervisor:
             leftovers = self._confirm_ended()
             self._sink.close()
             self.view.stop(self._failure is not None or self._interrupt.is_set())
+        # A checkpoint signal that was never passed on (the job ended before every rank made a
+        # step) saved nothing: the job ended on its own, and says nothing of a save.
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
-                         self._signal if self._interrupt.is_set() else None, self._checkpoint_signal)
+                         self._signal if self._interrupt.is_set() else None,
+                         self._checkpoint_signal if self._checkpoint_asked else None)
 
     def _pass_on_checkpoint_request(self, signum: int) -> None:
         """Note [save request waits for training]: a worker installs its SIGUSR1 handler in
