@@ -32,13 +32,31 @@ from zerorun.zero.activation_checkpointing import is_checkpointed
 from gpt import GPT, count_parameters, preset, rank_slice, synthetic_batch
 
 
+DEFAULT_LR = 3e-3
+
+
+def configured_lr(config: str | None) -> float | None:
+    """optimizer.params.lr of the config the engine will read (the launcher's, or --config), so the
+    script's own AdamW steps with it and nothing in the config is silently overridden."""
+    from zerorun.config import load_config
+
+    launched = os.environ.get("ZERORUN_CONFIG")
+    source = config or launched
+    if not source:
+        return None
+    # The launcher's file is resolved already (environment included): environ={} reads it as it is.
+    resolved = load_config(source, environ={} if source == launched else None)
+    return resolved.optimizer.params.get("lr") if resolved.optimizer is not None else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     parser.add_argument("--preset", default="tiny", help="model size: nano, tiny, bench")
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="sequences per rank per step (default: the config's batch.micro_batch_size, else 8)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"learning rate (default: the config's optimizer.params.lr, else {DEFAULT_LR})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default=None, help="zerorun YAML / DeepSpeed JSON (plain runs)")
     return parser.parse_args(argv)
@@ -51,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     device = _device()
     model = GPT(cfg).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    lr = args.lr if args.lr is not None else configured_lr(args.config) or DEFAULT_LR
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     engine = zerorun.initialize(model, optimizer, args.config)
     if args.steps and hasattr(engine, "set_total_steps"):
         engine.set_total_steps(args.steps)  # the dashboard's progress bar and ETA

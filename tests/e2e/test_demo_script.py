@@ -41,3 +41,20 @@ def test_demo_trains_as_a_plain_process_and_loss_falls(tmp_path):
     assert last < first - 0.5, f"the synthetic pattern is learnable; loss only went {first} -> {last}"
     assert "world size 1" in completed.stdout
     assert "activation checkpointing: 2 modules (blocks.0, blocks.1)" in completed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_readme_main_command_does_not_warn_about_itself(tmp_path):
+    """zero3.yaml sets lr 0.01 and train_gpt.py's AdamW had 3e-3: rank 0 warned that the config's
+    lr was ignored, on the README's own first command. The script now steps with the config's lr."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "zerorun", "--nproc", "2", "--no-dashboard", "--run-dir", str(tmp_path / "run"),
+         "--config", "zerorun/templates/zero3.yaml", "examples/train_gpt.py", "--steps", "2", "--preset", "nano"],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-3000:]
+    assert "done: loss" in output
+    assert "Warning" not in output and "ignored" not in output, output[-3000:]
