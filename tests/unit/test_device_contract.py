@@ -76,7 +76,7 @@ def test_a_cpu_worker_never_counts_gpus(environ):
 
 @pytest.mark.parametrize("environ, visible, says", [
     (ZERORUN_GPUS, 0, "asks for a GPU but this worker sees none"),
-    (ZERORUN_GPUS, 1, "ZERORUN_DEVICE=cuda:1 but this worker sees 1 GPU(s)"),
+    (ZERORUN_GPUS, 1, "cuda:1 is not a GPU this worker has (ZERORUN_DEVICE=cuda:1"),
     ({**TORCHRUN, "LOCAL_RANK": "3"}, 2, "local rank 3 has no GPU of its own"),
     # torchrun inside an srun step: LOCAL_RANK is torchrun's, not Slurm's, so no binding is assumed
     ({**SRUN, "SLURM_LOCALID": "0", "LOCAL_RANK": "3"}, 2, "local rank 3 has no GPU of its own"),
@@ -91,6 +91,12 @@ def test_a_gpu_the_worker_does_not_have_is_one_line(environ, visible, says):
 
 def test_an_existing_group_decides_the_kind_when_nothing_else_does():
     assert choose_device(TORCHRUN, gpus(2), group_backend="gloo").device == "cpu"  # gloo alone: CPU tensors
+    assert choose_device(TORCHRUN, gpus(2), group_backend="gloo", built_on="cpu").device == "cpu"
+    # ... unless the script built the model on a GPU: gloo moves CUDA tensors, the model stays
+    assert choose_device(TORCHRUN, gpus(2), group_backend="gloo", built_on="cuda:0").device == "cuda:0"
+    assert choose_device(TORCHRUN, gpus(2), group_backend="gloo", built_on="cuda").device == "cuda:1"
+    with pytest.raises(RuntimeConfigError, match="cuda:3 is not a GPU this worker has"):
+        choose_device(TORCHRUN, gpus(2), group_backend="gloo", built_on="cuda:3")
     assert choose_device(TORCHRUN, gpus(2), group_backend="nccl").device == "cuda:1"
     assert choose_device(TORCHRUN, gpus(2), group_backend="cpu:gloo,cuda:nccl").device == "cuda:1"
     # the launcher's (or the user's) explicit choice wins over a gloo group: gloo moves CUDA tensors

@@ -11,7 +11,8 @@ ask it, so they cannot disagree. In order:
 2. ``ZERORUN_DEVICE`` (set by ``zerorun`` for every worker: ``cpu`` under ``--nproc``,
    ``cuda:LOCAL_RANK`` under ``--gpus``) names the kind and the index;
 3. an existing process group (the script called ``init_process_group`` itself) names the kind:
-   NCCL means CUDA, gloo alone means the CPU;
+   NCCL means CUDA, gloo alone the CPU, unless the model was built on a GPU (gloo moves CUDA
+   tensors too: two ranks sharing one GPU train that way);
 4. otherwise (torchrun, ``srun python``, hostfile agents, ``deepspeed.init_distributed``,
    plain ``python``): CUDA when this process sees a GPU, else the CPU.
 
@@ -133,36 +134,41 @@ def _constraint(group_backend: str | None) -> str | None:
     return None
 
 
-def _named_kind(environ: Mapping[str, str], group_backend: str | None) -> tuple[str, str]:
-    """Steps 1-3 of Note [device contract]: "cpu", "cuda" or AUTO, and why."""
+def _named_kind(environ: Mapping[str, str], group_backend: str | None,
+                built_on: str | None = None) -> tuple[str, str, str | None]:
+    """Steps 1-3 of Note [device contract]: "cpu", "cuda" or AUTO, why, and the "cuda:N" that
+    names the index where one does."""
     named = (environ.get("DS_ACCELERATOR") or "").strip().lower()
     decided = worker_device(environ)
     existing = _constraint(group_backend)
     if named in ("cpu", "cuda"):
-        return named, f"DS_ACCELERATOR={named}"
+        return named, f"DS_ACCELERATOR={named}", decided if decided.startswith("cuda:") else None
     if decided != AUTO:
-        return decided.split(":")[0], f"{ENV_NAME}={decided} (the launcher's choice)"
+        return decided.split(":")[0], f"{ENV_NAME}={decided} (the launcher's choice)", decided
+    if existing == "cpu" and (built_on or "").startswith("cuda"):
+        # gloo moves CUDA tensors: a script that chose gloo for a model it put on a GPU keeps it there
+        return "cuda", f"a {group_backend} group and a model built on {built_on}", built_on if ":" in built_on else None
     if existing is not None:
-        return existing, f"the process group already started with {group_backend}"
-    return AUTO, ""
+        return existing, f"the process group already started with {group_backend}", None
+    return AUTO, "", None
 
 
 def device_kind(environ: Mapping[str, str], count_gpus: Callable[[], int], group_backend: str | None = None) -> str:
     """"cpu" or "cuda", the kind ``choose_device`` picks, without checking the index (pure)."""
-    kind, _ = _named_kind(environ, group_backend)
+    kind, _, _ = _named_kind(environ, group_backend)
     if kind != AUTO:
         return kind
     return "cuda" if count_gpus() > 0 else "cpu"
 
 
 def choose_device(environ: Mapping[str, str], count_gpus: Callable[[], int],
-                  group_backend: str | None = None) -> DeviceChoice:
+                  group_backend: str | None = None, built_on: str | None = None) -> DeviceChoice:
     """Note [device contract]: this worker's device (pure; ``count_gpus()`` is the GPUs this
-    process sees, asked only when needed). Raises RuntimeConfigError, one line, when the
-    environment asks for a GPU this worker does not have."""
-    decided = worker_device(environ)
+    process sees, asked only when needed; ``built_on`` is where the model was built, which
+    matters only beside a gloo group the script started). Raises RuntimeConfigError, one
+    line, when the environment asks for a GPU this worker does not have."""
     existing = _constraint(group_backend)
-    kind, why = _named_kind(environ, group_backend)
+    kind, why, named_index = _named_kind(environ, group_backend, built_on)
     if kind == "cpu":
         if existing == "cuda":
             raise RuntimeConfigError(f"the process group uses NCCL but this worker trains on the CPU ({why})",
@@ -176,11 +182,11 @@ def choose_device(environ: Mapping[str, str], count_gpus: Callable[[], int],
             raise RuntimeConfigError(f"{why} asks for a GPU but this worker sees none{where}",
                                      hint="run on a machine with a GPU, or train on the CPU (zerorun --nproc N)")
         return DeviceChoice("cpu", "no GPU visible")
-    if decided.startswith("cuda:") and kind == "cuda":
-        index = int(decided.split(":")[1])
-        if index >= visible:
-            raise RuntimeConfigError(f"{ENV_NAME}={decided} but this worker sees {visible} GPU(s)", hint=_FIX)
-        return DeviceChoice(decided, why)
+    if named_index is not None:
+        if int(named_index.split(":")[1]) >= visible:
+            raise RuntimeConfigError(f"{named_index} is not a GPU this worker has ({why}; it sees {visible})",
+                                     hint=_FIX)
+        return DeviceChoice(named_index, why)
     local = local_rank(environ)
     if slurm_bound_per_task(environ, visible, local):
         return DeviceChoice("cuda:0", why or "Slurm bound this task's GPUs (its first)")
@@ -199,9 +205,15 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def this_worker(group_backend: str | None = None, environ: Mapping[str, str] | None = None) -> DeviceChoice:
-    """``choose_device`` for this process."""
-    return choose_device(os.environ if environ is None else environ, visible_gpus, group_backend)
+def this_worker(group_backend: str | None = None, environ: Mapping[str, str] | None = None,
+                built_on: str | None = None) -> DeviceChoice:
+    """``choose_device`` for this process; ``group_backend`` defaults to the existing group's."""
+    if group_backend is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            group_backend = str(dist.get_backend())
+    return choose_device(os.environ if environ is None else environ, visible_gpus, group_backend, built_on)
 
 
 def bind(choice: DeviceChoice) -> None:

@@ -77,7 +77,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     first = next(model.parameters(), None)
     if first is None:
         raise RuntimeConfigError("the model has no parameters to train")
-    pg = resolve_process_group()  # on this worker's device: a model built elsewhere moves there
+    pg = resolve_process_group(first.device)  # this worker's device: a model built elsewhere moves there
     cfg = load_config(cfg, world_size=pg.world_size)
     engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
                     model_parameters=model_parameters, state_home_for=state_home_for)
@@ -137,7 +137,7 @@ def _compute_device(model_device: torch.device) -> torch.device:
     """Where the model trains, wherever it was built (``model_device``): this worker's device by
     Note [device contract] in zerorun/worker/device.py. A CPU-built model moves to the GPU, as
     DeepSpeed moves it; one built on the meta device is materialized there."""
-    return worker_device.this_worker().torch_device()
+    return worker_device.this_worker(built_on=str(model_device)).torch_device()
 
 
 def _train_state_field(name: str) -> property:

@@ -45,13 +45,14 @@ def _env_int(name: str) -> int | None:
         raise RuntimeConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def resolve_process_group() -> ProcessGroupInfo:
+def resolve_process_group(model_device: torch.device | None = None) -> ProcessGroupInfo:
     """Join (or create) the group, on this worker's device (Note [device contract] in
     zerorun/worker/device.py): NCCL if and only if that device is a GPU, made current first,
     also when the script started the group itself (``all_gather_object`` and allocations
-    without a device use the current GPU, cuda:0 on every rank otherwise)."""
+    without a device use the current GPU, cuda:0 on every rank otherwise). ``model_device``
+    (where the model was built) matters only beside a gloo group the script started."""
     if dist.is_available() and dist.is_initialized():
-        choice = device.this_worker(group_backend=str(dist.get_backend()))
+        choice = device.this_worker(built_on=None if model_device is None else str(model_device))
         device.bind(choice)
         return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), choice.torch_device())
     if _env_int("WORLD_SIZE") is None and _env_int("RANK") is None:
