@@ -17,6 +17,7 @@ rather than a hang.
 from __future__ import annotations
 
 import json
+import re
 import os
 import time
 from pathlib import Path
@@ -142,3 +143,58 @@ def test_a_peer_that_exits_mid_collective_is_named_within_seconds(tmp_path):
     assert results[0]["error"] is not None, "rank 0's all-gather finished without its peer"
     assert "rank 1" in results[0]["error"] and "exited" in results[0]["error"], results[0]
     assert results[0]["seconds"] < PEER_CHECK_S + 10, results[0]
+
+
+def early_exit_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from zerorun.zero.comm import collectives
+
+    def ours() -> set[str]:
+        return {name for name in os.listdir("/dev/shm") if name.startswith(("zerorun-outbox-", "zerorun-inbox-"))}
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 is in its first all-gather, opening the channel
+        os._exit(0)  # fails before the group's first collective
+    before = ours()
+    result: dict = {"error": None}
+    try:
+        collectives.all_gather(torch.empty(2 * CHUNK), torch.ones(CHUNK), group=None)
+    except Exception as err:  # gloo's "connection closed" (the launcher names the rank that left)
+        result["error"] = type(err).__name__
+    # This rank's files: named with its pid, or (before issue 31) with no pid at all.
+    mine = re.compile(rf"zerorun-(outbox|inbox)-(p{os.getpid()}-.*|(?!p[0-9]+-).*)")
+    result["left"] = sorted(name for name in ours() - before if mine.fullmatch(name))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    os._exit(0)
+
+
+def test_a_rank_that_fails_before_the_first_collective_leaves_nothing_in_dev_shm(tmp_path):
+    """Issue 31 item 7: the survivor's outbox and FIFO were made before the agreement and not
+    unlinked when it raised; now nothing is made until every rank is there (Note [shm cleanup])."""
+    import torch.multiprocessing as mp
+
+    procs = mp.start_processes(early_exit_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                               start_method="spawn", join=False)
+    for process in procs.processes:
+        process.join(timeout=300)
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert result["error"] is not None, "rank 0's all-gather finished without its peer"
+    assert result["left"] == [], result
+
+
+def test_stale_channel_files_are_removed_by_pid_and_age(tmp_path):
+    from zerorun.zero.comm import shm_names
+
+    dead = 2 ** 22 + 12345  # above any pid_max default: no such process
+    (tmp_path / f"zerorun-outbox-p{dead}-abc").write_bytes(b"x")
+    (tmp_path / f"zerorun-inbox-p{dead}-abc").write_bytes(b"x")
+    (tmp_path / f"zerorun-outbox-p{os.getpid()}-abc").write_bytes(b"x")  # alive: kept
+    (tmp_path / "zerorun-outbox-other").write_bytes(b"x")  # not our pattern: kept
+    assert shm_names.remove_stale(str(tmp_path)) == []  # too young: perhaps another namespace's, mid-open
+    later = time.time() + shm_names.STALE_S + 1
+    assert sorted(os.path.basename(p) for p in shm_names.remove_stale(str(tmp_path), now=later)) == [
+        f"zerorun-inbox-p{dead}-abc", f"zerorun-outbox-p{dead}-abc"]
+    assert shm_names.remove_files_of([os.getpid()], str(tmp_path)) == [str(tmp_path / f"zerorun-outbox-p{os.getpid()}-abc")]
+    assert os.listdir(tmp_path) == ["zerorun-outbox-other"]

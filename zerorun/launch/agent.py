@@ -71,12 +71,14 @@ Emit = Callable[[dict], None]
 GUARDIAN_SOURCE = r"""
 import os, signal, sys, time
 groups = set()
+started = set()
 for line in sys.stdin:
     word = line.strip()
     if word == "done":
         sys.exit(0)
     if word.startswith("+"):
         groups.add(int(word[1:]))
+        started.add(int(word[1:]))
 def signal_all(sig):
     for pgid in list(groups):
         try:
@@ -89,6 +91,19 @@ while groups and time.monotonic() < deadline:
     time.sleep(0.05)
     signal_all(0)
 signal_all(signal.SIGKILL)
+# Note [shm cleanup] (zerorun/zero/comm/shm_names.py): the host-channel files of the workers.
+import re
+ours = re.compile(r"zerorun-(?:outbox|inbox)-p([0-9]+)-[A-Za-z0-9_]+\Z")
+try:
+    for name in os.listdir("/dev/shm"):
+        found = ours.match(name)
+        if found and int(found.group(1)) in started:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+except OSError:
+    pass
 """
 
 
@@ -330,8 +345,14 @@ class NodeAgent:
         return any(worker["env"].get(save_on_signal.ENV_NAME) == "1" for worker in self.workers)
 
     def remove_scratch(self) -> None:
-        """The NVMe scratch its workers recorded (a rank ended by a signal cannot remove its own)."""
+        """The NVMe scratch its workers recorded and their host-channel files in /dev/shm (a
+        rank ended by a signal cannot remove its own; Note [shm cleanup] in comm/shm_names.py)."""
+        from zerorun.zero.comm.shm_names import remove_files_of
         from zerorun.zero.offload.scratch import sweep_recorded
+
+        with self._stop_lock:
+            pids = [proc.pid for proc in self._procs.values()]
+        remove_files_of(pids)
 
         by_run_dir: dict[str, list[int]] = {}
         for worker in self.workers:

@@ -14,7 +14,7 @@ Layout: every rank owns an outbox in /dev/shm of SLOTS slots of SLOT_BYTES each,
 every rank of the group, and an inbox FIFO into which each peer writes one-byte tokens (the
 sender's rank). Both files are unlinked as soon as every rank has opened them, within the
 group's first reduce-scatter or all-gather: from then on nothing is left in /dev/shm however
-the job ends.
+the job ends. Before then, Note [shm cleanup] (comm/shm_names.py) says who unlinks them.
 
 Note [rounds]: a collective is cut into rounds of at most one slot per rank; round t (counted
 over the channel's whole life, identical on every rank because the collectives are issued in
@@ -50,12 +50,13 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.zero.comm import shm_names
 
 SLOTS = 2  # Note [rounds]: exactly two
 SLOT_BYTES = 1 << 20  # 2 slots per rank: 2 MiB of outbox, 4 MiB mapped by each of 2 ranks (2 MiB slots cost no less CPU)
 PEER_CHECK_S = 1.0
 MAX_RANKS = 256  # a token is the sender's rank in one byte
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm_names.SHM_DIR
 _HEADER = 64  # the outbox's first bytes hold its owner's nonce, checked by every peer
 
 
@@ -123,40 +124,63 @@ def channel_wanted(environ) -> bool:
 def _open(group) -> HostChannel | None:
     if not channel_wanted(os.environ):
         return None
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    outbox_path = inbox_path = None
-    mine: dict | None = None
-    if 2 <= size <= MAX_RANKS and os.path.isdir(SHM_DIR):
+    size = dist.get_world_size(group)
+    can = 2 <= size <= MAX_RANKS and os.path.isdir(SHM_DIR)
+    if can:
+        shm_names.remove_stale(SHM_DIR)
+    # Note [shm cleanup]: nothing is created until every rank is here, so a rank that fails
+    # before its first collective leaves its peers waiting in this barrier with no file made.
+    # Every rank runs the same collectives whatever it can do (a rank that skipped one would
+    # pair its next with another's and hang).
+    dist.barrier(group=group)
+    created: list[str] = []
+    try:
+        mine: dict | None = None
         try:
+            if not can:
+                raise OSError("no shared memory here")
             nonce = secrets.token_hex(8)
-            fd, outbox_path = tempfile.mkstemp(prefix="zerorun-outbox-", dir=SHM_DIR)
+            fd, outbox_path = tempfile.mkstemp(prefix=shm_names.outbox_prefix(), dir=SHM_DIR)
+            created.append(outbox_path)
             with os.fdopen(fd, "r+b") as outbox:
                 # Reserve the pages now: a sparse file on a full tmpfs would pass here and
                 # raise SIGBUS at the first write into a slot, mid-training.
                 os.posix_fallocate(outbox.fileno(), 0, _HEADER + SLOTS * SLOT_BYTES)
                 outbox.write(nonce.encode())
-            inbox_path = outbox_path.replace("zerorun-outbox-", "zerorun-inbox-")
+            inbox_path = shm_names.inbox_path(outbox_path)
             os.mkfifo(inbox_path, 0o600)
+            created.append(inbox_path)
             mine = {"outbox": outbox_path, "inbox": inbox_path, "nonce": nonce, "pid": os.getpid(),
                     "start_time": _proc_start_time(os.getpid())}
         except Exception:  # whatever fails here, this rank must still reach the agreements below
             mine = None
+        return _agree(group, size, mine)
+    finally:
+        for path in created:  # every rank has opened them, given up, or failed: unlink
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _agree(group, size: int, mine: dict | None) -> HostChannel | None:
+    """Exchange what each rank made, open the channel where every rank made its part, and agree
+    that every rank opened it; else None on every rank."""
     everyone: list = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
     channel = None
     if all(everyone):
         try:
-            channel = HostChannel(group, rank, everyone)
+            channel = HostChannel(group, dist.get_rank(group), everyone)
         except Exception:  # as above: a rank that skipped the next agreement would hang the others
             channel = None
-    opened: list = [None] * size
-    dist.all_gather_object(opened, channel is not None, group=group)
-    for path in (outbox_path, inbox_path):  # every rank has opened them (or given up): unlink
-        if path is not None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+    try:
+        opened: list = [None] * size
+        dist.all_gather_object(opened, channel is not None, group=group)
+    except BaseException:
+        if channel is not None:
+            channel.close()
+        raise
     if channel is not None and not all(opened):
         channel.close()
         channel = None
