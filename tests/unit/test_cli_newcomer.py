@@ -117,7 +117,8 @@ def test_env_report_renders_any_machine():
                         "numpy": "2.0"},
              "torch": "2.11.0+cu130", "cuda_available": True, "cuda_version": "13.0", "distributed": True,
              "gloo": True, "nccl": True, "nccl_version": "2.27.3",
-             "gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 10**9}]}
+             "gpus": [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 10**9}],
+             "slurm": {"lines": ["Slurm: not in an allocation (no SLURM_JOB_ID)"], "srun": None}}
     console = Console(record=True, width=120)
     console.print(render(facts))
     text = console.export_text()
@@ -125,6 +126,8 @@ def test_env_report_renders_any_machine():
                   "16 cores, 125.0 GiB memory", "sshd", "no (needed on remote hosts",
                   "accelerate", "not installed: the Accelerate integration", "zerorun[report]"):
         assert words in text, words
+    slurm_row = next(line for line in text.splitlines() if "not in an allocation" in line)
+    assert slurm_row.count("Slurm") == 1, slurm_row  # was "Slurm │ Slurm: not in an allocation"
 
 
 def test_estimate_model_class_needing_arguments_is_one_line(capsys, monkeypatch):
@@ -147,3 +150,16 @@ def test_estimate_model_whose_code_fails_is_one_line(tmp_path, capsys, monkeypat
     (tmp_path / "broken2.py").write_text("def build():\n    raise RuntimeError('no weights here')\n")
     code, out, err = run_main(["estimate", "--model", "broken2.py:build"], capsys)
     assert code == 2 and "building the model failed: RuntimeError: no weights here" in err
+
+
+def test_help_names_the_launch_options_and_shows_no_bool_type_for_flags(capsys, monkeypatch):
+    """``zerorun --help`` listed only subcommands (--nproc and --config were one level down) and
+    every on/off flag read ``--dry-run <bool>`` as if it took a value."""
+    monkeypatch.setenv("COLUMNS", "200")
+    code, top, _ = run_main(["--help"], capsys)
+    assert code == 0 and "--nproc N" in top and "--config FILE" in top and "zerorun run --help" in top
+    for argv in (["--help"], ["run", "--help"], ["init", "--help"], ["estimate", "--help"]):
+        code, out, _ = run_main(argv, capsys)
+        assert code == 0 and "<bool>" not in out, argv
+    code, run_help, _ = run_main(["run", "--help"], capsys)
+    assert "--dry-run" in run_help and "<int>" in run_help  # options that take a value keep their type

@@ -307,3 +307,18 @@ def test_summary_shows_offloaded_host_and_nvme_bytes_apart_from_model_state():
                       breakdown=(("total", 1 << 20), ("offloaded_host", 0), ("offloaded_nvme", 0)), comm=()),)
     assert "offloaded" not in draw(render_summary(Snapshot(world_size=1, elapsed_s=1, ranks=plain, samples_per_s=1.0,
                                                             comm_totals=())), width=80)
+
+
+def test_after_ctrl_c_the_summary_says_interrupted_and_ranks_show_the_signal(tmp_path):
+    """The summary said 'failed' and each rank 'exit -15' after the user's own Ctrl-C."""
+    out = io.StringIO()
+    view = JobView(run_dir=tmp_path, token="T", world_size=2, dashboard=False, stream=out)
+    view.start()
+    view.on_telemetry("h0", tele(0, "step", step=1, step_time_s=0.5, samples=2))
+    for rank in range(2):
+        view.on_worker_exit("h0", rank, -15)
+    snapshot = view.collector.snapshot()
+    view.stop(failed=False, interrupted=True)
+    assert "zerorun summary (interrupted after" in out.getvalue() and "failed" not in out.getvalue()
+    assert "SIGTERM" in row(draw(render(snapshot)), "0") and "exit -15" not in draw(render(snapshot))
+    assert "(failed after" in draw(render_summary(snapshot, failed=True, interrupted=True))

@@ -170,7 +170,9 @@ def render(facts: dict):
     slurm = facts.get("slurm") or {}
     if slurm.get("lines"):
         srun = slurm.get("srun")
-        table.add_row("Slurm", escape("\n".join(slurm["lines"]) + (f"\nsrun: {srun}" if srun else "\nsrun: not on PATH")))
+        # The row is labelled Slurm already; the lines are worded to stand alone (the launcher prints them).
+        lines = [slurm["lines"][0].removeprefix("Slurm: "), *slurm["lines"][1:]]
+        table.add_row("Slurm", escape("\n".join(lines) + (f"\nsrun: {srun}" if srun else "\nsrun: not on PATH")))
     for name, version in facts["extras"].items():
         table.add_row(name, f"[green]{escape(version)}[/green]" if version
                       else f"[dim]not installed[/dim]: {escape(EXTRAS[name])}")

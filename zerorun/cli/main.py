@@ -21,11 +21,11 @@ def build_app():
 
     from zerorun.cli import consolidate, env, estimate, init, report, run
 
+    _flags_without_type()
     app = typer.Typer(
         add_completion=False,
         no_args_is_help=True,
-        help="ZeRO sharded data-parallel training, launched and watched from one command. "
-             "zerorun --version prints the version.",
+        help=TOP_HELP,
         pretty_exceptions_enable=False,
     )
     for module in (run, estimate, init, report, env, consolidate):
@@ -34,6 +34,32 @@ def build_app():
 
 
 SUBCOMMANDS = ("run", "estimate", "init", "report", "env", "consolidate")
+# The launch options a newcomer needs first are named here: `run` is the default command, so
+# its options would otherwise appear only under `zerorun run --help`.
+TOP_HELP = (
+    "ZeRO sharded data-parallel training, launched and watched from one command.\n\n"
+    "zerorun [--nproc N | --gpus N] [--config FILE] [--set KEY=VALUE] SCRIPT [ARGS]: start SCRIPT on "
+    "N CPU workers (--nproc) or one worker per GPU (--gpus) with the config FILE (default: ./zerorun.yaml "
+    "if there is one); this is the run command, the default, and `zerorun run --help` lists all its "
+    "options (--hostfile, --dry-run, --resume, ...).\n\n"
+    "zerorun --version prints the version."
+)
+
+
+def _flags_without_type() -> None:
+    """An on/off flag (--dry-run, --help) takes no value, but typer's help prints a ``<bool>`` type
+    beside it as if it took one; show no type for flags (the --x/--no-x pair already says it)."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "flags_untyped", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.flags_untyped = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
 def route(argv: list[str]) -> list[str]:

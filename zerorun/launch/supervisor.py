@@ -211,7 +211,7 @@ class Supervisor:
             self._drain()
             leftovers = self._confirm_ended()
             self._sink.close()
-            self.view.stop(self._failure is not None or self._interrupt.is_set())
+            self.view.stop(self._failure is not None, interrupted=self._interrupt.is_set())
         # A checkpoint signal that was never passed on (the job ended before every rank made a
         # step) saved nothing: the job ended on its own, and says nothing of a save.
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,

@@ -5,7 +5,7 @@ Contract with the launcher (zerorun/launch): it builds one ``JobView`` per job a
     view.on_output(host, rank, line)          # one line of a worker's stdout/stderr, no newline
     view.on_telemetry(host, raw_line)         # one raw telemetry line (bytes) from a worker
     view.on_worker_exit(host, rank, returncode)
-    view.stop(failed: bool)                   # prints the end-of-run summary
+    view.stop(failed: bool, interrupted=False) # prints the end-of-run summary
 All calls may come from several reader threads; the collector and a lock serialise them.
 
 Two modes, chosen once in ``start``:
@@ -88,7 +88,8 @@ class JobView:
     def on_worker_exit(self, host: str, rank: int, returncode: int) -> None:
         self.collector.worker_exited(rank, returncode)
 
-    def stop(self, failed: bool) -> None:
+    def stop(self, failed: bool, *, interrupted: bool = False) -> None:
+        """``interrupted``: the launcher was stopped (Ctrl-C, a signal); the summary says so, not "failed"."""
         with self._lock:
             if self._stop_done:
                 return
@@ -106,7 +107,7 @@ class JobView:
             if self._live is None and snapshot.accepted:
                 # The plain mode's last status line: the figures at the end, as the summary has them.
                 print(draw.render_plain(snapshot), file=self._stream, flush=True)
-            self._console.print(draw.render_summary(snapshot, failed=failed))
+            self._console.print(draw.render_summary(snapshot, failed=failed, interrupted=interrupted))
         self.collector.close()
 
     def _plain_loop(self) -> None:

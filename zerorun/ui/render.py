@@ -176,13 +176,25 @@ def _heartbeat_cell(r: RankView) -> Text:
 def _status_cell(r: RankView, straggler: bool) -> Text:
     # Short words: the collective's name is in the hang line once the wait becomes a hang.
     text = Text()
-    if r.exit_code is not None:
+    if r.exit_code is not None and r.exit_code < 0:
+        # Ended by a signal: the launcher's own stop (Ctrl-C, a failure elsewhere) or a kill.
+        text.append(signal_name(-r.exit_code), style="yellow")
+    elif r.exit_code is not None:
         text.append(f"exit {r.exit_code}", style="green" if r.exit_code == 0 else "bold red")
     elif r.blocked is not None and r.blocked.waited_s >= 1:
         text.append(f"in #{r.blocked.seq} {r.blocked.waited_s:.0f}s", style="yellow")
     if straggler:
         text.append(" ◀ slow" if text else "◀ slow", style="bold magenta")
     return text
+
+
+def signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def hang_message(s: Snapshot) -> str:
@@ -256,12 +268,14 @@ class FirstThatFits:
         yield self.choices[-1]
 
 
-def render_summary(s: Snapshot, failed: bool = False):
+def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False):
     """End-of-run table: per-rank peak memory, time per collective type, throughput.
 
     One column per collective type when that fits the terminal; otherwise (80 columns, three
     collective types) a rank table and a collective table, so no cell is cut."""
-    title = f"zerorun summary ({'failed' if failed else 'finished'} after {fmt_duration(s.elapsed_s)})"
+    # A failure outranks the interrupt it may have caused; workers the launcher stopped are no failure.
+    ended = "failed" if failed else "interrupted" if interrupted else "finished"
+    title = f"zerorun summary ({ended} after {fmt_duration(s.elapsed_s)})"
     parts = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
     if s.run_samples_per_s is not None:
         parts.append(Text(f"job throughput: {fmt_rate(s.run_samples_per_s)} samples/s over the run"))
