@@ -136,11 +136,17 @@ class DeepSpeedEngineAPI:
 
     # -- whole-model exports ---------------------------------------------------------------
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """The whole model in its training dtype on the CPU on rank 0, None on the other ranks
-        (every rank must call it). Unlike DeepSpeed it also works below stage 3."""
+        """The whole model in its training dtype on the CPU on rank 0, ``{}`` on the other ranks
+        (every rank must call it). Unlike DeepSpeed it also works below stage 3.
+
+        DeepSpeed gives None on the other ranks; Accelerate's idiom
+        ``unwrap_model(m).save_pretrained(d, state_dict=accelerator.get_state_dict(m), is_main_process=...)``
+        then reads the module's own state dict there, which works on DeepSpeed's shape-[0]
+        parameters but not on zerorun's stage-3 ones (full shape over empty storage): an empty
+        dict keeps that idiom working, and rank 0's caller writes either way."""
         state = self.full_state_dict(rank0_only=True)
         if self.rank != 0:
-            return None
+            return {}
         if exclude_frozen_parameters:
             frozen = {name for name, p in self.module.named_parameters() if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}

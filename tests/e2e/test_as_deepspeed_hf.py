@@ -1,5 +1,6 @@
-"""pytest -m long tests/e2e/test_as_deepspeed_trainer.py — an unchanged Trainer script with
-``TrainingArguments(deepspeed=...)`` under ``zerorun --as-deepspeed``.
+"""pytest -m long tests/e2e/test_as_deepspeed_hf.py — an unchanged Trainer script with
+``TrainingArguments(deepspeed=...)`` and an unchanged Accelerate script with a ``DeepSpeedPlugin``,
+under ``zerorun --as-deepspeed``.
 
 The script (tests/data/hf_deepspeed/trainer_script.py) imports nothing of zerorun: transformers
 and Accelerate find a `deepspeed` distribution, build their DeepSpeed plugin and call
@@ -14,6 +15,10 @@ step, and Adam can amplify that for near-zero gradients): every logged loss; the
 ``trainer.save_model`` wrote, reloaded with ``from_pretrained`` (atol 2e-5 beside: lr 3e-3, one
 wrong update moves a weight ~100x that); ``trainer.evaluate()`` alone on a fresh stage-3 engine
 (no optimizer, Trainer's ZeRO inference path) against DDP's evaluation of the same untrained model.
+
+The Accelerate script (tests/data/hf_deepspeed/accelerate_script.py) is compared the same way
+with itself without the plugin (DDP): every micro-batch's loss, and the model saved by
+``save_pretrained(state_dict=accelerator.get_state_dict(model))``, at stages 2 and 3.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ pytest.importorskip("accelerate")
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "hf_deepspeed"
 SCRIPT = DATA / "trainer_script.py"
+ACCELERATE_SCRIPT = DATA / "accelerate_script.py"
 RTOL, ATOL = 1e-4, 2e-5
 
 
@@ -43,10 +49,10 @@ def config_without_optimizer(stage: int, out: Path) -> Path:
     return path
 
 
-def run_script(workdir: Path, name: str, *args: str, as_deepspeed: bool = False) -> dict:
+def run_script(workdir: Path, name: str, *args: str, as_deepspeed: bool = False, script: Path = SCRIPT) -> dict:
     out = workdir / name
     command = [str(Path(sys.executable).with_name("zerorun")), "--nproc", "2", "--no-dashboard",
-               *(["--as-deepspeed"] if as_deepspeed else []), str(SCRIPT), "--out", str(out), *args]
+               *(["--as-deepspeed"] if as_deepspeed else []), str(script), "--out", str(out), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -67,8 +73,33 @@ def runs(tmp_path_factory) -> dict:
     return results
 
 
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("as_deepspeed_accelerate")
+    results = {"ddp": run_script(workdir, "ddp", script=ACCELERATE_SCRIPT)}
+    for stage in (2, 3):
+        results[f"stage{stage}"] = run_script(workdir, f"stage{stage}", "--zero-stage", str(stage),
+                                              as_deepspeed=True, script=ACCELERATE_SCRIPT)
+    return results
+
+
 def _close(got: float, want: float) -> bool:
     return abs(got - want) <= RTOL * abs(want)
+
+
+def assert_same_saved_model(got_dir: str, want_dir: str) -> None:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    got = GPT2LMHeadModel.from_pretrained(got_dir).state_dict()
+    want = GPT2LMHeadModel.from_pretrained(want_dir).state_dict()
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.allclose(got[key], value, rtol=RTOL, atol=ATOL), key
+    # Trained: the scripts' initial model (the same config, seed 1234) is far from what was saved.
+    torch.manual_seed(1234)
+    initial = GPT2LMHeadModel(GPT2LMHeadModel.config_class.from_pretrained(want_dir)).state_dict()
+    assert max((want[key] - initial[key]).abs().max().item() for key in want) > 100 * ATOL
 
 
 @pytest.mark.slow
@@ -76,9 +107,6 @@ def _close(got: float, want: float) -> bool:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["stage2", "stage3"])
 def test_trainer_with_deepspeed_config_matches_plain_trainer(runs, name):
-    import torch
-    from transformers import GPT2LMHeadModel
-
     ours, ddp = runs[name], runs["ddp"]
     assert ours["wrapped"] == "zerorun.zero.engine.Engine"  # trained on zerorun's engine, not DDP
     assert ddp["wrapped"].endswith("DistributedDataParallel")
@@ -86,11 +114,7 @@ def test_trainer_with_deepspeed_config_matches_plain_trainer(runs, name):
     assert len(ours["loss"]) == len(ddp["loss"]) == 6
     assert all(_close(a, b) for a, b in zip(ours["loss"], ddp["loss"], strict=True)), (ours["loss"], ddp["loss"])
     assert _close(ours["eval_loss"], ddp["eval_loss"])
-    got = GPT2LMHeadModel.from_pretrained(ours["final"]).state_dict()
-    want = GPT2LMHeadModel.from_pretrained(ddp["final"]).state_dict()
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        assert torch.allclose(got[key], value, rtol=RTOL, atol=ATOL), key
+    assert_same_saved_model(ours["final"], ddp["final"])
     # The weights moved: the trained model evaluates better than the untrained one.
     assert ddp["eval_loss"] < runs["ddp_eval"]["eval_loss"] - 0.02
 
@@ -102,3 +126,16 @@ def test_evaluate_alone_on_a_stage3_engine_matches_plain_trainer(runs):
     ours, ddp = runs["stage3_eval"], runs["ddp_eval"]
     assert ours["loss"] == [] and ours["wrapped"] == "zerorun.zero.engine.Engine"
     assert _close(ours["eval_loss"], ddp["eval_loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.long  # three 2-rank Accelerate runs
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["stage2", "stage3"])
+def test_accelerate_with_a_deepspeed_plugin_matches_plain_accelerate(accelerate_runs, name):
+    ours, ddp = accelerate_runs[name], accelerate_runs["ddp"]
+    assert ours["wrapped"] == "zerorun.zero.engine.Engine"
+    assert ddp["wrapped"].endswith("DistributedDataParallel")
+    assert len(ours["loss"]) == len(ddp["loss"]) == 8  # 16 samples per rank, micro-batches of 2
+    assert all(_close(a, b) for a, b in zip(ours["loss"], ddp["loss"], strict=True)), (ours["loss"], ddp["loss"])
+    assert_same_saved_model(ours["final"], ddp["final"])
