@@ -1,4 +1,4 @@
-"""pytest -m cuda tests/cuda/test_cuda_findings.py — issue 32's findings, on a GPU.
+"""pytest -m cuda tests/cuda/test_cuda_findings.py — what a GPU review found, on a GPU.
 
 Finding 1 (stage 3 parameter offload without optimizer offload) is in test_cuda_parity.py.
 Each test that needs a fresh process group or CUDA context runs in its own interpreter.

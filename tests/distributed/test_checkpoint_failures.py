@@ -1,7 +1,7 @@
-"""pytest tests/distributed/test_checkpoint_failures.py — a save that fails on one rank, seen by every rank (issue 19, item 11).
+"""pytest tests/distributed/test_checkpoint_failures.py — a save that fails on one rank, seen by every rank.
 
 Two gloo ranks save once, then rank 0's disk fills up (fsync raises ENOSPC) during the next
-save. Before issue 19 rank 0 died of a raw ENOSPC traceback and rank 1 of a misleading gloo
+save. Before, rank 0 died of a raw ENOSPC traceback and rank 1 of a misleading gloo
 "connection closed". Now rank 0 raises one line naming its file and the bytes written, rank 1
 one line naming rank 0, both ranks stay in step (they leave together), the previous checkpoint
 stays the latest, and the next good save removes what the failed one left. Then a file only

@@ -163,7 +163,7 @@ def early_exit_worker(rank: int, init_file: str, out_dir: str) -> None:
         collectives.all_gather(torch.empty(2 * CHUNK), torch.ones(CHUNK), group=None)
     except Exception as err:  # gloo's "connection closed" (the launcher names the rank that left)
         result["error"] = type(err).__name__
-    # This rank's files: named with its pid, or (before issue 31) with no pid at all.
+    # This rank's files: named with its pid, or (older versions) with no pid at all.
     mine = re.compile(rf"zerorun-(outbox|inbox)-(p{os.getpid()}-.*|(?!p[0-9]+-).*)")
     result["left"] = sorted(name for name in ours() - before if mine.fullmatch(name))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -171,7 +171,7 @@ def early_exit_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_a_rank_that_fails_before_the_first_collective_leaves_nothing_in_dev_shm(tmp_path):
-    """Issue 31 item 7: the survivor's outbox and FIFO were made before the agreement and not
+    """The survivor's outbox and FIFO were made before the agreement and not
     unlinked when it raised; now nothing is made until every rank is there (Note [shm cleanup])."""
     import torch.multiprocessing as mp
 

@@ -1,4 +1,4 @@
-"""pytest -m soak tests/distributed/test_nvme_soak.py — 5,000 steps with everything on NVMe (issue 19).
+"""pytest -m soak tests/distributed/test_nvme_soak.py — 5,000 steps with everything on NVMe.
 
 Two gloo ranks train a small MLP at stage 3 with parameters and optimizer state offloaded to
 NVMe files, saving a checkpoint every 500 steps with keep_last 2. Each rank measures its

@@ -77,7 +77,7 @@ def _losses(tmp: Path) -> dict[int, float]:
 
 @pytest.mark.long
 def test_a_resuming_job_beside_an_empty_latest_resumes_from_the_newest_complete_tag(tmp_path):
-    """Issue 31 item 2, end to end: a 0-byte ``latest`` beside global_step10 and global_step12
+    """End to end: a 0-byte ``latest`` beside global_step10 and global_step12
     used to read as "no latest file"; the job trained from step 0 and moved ``latest`` back."""
     solo, job = tmp_path / "solo", tmp_path / "job"
     for where in (solo, job):

@@ -1,4 +1,4 @@
-"""pytest tests/e2e/test_consolidate_errors.py — ``zerorun consolidate`` on bad outputs and inputs (issue 19, item 11).
+"""pytest tests/e2e/test_consolidate_errors.py — ``zerorun consolidate`` on bad outputs and inputs.
 
 A checkpoint is saved at world size 1 in this process; the CLI runs as a subprocess. Each bad
 case must be one ``zerorun: error:`` line, a non-zero exit, no traceback, and nothing left

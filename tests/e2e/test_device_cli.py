@@ -1,4 +1,4 @@
-"""pytest tests/e2e/test_device_cli.py — the device contract (issue 14): ``--nproc`` workers are CPU workers.
+"""pytest tests/e2e/test_device_cli.py — the device contract: ``--nproc`` workers are CPU workers.
 
 The launcher sets ZERORUN_DEVICE for every worker (Note [device contract] in
 zerorun/launch/device.py). Here the ``zerorun init`` training template runs under

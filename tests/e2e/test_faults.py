@@ -1,4 +1,4 @@
-"""pytest tests/e2e/test_faults.py — the launcher under faults and hostile input (issue 15), through the real CLI.
+"""pytest tests/e2e/test_faults.py — the launcher under faults and hostile input, through the real CLI.
 
 Each test starts ``zerorun`` as a subprocess with tiny CPU workers. What they prove:
 nothing of a job outlives its agent; output of any size flows with bounded launcher memory
@@ -104,7 +104,7 @@ main(sys.argv[1:])
 def test_flooding_worker_leaves_launcher_memory_flat_and_the_log_whole(tmp_path):
     """40 MB of lines plus a 10 MB line: the launcher's peak stays far below the output's size.
 
-    Issue 15 measured 1,052 MiB for 202 MB before (memory grew with output); the bound here,
+    An earlier launcher measured 1,052 MiB for 202 MB (memory grew with output); the bound here,
     120 MiB, is 3x the launcher's idle footprint and below what 50 MB of queued lines costs.
     """
     mb = 40

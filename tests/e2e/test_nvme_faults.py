@@ -1,8 +1,8 @@
-"""pytest tests/e2e/test_nvme_faults.py — a damaged NVMe scratch file under the real launcher (issue 19, items 1, 2, 7).
+"""pytest tests/e2e/test_nvme_faults.py — a damaged NVMe scratch file under the real launcher.
 
 Two CPU ranks train a tiny model with optimizer state in files. After step 3 rank 0 truncates
 or deletes one of its unit files, as a full disk or a cleanup job would, and training goes on.
-Before issue 19 a truncated file trained on silently (exit 0, loss NaN) and a deleted one hung
+Before, a truncated file trained on silently (exit 0, loss NaN) and a deleted one hung
 both ranks until the hang timeout. Now the job must end within 10 s of the fault with exit 1
 and the error line naming the rank, the file and the bytes moved; what the ranks left in the
 scratch directory is recorded for the launcher's sweep.
@@ -135,7 +135,7 @@ def _losses(done, run_dir) -> list[float]:
 
 @pytest.mark.long
 def test_two_jobs_of_one_slurm_allocation_on_one_nvme_path_both_finish_with_their_solo_losses(tmp_path):
-    """Issue 31 item 1: scratch was named by SLURM_JOB_ID and rank only, so the second job's
+    """Scratch was named by SLURM_JOB_ID and rank only, so the second job's
     start removed the first's live files and the first died. Now each launch has its own."""
     from launch_helpers import start_cli, wait_for_files
 

@@ -1,9 +1,9 @@
-"""pytest tests/e2e/test_shm_cleanup.py — /dev/shm holds nothing of a job after any ending (issue 31 item 7).
+"""pytest tests/e2e/test_shm_cleanup.py — /dev/shm holds nothing of a job after any ending.
 
 Two CPU ranks of the real CLI train a tiny stage-2 model, whose gradient reduce-scatter opens
 the host channel (comm/host_channel.py). The job ends early in three ways: rank 1 raises before
 the group's first reduce-scatter, rank 1 is SIGKILLed there, or the launcher itself is
-SIGKILLed while rank 0 waits in it. Before issue 31 the surviving rank's 2 MiB outbox and FIFO
+SIGKILLed while rank 0 waits in it. Before, the surviving rank's 2 MiB outbox and FIFO
 stayed in /dev/shm; now none is made before every rank is there, every error path unlinks, and
 the agent (or its guardian) removes what a killed worker's pid names (Note [shm cleanup]).
 """
@@ -46,7 +46,7 @@ def _channel_files() -> set[str]:
 
 
 def _files_of(names: set[str], pids: list[int]) -> list[str]:
-    """Names that belong to ``pids`` (or carry no pid at all: the naming before issue 31)."""
+    """Names that belong to ``pids`` (or carry no pid at all: the older naming)."""
     theirs = re.compile(r"zerorun-(?:outbox|inbox)-(?:p(?:{})-.*|(?!p[0-9]+-).*)".format("|".join(map(str, pids))))
     return sorted(name for name in names if theirs.fullmatch(name))
 

@@ -3,7 +3,7 @@ process, with zerorun.deepspeed answering its ``import deepspeed``.
 
 transformers decides that ZeRO-3 is on by ``is_deepspeed_zero3_enabled()``, which reads the
 config registered by ``HfDeepSpeedConfig``; building that object needs a ``deepspeed``
-distribution (its version check), which is what ``zerorun --as-deepspeed`` (issue 29) provides
+distribution (its version check), which is what ``zerorun --as-deepspeed`` provides
 to a job's workers. Until then this stands in for it inside the test's own worker: the
 ``deepspeed`` module names point at zerorun.deepspeed's modules, and the ZeRO-3 config is
 registered the way ``HfDeepSpeedConfig.__init__`` registers it. Everything after that is

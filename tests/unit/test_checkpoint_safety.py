@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_checkpoint_safety.py — checkpoints that cannot be clobbered or misread (issue 19, items 4, 6, 8-11).
+"""pytest tests/unit/test_checkpoint_safety.py — checkpoints that cannot be clobbered or misread.
 
 One process (world size 1) saves and loads a tiny engine. What they prove: a client_state that
 could not load again is refused at save naming the key; a refused load leaves the engine as it
@@ -197,7 +197,7 @@ def test_only_bounded_regular_files_are_read(tmp_path, special):
 # -- item 10: manifest checksum, optimizer type and groups -------------------------------------
 @pytest.mark.parametrize("relabel", [None, 1])
 def test_an_edited_manifest_fails_its_checksum(tmp_path, relabel):
-    """relabel=1: issue 31 item 3, ``format_version: 1`` used to skip the checksum."""
+    """relabel=1: ``format_version: 1`` used to skip the checksum."""
     engine = _engine()
     _train(engine)
     engine.save_checkpoint(tmp_path)
@@ -304,7 +304,7 @@ def _resuming(directory, keep_last=3):
 
 @pytest.mark.parametrize("damage", ["empty", "blank", "directory"])
 def test_an_unusable_latest_resumes_from_the_newest_complete_tag_never_from_step_0(tmp_path, capsys, damage):
-    """Issue 31 item 2: a 0-byte ``latest`` read as "no checkpoint yet"; the job trained from
+    """A 0-byte ``latest`` read as "no checkpoint yet"; the job trained from
     step 0 and moved ``latest`` back to its own low step."""
     first = _resuming(tmp_path, keep_last=2)
     _train(first, 12)

@@ -43,7 +43,7 @@ def test_recorder_of_a_cpu_worker_never_touches_cuda(monkeypatch):
 
 
 def test_recorder_on_a_gpu_the_worker_does_not_have_says_cpu_instead_of_crashing(monkeypatch):
-    """Issue 14: two workers on a one-GPU machine; rank 1 asked for device 1 and died."""
+    """Two workers on a one-GPU machine; rank 1 asked for device 1 and died."""
 
     def properties(index):
         if index >= 1:

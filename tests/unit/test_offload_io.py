@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_offload_io.py — NVMe offload under ordinary storage faults (issue 19, items 1, 2, 7).
+"""pytest tests/unit/test_offload_io.py — NVMe offload under ordinary storage faults.
 
 One process, a tiny model with its optimizer state in files. What they prove: a truncated or
 removed unit file, a short read, EIO and ENOSPC each raise one StorageError line naming the
@@ -170,7 +170,7 @@ def _holder(nvme, how, env):
 
 
 def test_two_processes_of_one_slurm_job_never_remove_each_others_scratch(tmp_path, monkeypatch):
-    """Issue 31 item 1: two job steps of one allocation, one nvme_path."""
+    """Two job steps of one allocation, one nvme_path."""
     monkeypatch.setenv("SLURM_JOB_ID", "4243")
     nvme = tmp_path / "nvme"
     other, theirs = _holder(nvme, "live", {**os.environ, "PYTHONPATH": os.getcwd()})

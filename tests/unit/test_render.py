@@ -197,7 +197,7 @@ def test_config_json_in_the_run_dir_sets_defaults_below_the_environment(tmp_path
     assert (view.collector.total_steps, view.collector.hang_after_s) == (80, 3)
 
 
-# --- issue 13: what a newcomer saw on the CPU demo -------------------------------------------
+# --- what a newcomer saw on the CPU demo -------------------------------------------
 
 def cpu_snapshot(**overrides) -> Snapshot:
     """Two CPU ranks as in the README's demo: RSS against a 23 GiB host, losses, step times."""

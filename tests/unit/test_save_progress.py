@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_save_progress.py — a save is progress the launcher can see (issue 19, item 3).
+"""pytest tests/unit/test_save_progress.py — a save is progress the launcher can see.
 
 A save on slow storage writes for minutes with no step and no collective; the hang watchdog
 killed it as hung. Now the save reports ``record_activity("saving", bytes written so far)``

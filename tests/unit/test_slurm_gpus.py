@@ -1,5 +1,5 @@
 """pytest tests/unit/test_slurm_gpus.py — ``--gpus N`` under Slurm is checked against the allocation
-before anything starts (issue 32): one line, not a traceback per rank 15 s later.
+before anything starts: one line, not a traceback per rank 15 s later.
 
 The environments are test_slurm.py's, recorded on a real Slurm 22.05 (no GPUs there).
 """

@@ -128,7 +128,7 @@ def test_checkpoint_on_signal_arms_every_worker(job_dir):
 
 def test_signals_say_what_they_meant():
     assert signal_meaning(signal.SIGUSR1, in_slurm=True) == "time limit near (SIGUSR1)"
-    # Outside Slurm nothing has a time limit (issue 31 item 19).
+    # Outside Slurm nothing has a time limit.
     assert signal_meaning(signal.SIGUSR1) == "SIGUSR1 received (a checkpoint request; not a Slurm job)"
     assert signal_meaning(signal.SIGUSR1, "preempted", in_slurm=True) == "preempted (SIGUSR1)"
     assert signal_meaning(signal.SIGTERM, "cancelled", True) == "cancelled (SIGTERM, scancel)"

@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_weights_strict.py — weights= that must match the model (issue 19, item 5 and weights= in item 11).
+"""pytest tests/unit/test_weights_strict.py — weights= that must match the model.
 
 One process. What they prove: by default (strict, as torch's load_state_dict) weights that
 lack a parameter or hold a tensor the model has no name for are one error line with exact

@@ -1,6 +1,6 @@
 """Warnings for a config value that silently loses: pure functions from configs to messages.
 
-    pytest tests/unit/test_engine_newcomer.py tests/e2e/test_newcomer_cli.py
+    pytest tests/unit/test_engine_batches_and_config_precedence.py tests/e2e/test_cli_run_messages.py
 
 Two places where one source beats another without the user seeing it:
 * a config given to ``zerorun.initialize(..., config=...)`` in the script replaces the

@@ -1,6 +1,6 @@
 """The names DeepSpeed code calls on its engine, as a mixin the ``Engine`` inherits.
 
-    pytest tests/unit/test_deepspeed_engine_api.py
+    pytest tests/unit/test_deepspeed_initialize.py
 
 DeepSpeed's engine is an ``nn.Module`` with a few dozen accessor methods; training scripts,
 Hugging Face's and Accelerate's integration code call them (docs/deepspeed.md lists which). Here

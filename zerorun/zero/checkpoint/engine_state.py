@@ -1,6 +1,6 @@
 """Sharded, atomic, exactly resumable checkpoints of an engine.
 
-``pytest tests/distributed/test_checkpoint.py`` runs its tests; the engine calls it:
+``pytest tests/distributed/test_checkpoint_resume.py tests/distributed/test_checkpoint_reshard.py`` runs its tests; the engine calls it:
 
     engine.save_checkpoint(dir, tag=None, client_state=None)        # every rank
     path, client_state = engine.load_checkpoint(dir, tag=None)      # every rank, any world/stage

@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_engine_newcomer.py — one-process engine habits from issue 13.
+"""pytest tests/unit/test_engine_batches_and_config_precedence.py — one-process engine habits a newcomer tries first.
 
 Nested bf16 batches, DeepSpeed schedulers from a config, the warnings when a script's config or
 optimizer silently beats the config, and set_total_steps reaching the telemetry recorder.
@@ -175,7 +175,7 @@ def test_a_tuple_batch_counts_its_samples():
 
 
 def test_a_launcher_config_left_at_its_defaults_is_not_warned_about(tmp_path, monkeypatch):
-    """ZerorunTrainer under the launcher without --config (issue 19): the launcher's config.json
+    """ZerorunTrainer under the launcher without --config: the launcher's config.json
     holds only defaults, so the script's config loses nothing and no warning is due."""
     from zerorun.config import load_config, to_dict
 
@@ -208,7 +208,7 @@ def test_the_init_starter_runs_without_a_precedence_warning(tmp_path, monkeypatc
 
 
 def test_hang_timeout_beside_a_script_config_is_not_warned_about(tmp_path, monkeypatch):
-    """Issue 31 item 16: ``--hang-timeout 15`` sets telemetry.hang_timeout_s in the launcher's
+    """``--hang-timeout 15`` sets telemetry.hang_timeout_s in the launcher's
     config, which only the launcher reads; a config dict in the script replaces none of it."""
     from zerorun.config import load_config, to_dict
 
@@ -224,7 +224,7 @@ def test_hang_timeout_beside_a_script_config_is_not_warned_about(tmp_path, monke
 
 
 def test_a_checkpoint_section_beside_deepspeed_keys_is_kept_and_its_deepspeed_keys_noted(tmp_path, capsys):
-    """Issue 31 item 4: the whole section was one "has no effect" note, shown only for --config
+    """The whole section was one "has no effect" note, shown only for --config
     files, so a script's dict asking for checkpoints got none without a word."""
     model = nn.Linear(3, 1)
     engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.01), {

@@ -1,15 +1,15 @@
-"""pytest tests/integrations/test_trainer_issue19.py — ZerorunTrainer with a config optimizer and weight decay matches Trainer under DDP (issue 19).
+"""pytest tests/integrations/test_trainer_config_optimizer_matches_ddp.py — ZerorunTrainer with a config optimizer and weight decay matches Trainer under DDP.
 
 Reuses the parity harness of test_trainer_parity.py (the same tiny GPT-2, data, arguments and
 2-rank gloo world): stage 3, accumulation 2, an "optimizer" section whose weight decay is 0.1
 ("auto", filled from weight_decay=0.1). The config's optimizer is built over Trainer's own decay
-groups, so biases and LayerNorm weights are spared decay exactly as under plain Trainer. Before
-issue 19 it decayed every parameter (as HF with DeepSpeed does) and the weights differed from
+groups, so biases and LayerNorm weights are spared decay exactly as under plain Trainer. Before, it
+decayed every parameter (as HF with DeepSpeed does) and the weights differed from
 DDP's by ~1e-3 after a few steps.
 
 Also checked: the loss the engine reports to telemetry (what the dashboard and metrics.jsonl
 show), averaged over ranks as Trainer averages its logged loss, equals Trainer's logged loss
-every step; before issue 19 it was half of it under accumulation 2, and no
+every step; before, it was half of it under accumulation 2, and no
 ConfigPrecedenceWarning is raised when the optimizer comes from the config.
 
 Tolerances: logged losses 1e-5 relative, saved weights 1e-5 (absolute and relative).
@@ -88,7 +88,7 @@ def worker(rank: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return spawn(worker, tmp_path_factory.mktemp("trainer_issue19"))
+    return spawn(worker, tmp_path_factory.mktemp("trainer_config_optimizer"))
 
 
 _relative = parity._relative

@@ -1,6 +1,6 @@
-"""pytest tests/unit/test_cli_newcomer.py — the CLI habits newcomers bring from DeepSpeed and torchrun.
+"""pytest tests/unit/test_cli_aliases_and_help.py — the CLI habits newcomers bring from DeepSpeed and torchrun.
 
-Aliases (--num_gpus, --deepspeed_config, --nproc_per_node, --nnodes, underscores), --version,
+Aliases (--num_gpus, --deepspeed_config, --nproc_per_node, --nnodes, underscores), --version, --help,
 ``zerorun env``, did-you-mean for a misspelt subcommand, --dry-run of a GPU job on a machine
 without GPUs; through ``main`` in-process (as typer's CliRunner would); the real subprocess is in tests/e2e.
 """

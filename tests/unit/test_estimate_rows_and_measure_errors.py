@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_estimate_issue19.py — ``zerorun estimate`` rows and --measure errors (issue 19, item 11 and the new-user findings).
+"""pytest tests/unit/test_estimate_rows_and_measure_errors.py — ``zerorun estimate`` rows and --measure errors.
 
 A config's parameter offload belongs to the rows that offload: a row labelled "none" must show
 the model's parameters on the GPU and nothing on NVMe, exactly as without the config. And

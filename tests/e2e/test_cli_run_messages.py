@@ -1,4 +1,4 @@
-"""pytest tests/e2e/test_newcomer_cli.py — a successful run names its run directory, start and end.
+"""pytest tests/e2e/test_cli_run_messages.py — a successful run names its run directory, start and end.
 
 A real ``zerorun`` subprocess with one worker that does not import torch (fast).
 """
