@@ -1,7 +1,7 @@
 """``zerorun --as-deepspeed``: the job's workers ``import deepspeed`` and get ``zerorun.deepspeed``.
 
     zerorun --nproc 2 --as-deepspeed main.py --deepspeed ...      # a DeepSpeed program, unchanged
-    pytest tests/unit/test_deepspeed_surface.py tests/e2e/test_as_deepspeed_trainer.py
+    pytest tests/unit/test_deepspeed_surface.py tests/e2e/test_as_deepspeed_hf.py
 
 transformers and Accelerate import ``deepspeed`` by its own name and ask ``importlib.metadata``
 for its version, so no import rewrite in the user's script can reach them. The launcher puts
