@@ -167,3 +167,22 @@ print(json.dumps({{"current": torch.cuda.current_device(), "device": str(engine.
 """
     found = run_python(code, env={"LOCAL_RANK": str(local_rank)})
     assert found == {"current": local_rank, "device": f"cuda:{local_rank}"}
+
+
+def test_offloaded_masters_and_shards_are_pinned_from_one_arena_and_counted():
+    """Finding 7: each unit's master and host shard pinned on its own, rounded up to a power of
+    two and never counted. Now carved from the placement's arena, its slack counted as host."""
+    import zerorun
+    from zerorun.zero.offload.placements import OnDevice
+
+    model = build_model("cpu")
+    engine = zerorun.initialize(model, optimizer_for(model), config(3, "bf16", "cpu", offload_param="cpu"))
+    assert all(r.master.is_pinned() and r.master.device.type == "cpu" for r in engine.records)
+    assert all(r.unit.shard.is_pinned() for r in engine.records if r.unit.partitioned)
+    home = engine.records[0].state_home
+    arena = home._arena
+    assert arena.handed_out == sum(r.master.numel() * 4 for r in engine.records)
+    assert arena.reserved >= arena.handed_out and home.arena_slack() == arena.reserved - arena.handed_out
+    counted = home.nbytes(engine.records, engine.optimizer)["host"]
+    assert counted == OnDevice.nbytes(home, engine.records, engine.optimizer)["host"] + home.arena_slack()
+    train(engine)

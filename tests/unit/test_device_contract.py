@@ -279,3 +279,44 @@ def test_a_master_beside_the_model_for_a_host_shard_is_a_device_copy():
     assert master_source(torch.bfloat16, False, True, gpu, gpu) == "copy"
     # on a CPU machine the host is the device: the same answers as before
     assert master_source(torch.float32, True, False, host, host) == "shard"
+
+
+def test_pinned_arena_carves_aligned_pieces_from_power_of_two_blocks():
+    """Finding 7: each unit pinned on its own is rounded up to a power of two (up to 2x host
+    memory, never counted). The arena's blocks are powers of two, so nothing is lost to
+    rounding; what a block's tail leaves unused is counted (slack)."""
+    from zerorun.zero.offload import pinned
+
+    mib = 1 << 20
+    assert pinned.carve(0, 0, 3 * mib, 0) == (0, pinned.FIRST_BLOCK)  # the first block
+    assert pinned.carve(3 * mib, 4 * mib, 100, 3 * mib) == (3 * mib, 0)  # fits: carved in place
+    assert pinned.carve(3 * mib + 1, 4 * mib, 100, 3 * mib) == (3 * mib + pinned.ALIGNMENT, 0)  # aligned
+    assert pinned.carve(3 * mib, 4 * mib, 2 * mib, 64 * mib) == (0, 16 * mib)  # a quarter of what is out
+    assert pinned.carve(0, 4 * mib, 5 * mib, 10**12)[1] == pinned.LARGEST_BLOCK  # ... at most the largest
+    assert pinned.carve(0, 4 * mib, 300 * mib, 0) == (0, 512 * mib)  # a huge piece: its own rounded block
+
+    def pinned_bytes(size, count):
+        used = capacity = reserved = handed = 0
+        for _ in range(count):
+            offset, new = pinned.carve(used, capacity, size, handed)
+            if new:
+                capacity, reserved = new, reserved + new
+            used, handed = offset + size, handed + size
+        return reserved
+
+    for size, count in [(3 * mib + 1, 1000), (5 * mib, 300), (700 << 10, 2000), (40 * mib, 50)]:
+        one_by_one = (1 << (size - 1).bit_length()) * count  # what per-piece pinning holds
+        assert pinned_bytes(size, count) <= 0.85 * one_by_one, size
+    assert pinned_bytes(3 * mib + 1, 1000) <= 1.1 * 1000 * (3 * mib + 1)
+
+
+def test_a_cpu_placement_pins_nothing_and_counts_no_slack():
+    from zerorun.zero.offload.pinned import HostArena
+    from zerorun.zero.offload.placements import OnHost
+
+    arena = HostArena(pin=False)
+    piece = arena.empty(10, torch.float32)
+    assert piece.shape == (10,) and not piece.is_pinned() and arena.reserved == arena.slack() == 0
+    home = OnHost()
+    shard = home.place_shard(torch.arange(6.0).reshape(2, 3), 0)
+    assert torch.equal(shard, torch.arange(6.0).reshape(2, 3)) and home.arena_slack() == 0

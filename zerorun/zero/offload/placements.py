@@ -37,6 +37,7 @@ import torch
 from zerorun.errors import RuntimeConfigError
 from zerorun.zero.offload import scratch
 from zerorun.zero.offload.file_io import read_exactly, write_exactly
+from zerorun.zero.offload.pinned import HostArena
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
 
@@ -157,17 +158,36 @@ class OnHost(OnDevice):
 
     def __init__(self, pin_memory: bool = True):
         self.pin_memory = pin_memory
+        self._arena: HostArena | None = None  # Note [pinned arena] in offload/pinned.py
+
+    def _host_empty(self, numel: int, dtype: torch.dtype, model_device: torch.device) -> torch.Tensor:
+        """A host tensor, pinned from this placement's arena when the model is on CUDA."""
+        if not (self.pin_memory and model_device.type == "cuda"):
+            return torch.empty(numel, dtype=dtype, device=HOST)
+        if self._arena is None:
+            self._arena = HostArena(pin=True)
+        return self._arena.empty(numel, dtype)
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
         # Always a tensor of its own, even in fp32 on a CPU host: the model's chunk is published
         # from it, as it would be across the PCIe bus.
-        master = torch.empty(unit.layout.chunk_numel, dtype=torch.float32, device=HOST)
-        master = _pin(master, unit.device, self.pin_memory)
+        master = self._host_empty(unit.layout.chunk_numel, torch.float32, unit.device)
         master.copy_(unit.shard)
         return master
 
     def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor:
-        return _pin(chunk.to(HOST, copy=True), chunk.device, self.pin_memory)
+        host = self._host_empty(chunk.numel(), chunk.dtype, chunk.device)
+        host.copy_(chunk.reshape(-1))
+        return host.view(chunk.shape)
+
+    def arena_slack(self) -> int:
+        """Pinned bytes held but not handed out (Note [pinned arena]): host memory too."""
+        return self._arena.slack() if self._arena is not None else 0
+
+    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
+        found = super().nbytes(records, optimizer)
+        found["host"] += self.arena_slack()
+        return found
 
     def stage_gradient(self, record: UnitRecord) -> torch.Tensor:
         """Note [unit-sized gradient staging]: the chunk leaves the device once, at the
@@ -188,9 +208,12 @@ class BufferPool:
     will never come back, so no thread (the reader, the update worker) is left blocked and the
     process can exit (a blocked non-daemon thread would keep it alive forever)."""
 
-    def __init__(self, count: int, numel: int, model_device: torch.device, pin: bool):
+    def __init__(self, count: int, numel: int, model_device: torch.device, pin: bool, allocate=None):
         self.numel = numel
-        self._free = [_pin(torch.empty(numel, dtype=torch.float32), model_device, pin) for _ in range(count)]
+        # ``allocate(numel)``: the placement's (Note [pinned arena]); else each buffer on its own
+        if allocate is None:
+            allocate = lambda n: _pin(torch.empty(n, dtype=torch.float32), model_device, pin)
+        self._free = [allocate(numel) for _ in range(count)]
         self._changed = threading.Condition()
         self._failure: BaseException | None = None
         self.count = count
@@ -315,7 +338,8 @@ class OnFile(OnHost):
         with self._pool_lock:
             if self.pool is None:
                 size = min(self.buffer_size, self._largest)
-                self.pool = BufferPool(self.buffer_count, size, self._model_device, self.pin_memory)
+                self.pool = BufferPool(self.buffer_count, size, self._model_device, self.pin_memory,
+                                       allocate=lambda n: self._host_empty(n, torch.float32, self._model_device))
             return self.pool
 
     def _made_pool(self) -> BufferPool:
@@ -453,7 +477,8 @@ class OnFile(OnHost):
 
     def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]:
         on_disk = sum(r.unit.layout.chunk_numel * (1 + len(_slot(r).state_names)) * 4 for r in records)
-        return {"device": 0, "host": self._buffer_pool().nbytes() if self._largest else 0, "nvme": on_disk}
+        host = self._buffer_pool().nbytes() if self._largest else 0
+        return {"device": 0, "host": host + self.arena_slack(), "nvme": on_disk}
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
