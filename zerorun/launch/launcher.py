@@ -198,7 +198,10 @@ def default_run_dir(cwd: str) -> str:
 
 def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cwd: str | None = None,
             gpu_counter=count_gpus) -> PreparedJob:
-    """Validate everything and build the plan; starts nothing, writes nothing."""
+    """Validate everything and build the plan; starts nothing, writes nothing.
+
+    A chain of values: options -> hosts (and this node's role under srun) -> plan -> config ->
+    the job, each step its own function below."""
     environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
     target = options.target
@@ -207,6 +210,51 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         raise LaunchError(f"script {target.script} not found (looked in {cwd})")
     context = slurm.detect(environ)
     mode = choose_launcher(options.launcher, context, bool(options.hostfile))
+    hosts, role, step_label, local_names = _job_hosts(options, environ, context, mode, gpu_counter)
+    env_file_vars = {}
+    env_file = options.env_file or (DEFAULT_ENV_FILE if os.path.isfile(os.path.join(cwd, DEFAULT_ENV_FILE)) else None)
+    if env_file:
+        text = read_small_file(Path(cwd) / env_file, "env file", LaunchError)
+        env_file_vars = parse_env_file(text, source=env_file)
+    ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
+    token = secrets.token_hex(16)
+    all_local = all(is_local_host(h, local_names) for h in hosts)
+    plan = build_plan(
+        hosts,
+        target,
+        python=sys.executable,
+        cwd=cwd,
+        run_dir=_run_dir(options, cwd, role, step_label),
+        token=token,
+        master_port=_master_port(options, role, next(iter(hosts)), local_names, context, mode),
+        master_addr=options.master_addr or (role.master_addr if role is not None else None),
+        local_names=local_names,
+        set_visible_devices=any(":" in (f or "") for f in (options.include, options.exclude)),
+        forwarded_env=env_file_vars if all_local else forwarded_env(environ, env_file_vars),
+        inherited_env=environ,
+        this_host_name=socket.gethostname(),
+        device_kind="cpu" if options.nproc is not None else "cuda" if options.gpus is not None else None,
+        remote_reach="srun" if mode == "srun" else "ssh",
+        threads_per_worker=slurm.threads_per_worker(context, max(len(slots) for slots in hosts.values())),
+    )
+    if role is not None:
+        # The plan numbers every node's ranks; this launcher runs only its own node's.
+        plan = dataclasses.replace(plan, nodes=[node for node in plan.nodes if node.node_rank == role.node_rank])
+    config, notes = _job_config(options, cwd, plan.world_size, environ, all_local)
+    notes += _worker_env_for_options(plan, options, config, environ)
+    from zerorun.config import to_dict
+
+    return PreparedJob(plan, token, json.dumps(to_dict(config), indent=2), options, ssh_options, notes=notes,
+                       hang_timeout_s=config.telemetry.hang_timeout_s,
+                       hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s),
+                       slurm=context, mode=mode, save_on_signal=config.checkpoint.on_signal,
+                       requeue=config.checkpoint.requeue,
+                       startup_timeout_s=config.telemetry.startup_timeout_s)
+
+
+def _job_hosts(options: LaunchOptions, environ: Mapping[str, str], context, mode: str, gpu_counter):
+    """(hosts with their slots, this node's role in an srun step or None, the step's label, the
+    names this machine answers to), refusing what cannot start (GPUs Slurm did not grant, no srun)."""
     if options.gpus is not None and context is not None and mode in ("srun", "step"):
         problem = slurm.gpus_problem(options.gpus, environ, gpu_counter)
         if problem:
@@ -231,66 +279,53 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     if mode == "srun" and remote and shutil.which("srun") is None:
         raise LaunchError("inside a Slurm allocation but srun is not on PATH: cannot start the other nodes",
                           hint="module load slurm (or add srun to PATH), or --launcher ssh")
-    env_file_vars = {}
-    env_file = options.env_file or (DEFAULT_ENV_FILE if os.path.isfile(os.path.join(cwd, DEFAULT_ENV_FILE)) else None)
-    if env_file:
-        text = read_small_file(Path(cwd) / env_file, "env file", LaunchError)
-        env_file_vars = parse_env_file(text, source=env_file)
-    ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
-    first = next(iter(hosts))
-    master_port = options.master_port
+    return hosts, role, step_label, local_names
+
+
+def _master_port(options: LaunchOptions, role, first_host: str, local_names, context, mode: str) -> int:
     if role is not None:
-        master_port = role.master_port  # every node's launcher computes the same (Note [Slurm port])
-    elif master_port is None:
-        # A free port when the master is this machine (parallel jobs do not collide); under
-        # Slurm one derived from the job id (Note [Slurm port]); torchrun's default otherwise,
-        # since we cannot probe another machine's ports.
-        master_port = (free_port() if is_local_host(first, local_names)
-                       else slurm.master_port(context.job_id, None) if context is not None and mode != "local"
-                       else DEFAULT_MASTER_PORT)
-    token = secrets.token_hex(16)
+        return role.master_port  # every node's launcher computes the same (Note [Slurm port])
+    if options.master_port is not None:
+        return options.master_port
+    # A free port when the master is this machine (parallel jobs do not collide); under Slurm one
+    # derived from the job id (Note [Slurm port]); torchrun's default otherwise, since we cannot
+    # probe another machine's ports.
+    if is_local_host(first_host, local_names):
+        return free_port()
+    return slurm.master_port(context.job_id, None) if context is not None and mode != "local" else DEFAULT_MASTER_PORT
+
+
+def _run_dir(options: LaunchOptions, cwd: str, role, step_label: str) -> str:
     if role is not None:
         # One folder per node of the step (several launchers may share a filesystem).
         base = options.run_dir or os.path.join(cwd, "zerorun-runs", step_label)
-        run_dir = os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
-    else:
-        run_dir = os.path.abspath(options.run_dir or default_run_dir(cwd))
-    plan = build_plan(
-        hosts,
-        target,
-        python=sys.executable,
-        cwd=cwd,
-        run_dir=run_dir,
-        token=token,
-        master_port=master_port,
-        master_addr=options.master_addr or (role.master_addr if role is not None else None),
-        local_names=local_names,
-        set_visible_devices=any(":" in (f or "") for f in (options.include, options.exclude)),
-        forwarded_env=forwarded_env(environ, env_file_vars) if any(not is_local_host(h, local_names) for h in hosts) else env_file_vars,
-        inherited_env=environ,
-        this_host_name=socket.gethostname(),
-        device_kind="cpu" if options.nproc is not None else "cuda" if options.gpus is not None else None,
-        remote_reach="srun" if mode == "srun" else "ssh",
-        threads_per_worker=slurm.threads_per_worker(context, max(len(slots) for slots in hosts.values())),
-    )
-    if role is not None:
-        # The plan numbers every node's ranks; this launcher runs only its own node's.
-        plan = dataclasses.replace(plan, nodes=[node for node in plan.nodes if node.node_rank == role.node_rank])
-    from zerorun.config import load_config, to_dict
+        return os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
+    return os.path.abspath(options.run_dir or default_run_dir(cwd))
+
+
+def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapping[str, str], all_local: bool):
+    """The validated config (--config, else ./zerorun.yaml, then environment and --set) and the
+    notes to print about it."""
+    from zerorun.config import load_config
     from zerorun.config.sources import launcher_config_file
 
     config_source, config_note = launcher_config_file(options.config, cwd)
     config = load_config(
-        config_source, world_size=plan.world_size, overrides=options.config_overrides or None, environ=environ,
+        config_source, world_size=world_size, overrides=options.config_overrides or None, environ=environ,
         torch_in_child=True,
     )
-    config_json = json.dumps(to_dict(config), indent=2)
     notes = ([config_note] if config_note else []) + list(config.notes)
-    if all(is_local_host(h, local_names) for h in hosts):
+    if all_local:
         notes += nvme_path_notes(config, cwd)
     if options.nproc is not None and has_nvidia_gpu():
         notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
                      "machine has GPUs; use --gpus N for GPU workers")
+    return config, notes
+
+
+def _worker_env_for_options(plan: LaunchPlan, options: LaunchOptions, config, environ: Mapping[str, str]) -> list[str]:
+    """What --as-deepspeed and checkpoint.on_signal add to every worker's environment; notes to print."""
+    notes = []
     if options.as_deepspeed:
         from zerorun.deepspeed.as_deepspeed import shadowed_deepspeed, worker_env
 
@@ -299,16 +334,10 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         real = shadowed_deepspeed()
         notes.append("--as-deepspeed: the workers' `import deepspeed` is zerorun.deepspeed"
                      + (f"; the installed {real} is not used by this job" if real else ""))
-    save_on_signal = config.checkpoint.on_signal
-    if save_on_signal:
+    if config.checkpoint.on_signal:
         for worker in plan.workers:
             worker.env[SAVE_ON_SIGNAL_ENV] = "1"
-    return PreparedJob(plan, token, config_json, options, ssh_options, notes=notes,
-                       hang_timeout_s=config.telemetry.hang_timeout_s,
-                       hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s),
-                       slurm=context, mode=mode, save_on_signal=save_on_signal,
-                       requeue=config.checkpoint.requeue,
-                       startup_timeout_s=config.telemetry.startup_timeout_s)
+    return notes
 
 
 def nvme_path_notes(config, cwd: str) -> list[str]:
