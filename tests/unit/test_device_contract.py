@@ -320,3 +320,8 @@ def test_a_cpu_placement_pins_nothing_and_counts_no_slack():
     home = OnHost()
     shard = home.place_shard(torch.arange(6.0).reshape(2, 3), 0)
     assert torch.equal(shard, torch.arange(6.0).reshape(2, 3)) and home.arena_slack() == 0
+
+
+def test_init_distributed_asked_for_nccl_without_a_gpu_is_one_line():
+    with pytest.raises(RuntimeConfigError, match="^the nccl backend asks for a GPU but this worker sees none"):
+        choose_device(TORCHRUN, gpus(0), group_backend="nccl")

@@ -147,9 +147,9 @@ def _named_kind(environ: Mapping[str, str], group_backend: str | None,
         return decided.split(":")[0], f"{ENV_NAME}={decided} (the launcher's choice)", decided
     if existing == "cpu" and (built_on or "").startswith("cuda"):
         # gloo moves CUDA tensors: a script that chose gloo for a model it put on a GPU keeps it there
-        return "cuda", f"a {group_backend} group and a model built on {built_on}", built_on if ":" in built_on else None
+        return "cuda", f"the {group_backend} backend and a model built on {built_on}", built_on if ":" in built_on else None
     if existing is not None:
-        return existing, f"the process group already started with {group_backend}", None
+        return existing, f"the {group_backend} backend", None
     return AUTO, "", None
 
 
