@@ -53,6 +53,12 @@ PLAIN = {}
     ({**SRUN, "SLURM_GPUS_PER_TASK": "2", "SLURM_GPUS_ON_NODE": "4"}, 2, "cuda:0"),
     ({**SRUN, "SLURM_GPUS_ON_NODE": "h100:4"}, 2, "cuda:0"),  # typed count, task sees half
     ({k: v for k, v in SRUN_BOUND.items() if k != "SLURM_GPUS_ON_NODE"}, 1, "cuda:0"),  # --gpu-bind alone
+    # torchrun (one task per node, --gpus-per-task=4) under srun: its workers index the task's GPUs
+    ({**SRUN, "SLURM_LOCALID": "0", "SLURM_GPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "4", **TORCHRUN,
+      "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 4, "cuda:2"),
+    # two torchrun tasks per node, each bound to 2 of the node's 4 GPUs; this worker is local rank 1 of task 1
+    ({**SRUN, "SLURM_LOCALID": "1", "SLURM_GPUS_ON_NODE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2,
+     "cuda:1"),
     (HOSTFILE_AGENT, 2, "cuda:1"),
     (HOSTFILE_AGENT, 0, "cpu"),
     (INIT_DISTRIBUTED, 2, "cuda:1"),
@@ -80,6 +86,7 @@ def test_a_cpu_worker_never_counts_gpus(environ):
     ({**TORCHRUN, "LOCAL_RANK": "3"}, 2, "local rank 3 has no GPU of its own"),
     # torchrun inside an srun step: LOCAL_RANK is torchrun's, not Slurm's, so no binding is assumed
     ({**SRUN, "SLURM_LOCALID": "0", "LOCAL_RANK": "3"}, 2, "local rank 3 has no GPU of its own"),
+    ({**SRUN, "SLURM_LOCALID": "3", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 2, "local rank 3 has no GPU"),
     ({"DS_ACCELERATOR": "cuda"}, 0, "DS_ACCELERATOR=cuda asks for a GPU"),
     ({"LOCAL_RANK": "x"}, 2, "LOCAL_RANK='x' is not a non-negative integer"),
 ])

@@ -110,15 +110,19 @@ def _count(value: str | None) -> int | None:
 
 def slurm_bound_per_task(environ: Mapping[str, str], visible: int, local: int) -> bool:
     """Whether Slurm gave this task its own GPUs (``--gpus-per-task``, ``--gpu-bind``): then the
-    task sees only them, and its first visible GPU is its GPU whatever its local id."""
+    task sees only them, and its first visible GPU is its GPU whatever its local id. Only for a
+    process srun started itself (``srun python``): a launcher's worker under srun (torchrun's,
+    zerorun's: they set LOCAL_WORLD_SIZE) indexes the GPUs its launcher's task sees by its own
+    local rank."""
     if not (environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")) or visible < 1:
         return False
+    slurm_local = (environ.get("SLURM_LOCALID") or "").strip()
+    if "LOCAL_WORLD_SIZE" in environ or slurm_local != str(local):
+        return False
     on_node = _count(environ.get("SLURM_GPUS_ON_NODE"))
-    if (on_node is not None and visible < on_node) or _count(environ.get("SLURM_GPUS_PER_TASK")):
-        return True
-    # srun started this very process (its local id is Slurm's, not torchrun's under srun) and it
-    # sees fewer GPUs than its id: Slurm's binding, as --gpu-bind without a count sets nothing else.
-    return local >= visible and (environ.get("SLURM_LOCALID") or "").strip() == str(local)
+    # --gpu-bind without a count sets neither variable: the task sees fewer GPUs than its id needs.
+    return (on_node is not None and visible < on_node) or bool(_count(environ.get("SLURM_GPUS_PER_TASK"))) \
+        or local >= visible
 
 
 def _constraint(group_backend: str | None) -> str | None:
