@@ -15,7 +15,9 @@ def problems(source, **kwargs) -> list[str]:
         load_config(source, **kwargs)
     summary, *lines = str(info.value).splitlines()
     assert summary.startswith("invalid config ")
-    assert summary.endswith(f": {len(lines)} problem" + ("s" if len(lines) != 1 else ""))
+    if not lines:  # one problem is one line: "invalid config SOURCE: PROBLEM"
+        return [summary.split(": ", 1)[1]]
+    assert summary.endswith(f": {len(lines)} problems")
     assert all(line.startswith("  - ") for line in lines)
     return [line[4:] for line in lines]
 
@@ -62,7 +64,7 @@ def test_out_of_range_values():
     assert problems({"zero": {"stage": 5, "reduce_bucket_size": -1},
                      "batch": {"micro_batch_size": 0}, "precision": {"min_loss_scale": 0}}) == [
         "zero.stage = 5: must be a ZeRO stage: 0, 1, 2 or 3",
-        "zero.reduce_bucket_size = -1: must be at least 1",
+        "zero.reduce_bucket_size = -1: must be between 1 and 1099511627776",
         "precision.min_loss_scale = 0.0: must be greater than 0",
         "batch.micro_batch_size = 0: must be at least 1",
     ]
@@ -228,7 +230,7 @@ def test_every_problem_is_listed_at_once():
 
 def test_non_json_values_in_params_are_rejected():
     assert problems({"optimizer": {"type": "SGD", "params": {"lr": {1, 2}}}}) == [
-        "optimizer.params = {'lr': {1, 2}}: may hold only strings, numbers, booleans, null, "
+        "optimizer.params = {'lr': {1, 2}}: may hold only strings, finite numbers, booleans, null, "
         "lists and mappings (nested at most 8 deep)"
     ]
 

@@ -51,7 +51,10 @@ def test_yaml_json_dict_and_object_sources_agree(tmp_path):
 
 def test_empty_yaml_file_means_defaults(tmp_path):
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
-    assert load_config(tmp_path / "empty.yaml", environ={}) == ZerorunConfig()
+    config = load_config(tmp_path / "empty.yaml", environ={})
+    assert config == ZerorunConfig()
+    # Issue 31 item 20: said once (the launcher prints the notes), never silently.
+    assert config.notes == [f"config file {str(tmp_path / 'empty.yaml')!r} is empty: the defaults apply"]
 
 
 def test_yaml_quirks_are_read_as_users_mean_them():
@@ -177,7 +180,8 @@ def test_to_dict_is_plain_json_and_excludes_notes():
 
 _positive = st.integers(min_value=1, max_value=2**40)
 _finite = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
-_names = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+_names = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\x00"),
+                 max_size=12)  # a NUL is refused in every string key
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-2**50, 2**50) | _finite | _names,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_names, inner, max_size=3),

@@ -89,10 +89,12 @@ def convert(value: Any, hint: Any, path: str, problems: Problems) -> Any:
     if result is INVALID and typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         problems.add(path, f"must be {describe(hint)}{did_you_mean(value, choices)}", value)
+    elif result is INVALID and isinstance(value, str) and "\x00" in value and str in members:
+        problems.add(path, "must not contain a NUL character (no path or name can)", value)
     elif result is INVALID:
         problems.add(path, f"must be {describe(hint)}, got {type_name(value)}", value)
     elif result is _NOT_JSON:
-        problems.add(path, "may hold only strings, numbers, booleans, null, lists and mappings "
+        problems.add(path, "may hold only strings, finite numbers, booleans, null, lists and mappings "
                      f"(nested at most {MAX_FREEFORM_DEPTH} deep)", value)
         return INVALID
     return result
@@ -113,13 +115,14 @@ def _convert_one(value: Any, kind: Any) -> Any:
     if kind is int:
         number = _number(value)
         if isinstance(number, float) and number.is_integer():
-            return int(number)
+            return int(number) if abs(number) < 2**63 else INVALID
         return number if isinstance(number, int) else INVALID
     if kind is float:
         number = _number(value)
         return INVALID if number is INVALID else float(number)
     if kind is str:
-        return value if isinstance(value, str) else INVALID
+        # A NUL cannot be in a path or a name: every worker would fail on it after start.
+        return value if isinstance(value, str) and "\x00" not in value else INVALID
     if origin is list:
         (item_kind,) = typing.get_args(kind)
         if not isinstance(value, list):
@@ -142,6 +145,8 @@ def _number(value: Any) -> Any:
     if isinstance(value, bool):
         return INVALID
     if isinstance(value, str):
+        if not value.isascii():  # float() reads "２" (a full-width digit) as 2: a number is ASCII
+            return INVALID
         try:
             value = float(value.strip())
         except ValueError:
@@ -219,12 +224,25 @@ def type_name(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
+    # Never the word the requirement used ("must be an integer, got an integer"): say what is wrong.
     if isinstance(value, int):
-        return "an integer"
+        return "an integer" if abs(value) < 2**63 else f"an integer of {len(str(abs(value)))} digits (beyond 64 bits)"
     if isinstance(value, float):
-        return "a fractional number" if math.isfinite(value) and not value.is_integer() else "a number"
+        if math.isnan(value):
+            return "NaN (not a number)"
+        if math.isinf(value):
+            return "infinity"
+        if value.is_integer():
+            return "a number" if abs(value) < 2**63 else f"{value:g}, a number beyond 64-bit integers"
+        return "a fractional number"
     if isinstance(value, str):
-        return "a string"
+        if "\x00" in value:
+            return "a string containing a NUL character"
+        try:
+            number = float(value)
+        except ValueError:
+            return "a string"
+        return f"a string standing for {type_name(number)}" if not math.isfinite(number) or abs(number) >= 2**63 else "a string"
     if isinstance(value, list):
         return "a list"
     if isinstance(value, dict):

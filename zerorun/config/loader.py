@@ -71,7 +71,9 @@ def _read_source(source: Any) -> tuple[str, Any, list[str]]:
     if isinstance(source, dict):
         return "(dict)", source, []
     if isinstance(source, (str, Path)):
-        return repr(str(source)), sources.read_file(source), []
+        data = sources.read_file(source)
+        empty = [f"config file {str(source)!r} is empty: the defaults apply"] if isinstance(data, sources.EmptyConfig) else []
+        return repr(str(source)), data, empty
     raise ConfigError(f"a config must be a file path, a dict or a ZerorunConfig, not {type(source).__name__}")
 
 

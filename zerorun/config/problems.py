@@ -62,6 +62,8 @@ class Problems:
 
 def render_summary(source: str, items: list[Problem]) -> str:
     count = len(items)
+    if count == 1:  # one problem is one line
+        return f"invalid config {source}: {items[0].render()}"
     noun = "problem" if count == 1 else "problems"
     lines = [f"invalid config {source}: {count} {noun}"]
     lines += [f"  - {problem.render()}" for problem in items]

@@ -7,6 +7,7 @@ with the key path and the fix instead of raising, so one error lists everything.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import replace
 from typing import Any
 from collections.abc import Callable
@@ -29,13 +30,27 @@ def _within(low: int, high: int) -> Check:
     return (lambda v: low <= v <= high), f"must be between {low} and {high}"
 
 
+# A bucket of more elements than this (4 TiB in fp32) is a typo, and workers would fail to
+# allocate it after start; the largest bucket any known config uses is about 1e9.
+MAX_BUCKET = 2**40
+# Seconds: beyond this (about 31 years) a timeout overflows the waits that use it.
+MAX_SECONDS = 1e9
+# Telemetry samples more often than this would busy the rank they measure (1e-9 was accepted).
+MIN_INTERVAL_S = 0.01
+
+
+def _seconds_or_zero(zero_means: str) -> Check:
+    return (lambda v: v == 0 or MIN_INTERVAL_S <= v <= MAX_SECONDS), (
+        f"must be 0 ({zero_means}) or a number of seconds from {MIN_INTERVAL_S} to {MAX_SECONDS:g}")
+
+
 # Every numeric key and its allowed range; a unit test checks no numeric key is missing here.
 RANGES: dict[str, Check] = {
     "zero.stage": ((lambda v: v in (0, 1, 2, 3)), "must be a ZeRO stage: 0, 1, 2 or 3"),
-    "zero.reduce_bucket_size": _at_least(1),
-    "zero.allgather_bucket_size": _at_least(1),
-    "zero.update_bucket_size": _at_least(1),
-    "zero.prefetch_bucket_size": _at_least(1),
+    "zero.reduce_bucket_size": _within(1, MAX_BUCKET),
+    "zero.allgather_bucket_size": _within(1, MAX_BUCKET),
+    "zero.update_bucket_size": _within(1, MAX_BUCKET),
+    "zero.prefetch_bucket_size": _within(1, MAX_BUCKET),
     "zero.param_persistence_threshold": _at_least(0),
     "zero.max_reuse_distance": _at_least(0),
     "zero.offload_optimizer.buffer_count": _at_least(1),
@@ -51,11 +66,13 @@ RANGES: dict[str, Check] = {
     "batch.micro_batch_size": _at_least(1),
     "batch.gradient_accumulation_steps": _at_least(1),
     "gradient_clipping": ((lambda v: v >= 0), "must be 0 (off) or a positive max gradient norm"),
-    "telemetry.interval_s": _above(0),
+    "telemetry.interval_s": ((lambda v: MIN_INTERVAL_S <= v <= MAX_SECONDS),
+                             f"must be from {MIN_INTERVAL_S} to {MAX_SECONDS:g} seconds between samples"),
     "telemetry.total_steps": _at_least(1),
-    "telemetry.hang_after_s": _above(0),
-    "telemetry.hang_timeout_s": ((lambda v: v >= 0), "must be 0 (never) or a number of seconds"),
-    "telemetry.startup_timeout_s": ((lambda v: v >= 0), "must be 0 (never) or a number of seconds"),
+    "telemetry.hang_after_s": ((lambda v: MIN_INTERVAL_S <= v <= MAX_SECONDS),
+                               f"must be from {MIN_INTERVAL_S} to {MAX_SECONDS:g} seconds"),
+    "telemetry.hang_timeout_s": _seconds_or_zero("never"),
+    "telemetry.startup_timeout_s": _seconds_or_zero("never"),
     "checkpoint.interval_steps": ((lambda v: v >= 0), "must be 0 (only when asked) or a step count"),
     "checkpoint.keep_last": _at_least(1),
     "seed": _within(0, 2**32 - 1),
@@ -118,13 +135,43 @@ def check_torch_names(config: ZerorunConfig, problems: Problems) -> None:
 
     if config.optimizer is not None:
         classes = _subclasses_in(torch.optim, torch.optim.Optimizer)
-        _check_class("optimizer", config.optimizer.type, config.optimizer.params, classes,
-                     "torch.optim", problems)
+        if _check_class("optimizer", config.optimizer.type, config.optimizer.params, classes,
+                        "torch.optim", problems):
+            _check_values("optimizer", classes[config.optimizer.type], config.optimizer.params, "torch.optim",
+                          problems)
     if config.scheduler is not None:
         from zerorun.schedulers import scheduler_classes  # torch's classes and DeepSpeed's five
 
-        _check_class("scheduler", config.scheduler.type, config.scheduler.params, scheduler_classes(),
-                     "torch.optim.lr_scheduler", problems)
+        classes = scheduler_classes()
+        if _check_class("scheduler", config.scheduler.type, config.scheduler.params, classes,
+                        "torch.optim.lr_scheduler", problems):
+            _check_values("scheduler", classes[config.scheduler.type], config.scheduler.params,
+                          "torch.optim.lr_scheduler", problems)
+
+
+def _check_values(section: str, cls: type, params: dict, module_name: str, problems: Problems) -> None:
+    """The class takes these values: built once here on a one-element stand-in parameter (a
+    scheduler on an SGD with momentum over it), so ``lr: "abc"`` or ``lr: -1.0`` is refused
+    before start instead of by every worker after it."""
+    import torch
+
+    module = cls.__module__ if cls.__module__.startswith("zerorun.") else module_name
+    owner = f"{module}.{cls.__name__}"  # torch.optim.AdamW, torch.optim.lr_scheduler.StepLR
+    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
+    for key, value in params.items():
+        default = defaults.get(key)
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
+            problems.add(f"{section}.params.{key}", f"{owner} takes a number here (default {default!r}), "
+                         "not a string", value)
+            return
+    stand_in = torch.nn.Parameter(torch.zeros(1))
+    try:
+        with warnings.catch_warnings():  # its notes about the stand-in are not the user's
+            warnings.simplefilter("ignore")
+            _build_stand_in(section, cls, stand_in, params)
+    except Exception as err:  # the class's own check, in its own words
+        why = " ".join(str(err).split()) or type(err).__name__
+        problems.add(f"{section}.params", f"{owner} refuses them: {why[:200]}", params)
 
 
 def _subclasses_in(module: Any, base: type) -> dict[str, type]:
@@ -136,15 +183,18 @@ def _subclasses_in(module: Any, base: type) -> dict[str, type]:
 
 
 def _check_class(section: str, name: str, params: dict, classes: dict[str, type],
-                 module_name: str, problems: Problems) -> None:
+                 module_name: str, problems: Problems) -> bool:
+    """Whether ``name`` is a class of ``classes`` whose keywords match ``params`` (problems
+    recorded otherwise)."""
     cls = classes.get(name)
     if cls is None:
         problems.add(f"{section}.type", f"not a class in {module_name}{did_you_mean(name, classes)}; "
                      f"choose one of {', '.join(sorted(classes))}", name)
-        return
+        return False
     signature = inspect.signature(cls.__init__)
     if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
-        return
+        return True
+    before = len(problems.items)
     # The engine supplies the first positional argument (parameters or the optimizer).
     accepted = [p for p in list(signature.parameters)[2:]]
     ours = cls.__module__.startswith("zerorun.")
@@ -162,6 +212,16 @@ def _check_class(section: str, name: str, params: dict, classes: dict[str, type]
         elif value == "auto":
             problems.add(f"{section}.params.{key}", "'auto' is a Hugging Face Trainer placeholder; "
                          "give a value or remove the key to use torch's default", value)
+    return len(problems.items) == before
+
+
+def _build_stand_in(section: str, cls: type, stand_in, params: dict) -> None:
+    import torch
+
+    if section == "optimizer":
+        cls([stand_in], **params)
+    else:
+        cls(torch.optim.SGD([stand_in], lr=0.1, momentum=0.9), **params)
 
 
 def resolve_batch(batch: BatchConfig, world_size: int | None, problems: Problems) -> BatchConfig:

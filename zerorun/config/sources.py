@@ -135,6 +135,7 @@ def _check_yaml_size(root, name: str) -> None:
             children = node.value
         elif isinstance(node, yaml.MappingNode):
             children = [part for pair in node.value for part in pair]
+            _check_unique_keys(node, name)
         else:
             sizes[id(node)] = 1
             continue
@@ -151,13 +152,45 @@ def _check_yaml_size(root, name: str) -> None:
             stack.extend((child, depth + 1, False) for child in children if id(child) not in sizes)
 
 
+class EmptyConfig(dict):
+    """What an empty config file (or one of comments only) reads as: no keys, so the defaults;
+    load_config notes it, since a file that sets nothing is rarely the file meant."""
+
+
+def _check_unique_keys(node, name: str) -> None:
+    """A key written twice in one mapping: PyYAML keeps the last one without a word, so the
+    first (often the one the user edited) would silently not count."""
+    import yaml
+
+    seen: dict = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            if key.value in seen:
+                raise ConfigError(f"config file {name!r}: key {key.value!r} appears twice in one mapping (lines "
+                                  f"{seen[key.value] + 1} and {key.start_mark.line + 1}); only one of them can count")
+            seen[key.value] = key.start_mark.line
+
+
+def _unique_pairs(name: str):
+    """json.loads' object_pairs_hook refusing a key written twice (json keeps the last silently)."""
+    def pairs(items: list) -> dict:
+        result: dict = {}
+        for key, value in items:
+            if key in result:
+                raise ConfigError(f"config file {name!r}: key {key!r} appears twice in one object; "
+                                  "only one of them can count")
+            result[key] = value
+        return result
+    return pairs
+
+
 def parse_text(text: str, name: str, *, json_syntax: bool) -> dict:
     import json
 
     import yaml
 
     try:
-        data = json.loads(text) if json_syntax else _bounded_yaml(text, name)
+        data = json.loads(text, object_pairs_hook=_unique_pairs(name)) if json_syntax else _bounded_yaml(text, name)
     except json.JSONDecodeError as err:
         raise ConfigError(f"config file {name!r} is not valid JSON: {err.msg} at line {err.lineno} "
                           f"column {err.colno}") from None
@@ -168,8 +201,8 @@ def parse_text(text: str, name: str, *, json_syntax: bool) -> dict:
         raise ConfigError(f"config file {name!r} is not valid YAML: {what}{at}") from None
     except (RecursionError, ValueError, OverflowError) as err:
         raise ConfigError(f"config file {name!r} cannot be parsed: {type(err).__name__}") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file (or only comments): the defaults, said once (load_config's note)
+        return EmptyConfig()
     if not isinstance(data, dict):
         raise ConfigError(f"config file {name!r} must hold a mapping of keys to values at the top, "
                           f"not {show(data)}")

@@ -308,6 +308,9 @@ def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapp
     notes to print about it."""
     from zerorun.config import load_config
     from zerorun.config.sources import launcher_config_file
+    from zerorun.zero.comm.shm_names import channel_wanted
+
+    channel_wanted({**environ, **env_file_vars})  # every rank would refuse it after start
 
     config_source, config_note = launcher_config_file(options.config, cwd)
     config = load_config(

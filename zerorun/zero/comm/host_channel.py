@@ -49,8 +49,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zerorun.errors import RuntimeConfigError
 from zerorun.zero.comm import shm_names
+from zerorun.zero.comm.shm_names import channel_wanted
 
 SLOTS = 2  # Note [rounds]: exactly two
 SLOT_BYTES = 1 << 20  # 2 slots per rank: 2 MiB of outbox, 4 MiB mapped by each of 2 ranks (2 MiB slots cost no less CPU)
@@ -110,15 +110,6 @@ def _proc_start_time(pid: int) -> str | None:
     if fields[0] in ("Z", "X"):  # exited, not yet reaped
         return None
     return fields[19]  # field 22 of stat(5); fields[0] is field 3
-
-
-def channel_wanted(environ) -> bool:
-    """``ZERORUN_HOST_CHANNEL``: 1 (the default) uses the channel where it can, 0 never."""
-    raw = environ.get("ZERORUN_HOST_CHANNEL", "1").strip()
-    if raw not in ("0", "1"):
-        raise RuntimeConfigError(f"ZERORUN_HOST_CHANNEL is {raw!r}; it must be 1 (shared memory between "
-                                 "ranks on one host, the default) or 0 (gloo's TCP ring)")
-    return raw == "1"
 
 
 def _open(group) -> HostChannel | None:

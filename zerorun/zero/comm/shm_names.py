@@ -22,9 +22,21 @@ import re
 import time
 from collections.abc import Iterable
 
+from zerorun.errors import RuntimeConfigError
+
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"zerorun-(?:outbox|inbox)-p([0-9]+)-[A-Za-z0-9_]+\Z")
 STALE_S = 60.0  # older than any open window: never a live job's file in another pid namespace
+
+
+def channel_wanted(environ) -> bool:
+    """``ZERORUN_HOST_CHANNEL``: 1 (the default) uses the channel where it can, 0 never. The
+    launcher checks it before start (and each rank again, for scripts started by hand)."""
+    raw = environ.get("ZERORUN_HOST_CHANNEL", "1").strip()
+    if raw not in ("0", "1"):
+        raise RuntimeConfigError(f"ZERORUN_HOST_CHANNEL is {raw!r}; it must be 1 (shared memory between "
+                                 "ranks on one host, the default) or 0 (gloo's TCP ring)")
+    return raw == "1"
 
 
 def outbox_prefix(pid: int | None = None) -> str:
