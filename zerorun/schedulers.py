@@ -68,8 +68,8 @@ def warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> 
 class _DeepSpeedSchedule(LRScheduler):
     """Closed-form schedules: the learning rate is a function of DeepSpeed's iteration only."""
 
-    def get_lr(self) -> list[float]:
-        return self.lrs_at(self.last_epoch - 1)  # Note [iteration numbering]
+    def get_lr(self) -> list[float | torch.Tensor]:  # LRScheduler's type; these are plain floats
+        return list(self.lrs_at(self.last_epoch - 1))  # Note [iteration numbering]
 
     def lrs_at(self, iteration: int) -> list[float]:  # pragma: no cover - every subclass overrides
         raise NotImplementedError

@@ -16,6 +16,7 @@ import platform
 import shutil
 import socket
 import sys
+from typing import Any
 from pathlib import Path
 
 import typer
@@ -82,7 +83,7 @@ def slurm_facts(environ, hostname: str | None = None, fqdn: str | None = None) -
     from zerorun.launch import slurm
     from zerorun.launch.launcher import signal_plan
 
-    facts = {"srun": shutil.which("srun"), "lines": []}
+    facts: dict[str, Any] = {"srun": shutil.which("srun"), "lines": []}
     try:
         ctx = slurm.detect(environ)
     except ZerorunError as err:
@@ -109,7 +110,8 @@ def _torch_facts() -> dict:
     except Exception as err:
         return {"torch": None, "torch_error": f"{type(err).__name__}: {err}"}
     cuda = torch.cuda.is_available()
-    facts = {
+    gpus: list[dict[str, Any]] = []
+    facts: dict[str, Any] = {
         "torch": torch.__version__,
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
@@ -117,7 +119,7 @@ def _torch_facts() -> dict:
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),
         "nccl_version": None,
-        "gpus": [],
+        "gpus": gpus,
     }
     if facts["nccl"] and cuda:
         try:
@@ -127,7 +129,7 @@ def _torch_facts() -> dict:
     if cuda:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            facts["gpus"].append({"index": index, "name": props.name, "memory_bytes": props.total_memory})
+            gpus.append({"index": index, "name": props.name, "memory_bytes": props.total_memory})
     return facts
 
 

@@ -9,9 +9,9 @@ The formulas behind every column are in docs/estimate.md.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -55,11 +55,26 @@ def register(app: typer.Typer) -> None:
         _print(plan, measured, as_json)
 
 
+@dataclass(frozen=True)
 class EstimateRequest:
     """The flags, as given (None = not given), so flags can override the config file."""
 
-    def __init__(self, **flags):
-        self.__dict__.update(flags)
+    params: str | None = None
+    preset: str | None = None
+    hf_config: Path | None = None
+    model: str | None = None
+    gpus: int | None = None
+    nodes: int | None = None
+    hostfile: Path | None = None
+    stage: int | None = None
+    precision: str | None = None
+    offload: str | None = None
+    config: Path | None = None
+    micro_batch: int | None = None
+    seq_len: int | None = None
+    activation_checkpointing: bool | None = None
+    gpu_memory: str | None = None
+    host_memory: str | None = None
 
 
 def build_plan(request: EstimateRequest):
@@ -101,6 +116,7 @@ def resolve_model(request: EstimateRequest):
         return read_hf_config(request.hf_config)
     from zerorun.planner.counting import spec_from_factory
 
+    assert request.model is not None  # exactly one source was given, and it was none of the others
     return spec_from_factory(request.model)
 
 
@@ -132,7 +148,7 @@ def resolve_training(request: EstimateRequest):
     file_activation: dict = {}
     if request.config is not None:
         training, file_activation = _training_from_config(request.config)
-    overrides = {}
+    overrides: dict[str, Any] = {}  # strings the planner checks (offload_supported, Training)
     if request.stage is not None:
         overrides["stage"] = request.stage
     if request.precision is not None:
@@ -163,7 +179,10 @@ def _training_from_config(path: Path):
         raise
     except Exception as err:  # the loader is another issue's; surface its failure as one line
         raise PlannerError(f"cannot read config {str(path)!r}: {err}") from None
+    from zerorun.planner.memory import Offload
+
     zero = cfg.zero
+    offload: Offload
     optimizer_device = zero.offload_optimizer.device
     param_device = zero.offload_param.device
     if optimizer_device == "nvme":

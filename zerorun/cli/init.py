@@ -30,7 +30,7 @@ SBATCH_NAME = "job.sbatch"
 
 def template_text(name: str) -> str:
     """The text of a file shipped in zerorun/templates/."""
-    return resources.files("zerorun").joinpath("templates", name).read_text(encoding="utf-8")
+    return (resources.files("zerorun") / "templates" / name).read_text(encoding="utf-8")
 
 
 def planned_files(template: str, directory: Path, hostfile: bool, slurm: bool = False) -> list[tuple[Path, str]]:

@@ -71,7 +71,8 @@ def canonical_option(word: str) -> str:
 
 def resolve_nproc_per_node(argv: list[str], gpu_counter) -> list[str]:
     """torchrun's ``--nproc-per-node N``: GPU workers where this machine has GPUs, CPU workers otherwise."""
-    out, index = [], 0
+    out: list[str] = []
+    index = 0
     while index < len(argv):
         word = argv[index]
         if word == "--":

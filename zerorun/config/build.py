@@ -49,7 +49,7 @@ def field_paths(cls: type, prefix: str = "") -> dict[str, Any]:
 def section_class(hint: Any) -> type | None:
     """The dataclass inside ``X`` or ``X | None``, if the hint names a config section."""
     for candidate in _union_members(hint):
-        if dataclasses.is_dataclass(candidate):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
             return candidate
     return None
 
@@ -179,7 +179,8 @@ def is_plain_data(value: Any, depth: int = 0) -> bool:
 def to_dict(config: Any) -> dict:
     """A plain dict of every schema field (nested sections as dicts), for YAML/JSON."""
     result: dict[str, Any] = {}
-    for name, _, _ in schema_fields(type(config)):
+    section: type = type(config)
+    for name, _, _ in schema_fields(section):
         value = getattr(config, name)
         if dataclasses.is_dataclass(value):
             value = to_dict(value)

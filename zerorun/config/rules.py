@@ -191,18 +191,18 @@ def _check_class(section: str, name: str, params: dict, classes: dict[str, type]
         problems.add(f"{section}.type", f"not a class in {module_name}{did_you_mean(name, classes)}; "
                      f"choose one of {', '.join(sorted(classes))}", name)
         return False
-    signature = inspect.signature(cls.__init__)
+    signature = inspect.signature(cls)  # the constructor's, without self
     if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         return True
     before = len(problems.items)
     # The engine supplies the first positional argument (parameters or the optimizer).
-    accepted = [p for p in list(signature.parameters)[2:]]
+    accepted = [p for p in list(signature.parameters)[1:]]
     ours = cls.__module__.startswith("zerorun.")
     owner = f"{cls.__module__ if ours else module_name}.{name}"  # zerorun.schedulers.WarmupLR, torch.optim.SGD
     if ours:
         # Our classes' required arguments are known data (DeepSpeed's total_num_steps, cycle
         # bounds): report them missing now, not when the first worker builds the scheduler.
-        for param in list(signature.parameters.values())[2:]:
+        for param in list(signature.parameters.values())[1:]:
             if param.default is param.empty and param.name not in params:
                 problems.add(f"{section}.params.{param.name}", f"{owner} needs this argument")
     for key, value in params.items():
@@ -238,9 +238,9 @@ def resolve_batch(batch: BatchConfig, world_size: int | None, problems: Problems
                          f"gradient_accumulation_steps = {micro * accum}, so no world size fits; "
                          f"adjust one of them", train)
         return batch
-    if train is None and micro is None:
-        return batch  # the script batches its own data; nothing to derive
     if train is None:
+        if micro is None:
+            return batch  # the script batches its own data; nothing to derive
         accum = accum or 1
         return replace(batch, train_batch_size=micro * accum * world_size, gradient_accumulation_steps=accum)
     if micro is None:

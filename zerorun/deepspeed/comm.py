@@ -83,9 +83,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     choice = device.this_worker(group_backend=dist_backend)
     device.bind(choice)
     dist_backend = dist_backend or choice.backend
-    options = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group(dist_backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                            **options)
+                            timeout=timeout)  # None: torch's default for the backend
     # Leave at exit the way the engine leaves a group it started (Note [clean exit]).
     from zerorun.zero.comm import process_group
 

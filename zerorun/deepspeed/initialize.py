@@ -26,7 +26,9 @@ Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 from __future__ import annotations
 
 import os
+from typing import cast
 
+from zerorun.config.schema import ZerorunConfig
 from zerorun.deepspeed.config_view import DeepSpeedConfigView
 from zerorun.deepspeed.unsupported import refuse
 from zerorun.errors import ConfigError, UsageError
@@ -69,13 +71,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if forward_only:
         optimizer = _never_stepping_optimizer(model, model_parameters)
     engine = engine_initialize(model, optimizer, source, model_parameters=model_parameters)
-    engine.config = DeepSpeedConfigView(engine.config, _given_dict(source))
+    # The view reads as the ZerorunConfig it wraps through attributes (and as DeepSpeed's dict by key).
+    engine.config = cast(ZerorunConfig, DeepSpeedConfigView(engine.config, _given_dict(source)))
     engine.optimizer.overflow = False
     if forward_only:
-        engine.backward = engine.step = _refuse_training  # instance attributes: this engine only
+        # Instance attributes: this engine only, the class keeps its methods.
+        engine.backward = engine.step = _refuse_training  # type: ignore[method-assign]
     if engine.stage == 3:
         for param in model.parameters():  # DeepSpeed's count of a partitioned parameter's elements
-            param.ds_numel = param.numel()  # type: ignore[attr-defined]  (full shape, empty storage)
+            # The full shape's count, though the storage is empty: DeepSpeed's attribute on torch's class.
+            param.ds_numel = param.numel()  # type: ignore[attr-defined]
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer) if _is_factory(lr_scheduler) else lr_scheduler
     loader = _training_loader(engine, training_data, collate_fn) if training_data is not None else None
@@ -105,7 +110,7 @@ def _given_dict(source) -> dict | None:
     source = _config_source_or_launchers(source)
     if isinstance(source, (str, os.PathLike)):
         try:
-            source = read_file(source)
+            source = read_file(os.fspath(source))
         except Exception:  # the engine already loaded it; a view without it is still right
             return None
     return source if isinstance(source, dict) and looks_like_deepspeed(source) else None

@@ -116,9 +116,11 @@ class ZerorunTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if getattr(self.args, "zerorun_config", None) is None:
+        config = getattr(self.args, "zerorun_config", None)  # ZerorunTrainingArguments' filled config
+        if config is None:
             raise RuntimeConfigError("ZerorunTrainer needs ZerorunTrainingArguments with a zerorun config",
                                      hint="ZerorunTrainingArguments(..., zerorun='ds_config.json')")
+        self.args_config: dict = config
         self.engine = None
         self._router: EngineRouter | None = None
 
@@ -126,7 +128,7 @@ class ZerorunTrainer(Trainer):
     def zerorun_config_for(self, num_training_steps: int) -> dict:
         """The config handed to zerorun.initialize: every auto Trainer can decide, filled."""
         return fill_from_model(
-            self.args.zerorun_config, self.args,
+            self.args_config, self.args,
             hidden_size=hidden_size_of(getattr(self.model, "config", None)),
             num_training_steps=num_training_steps,
             warmup_steps=self.args.get_warmup_steps(num_training_steps),
@@ -179,12 +181,17 @@ class ZerorunTrainer(Trainer):
         from zerorun.config import load_config
 
         section = load_config(config).optimizer
+        if section is None:  # the caller saw an "optimizer" key; a null one has no type to build
+            raise RuntimeConfigError("the zerorun config's optimizer section is empty", hint="give optimizer.type")
         cls = getattr(torch.optim, section.type, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise RuntimeConfigError(f"optimizer.type {section.type!r} is not a torch.optim optimizer")
         params = dict(section.params)
-        decayed = set(self.get_decay_parameter_names(self.model))
-        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        model = self.model
+        if model is None:  # Trainer refuses to start without one; said here for the type's sake
+            raise RuntimeConfigError("ZerorunTrainer has no model to build the optimizer over")
+        decayed = set(self.get_decay_parameter_names(model))
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for name, p in trainable if name in decayed], "weight_decay": params.get("weight_decay", 0.0)},
                   {"params": [p for name, p in trainable if name not in decayed], "weight_decay": 0.0}]
         return cls([group for group in groups if group["params"]], **params)
@@ -220,8 +227,9 @@ class ZerorunTrainer(Trainer):
         engine = self._require_engine("resuming from a checkpoint")
         _path, client_state = engine.load_checkpoint(checkpoint)  # DeepSpeed's shape
         client_state = client_state or {}
-        if CLIENT_SCHEDULER_KEY in client_state and not isinstance(self.lr_scheduler, _EngineScheduler):
-            self.lr_scheduler.load_state_dict(client_state[CLIENT_SCHEDULER_KEY])
+        scheduler = self.lr_scheduler
+        if CLIENT_SCHEDULER_KEY in client_state and scheduler is not None and not isinstance(scheduler, _EngineScheduler):
+            scheduler.load_state_dict(client_state[CLIENT_SCHEDULER_KEY])
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Nothing before the engine exists: the engine's checkpoint restores the model with the

@@ -42,6 +42,7 @@ def layer_activation_bytes(shape: TransformerShape, job: ActivationJob, q: int) 
     scores = a * s * s * b
     masks = 0.5 if shape.dropout else 0.0
     attention = 6 * sbh + scores + (1.5 * scores + masks * sbh if shape.dropout else 0.0)
+    mlp: float
     if shape.gated_mlp:
         mlp = sbh + 4 * s * b * i
     else:

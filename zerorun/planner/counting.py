@@ -71,6 +71,8 @@ def _import(module_name: str, target: str):
         if not path.is_file():
             raise PlannerError(f"--model {target!r}: no file {module_name!r}")
         spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:  # a .py file always has one; said rather than asserted
+            raise PlannerError(f"--model {target!r}: {module_name!r} cannot be imported as a module")
         module = importlib.util.module_from_spec(spec)
         sys.modules.setdefault(path.stem, module)
         try:

@@ -172,7 +172,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
 
     params = p * (psi if stage < 3 else shard(sharded, n) + persistent)
     grads = p * (psi if stage < 2 else shard(psi, n))
-    optimizer = k * (psi if stage == 0 else shard(psi, n))
+    optimizer: float = k * (psi if stage == 0 else shard(psi, n))
     if stage == 3 and p != 4 and training.offload == "none":
         # Note [fp32 shard] (zero/unit/storage.py): a 16-bit stage-3 chunk is kept in fp32 and
         # IS its master, so it counts 4 bytes as a parameter and no master beside it.

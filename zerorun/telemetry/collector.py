@@ -20,6 +20,7 @@ import json
 import statistics
 import threading
 import time
+from typing import TextIO
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,7 +161,7 @@ class Collector:
         self._output: deque = deque(maxlen=output_lines)
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._accepted = 0
-        self._metrics_file = None
+        self._metrics_file: TextIO | None = None
 
     # --- input -------------------------------------------------------------------------
     def ingest(self, host: str, raw_line: bytes | str) -> bool:
@@ -313,7 +314,8 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
     on_gpu = "cuda_allocated" in s.mem
     blocked = None
     if s.blocked is not None:
-        blocked = Blocked(s.blocked["seq"], s.blocked["op"], s.blocked["for_s"] + (now - s.blocked_seen))
+        seen = now if s.blocked_seen is None else s.blocked_seen  # set together with blocked
+        blocked = Blocked(s.blocked["seq"], s.blocked["op"], s.blocked["for_s"] + (now - seen))
     comm = tuple(CommStat(op, c, b, sec) for op, (c, b, sec) in sorted(s.comm.items()))
     total_bytes = sum(c.nbytes for c in comm)
     total_seconds = sum(c.seconds for c in comm)
@@ -361,9 +363,10 @@ def _add_to_run(state: _RankState, m: dict) -> None:
 def mean_loss(states, step: int) -> float | None:
     """The ranks' own losses at ``step`` averaged; None unless every rank reported one for it."""
     losses = [dict(s.losses).get(step) for s in states]
-    if not losses or any(loss is None for loss in losses):
+    known = [loss for loss in losses if loss is not None]
+    if not known or len(known) != len(losses):
         return None
-    return sum(losses) / len(losses)
+    return sum(known) / len(known)
 
 
 def _with_straggler(view: RankView, straggler: bool) -> RankView:
@@ -431,11 +434,11 @@ def find_stragglers(ranks: list[RankView]) -> set[int]:
     if steps:
         leader = max(steps)
         slow |= {r.rank for r in ranks if r.step is not None and leader - r.step >= STRAGGLER_STEP_LAG}
-    shared = [r for r in ranks if r.comm_fraction is not None]
-    for r in shared:
-        others = [o.comm_fraction for o in shared if o is not r]
-        if others and statistics.median(others) - r.comm_fraction >= STRAGGLER_COMM_GAP:
-            slow.add(r.rank)
+    shares = {r.rank: r.comm_fraction for r in ranks if r.comm_fraction is not None}
+    for rank, share in shares.items():
+        others = [o for other, o in shares.items() if other != rank]
+        if others and statistics.median(others) - share >= STRAGGLER_COMM_GAP:
+            slow.add(rank)
     return slow
 
 
@@ -446,17 +449,17 @@ def detect_hang(ranks: list[RankView], hang_after_s: float) -> Hang | None:
     (an SPMD program numbers its collectives the same on every rank); a rank that never sent
     a sample counts as not entered, because it may be stuck before its first collective.
     """
-    stuck = [r for r in ranks if r.blocked is not None and r.blocked.waited_s > hang_after_s]
+    blocked = [(r.rank, r.blocked) for r in ranks if r.blocked is not None]
+    stuck = [b for _, b in blocked if b.waited_s > hang_after_s]
     if not stuck:
         return None
-    seq = min(r.blocked.seq for r in stuck)
-    waiting = [r for r in ranks if r.blocked is not None and r.blocked.seq == seq]
-    op = waiting[0].blocked.op
+    seq = min(b.seq for b in stuck)
+    waiting = [(rank, b) for rank, b in blocked if b.seq == seq]
     missing = tuple(r.rank for r in ranks if r.entered_seq is None or r.entered_seq < seq)
     return Hang(
         seq=seq,
-        op=op,
-        waited_s=max(r.blocked.waited_s for r in waiting),
-        waiting=tuple(r.rank for r in waiting),
+        op=waiting[0][1].op,
+        waited_s=max(b.waited_s for _, b in waiting),
+        waiting=tuple(rank for rank, _ in waiting),
         missing=missing,
     )

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 VERSION = 1
 # The collector drops any line longer than this; the worker keeps its messages well below it.
@@ -139,7 +139,7 @@ _CHECKS = {"hello": _check_hello, "sample": _check_sample, "step": _check_step, 
 _INT_LIMIT = 1 << 63
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and -_INT_LIMIT < value < _INT_LIMIT
 
 

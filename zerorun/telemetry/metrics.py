@@ -79,8 +79,8 @@ def summarize(records: list[dict], skipped: int = 0) -> Metrics:
                 totals = series.comm.setdefault(op, [0, 0, 0.0])
                 for i in range(3):
                     totals[i] += triple[i]
-        elif kind == "step":
-            series.steps.append(r.get("step"))
+        elif kind == "step" and isinstance(r.get("step"), int):  # the collector wrote it validated
+            series.steps.append(r["step"])
             series.loss.append(r.get("loss"))
             series.step_time_s.append(r.get("step_time_s") or 0.0)
             series.waited_s.append(r.get("waited_s"))

@@ -259,7 +259,7 @@ def sample_memory() -> dict:
     mem["rss_peak"] = max(mem["rss"], peak if sys.platform == "darwin" else peak * 1024)
     torch = sys.modules.get("torch")  # never import torch just to look at it
     index = _cuda_index(torch) if torch is not None and _may_use_cuda() and torch.cuda.is_initialized() else None
-    if index is not None:
+    if torch is not None and index is not None:
         # This worker's GPU by name: this thread's current device is cuda:0 whatever the main
         # thread chose, so a bare memory_allocated() read GPU 0 on every rank.
         mem["cuda_allocated"] = torch.cuda.memory_allocated(index)

@@ -9,7 +9,7 @@ one log line (not a terminal) and as the end-of-run table.
 from __future__ import annotations
 
 from rich import box
-from rich.console import Group
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -30,9 +30,9 @@ HOST_WIDTH = 12
 
 
 def render(snapshot: Snapshot):
-    parts = [_header(snapshot)]
+    parts: list[RenderableType] = [_header(snapshot)]
     if snapshot.total_steps:
-        parts.append(_progress(snapshot))
+        parts.append(_progress(snapshot, snapshot.total_steps))
     parts.append(_rank_table(snapshot))
     if snapshot.hang is not None:
         parts.append(Text(hang_message(snapshot), style="bold red"))
@@ -78,9 +78,9 @@ def eta_seconds(s: Snapshot) -> float | None:
     return max(0, s.total_steps - s.step) * max(times)
 
 
-def _progress(s: Snapshot) -> Text:
-    done = min(s.step or 0, s.total_steps)
-    text = Text.assemble(bar(done / s.total_steps, PROGRESS_BAR_WIDTH, "cyan"), f" {100 * done / s.total_steps:.0f}%")
+def _progress(s: Snapshot, total_steps: int) -> Text:
+    done = min(s.step or 0, total_steps)
+    text = Text.assemble(bar(done / total_steps, PROGRESS_BAR_WIDTH, "cyan"), f" {100 * done / total_steps:.0f}%")
     eta = eta_seconds(s)
     if eta is not None:
         text.append(f"  ETA {fmt_duration(eta)}")
@@ -109,9 +109,10 @@ def _rank_table(s: Snapshot) -> Table:
     mixed = len(labels) > 1  # e.g. some ranks on GPU, some on CPU: label every cell instead
     memory = f"mem ({labels[0]})" if len(labels) == 1 else "mem"
     scale = _memory_scale(s)
-    for name, justify in (("rank", "right"), ("host", "left"), ("step", "right"), (OWN_LOSS, "right"),
-                          (memory, "left"), ("peak", "right"), ("comm", "right"), ("bw", "right"),
-                          ("seen", "right"), ("", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("rank", "right"), ("host", "left"), ("step", "right"), (OWN_LOSS, "right"), (memory, "left"),
+        ("peak", "right"), ("comm", "right"), ("bw", "right"), ("seen", "right"), ("", "left"))
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True, min_width=len(name))
     for r in s.ranks:
         table.add_row(
@@ -276,7 +277,7 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False)
     # A failure outranks the interrupt it may have caused; workers the launcher stopped are no failure.
     ended = "failed" if failed else "interrupted" if interrupted else "finished"
     title = f"zerorun summary ({ended} after {fmt_duration(s.elapsed_s)})"
-    parts = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
+    parts: list[RenderableType] = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
     if s.run_samples_per_s is not None:
         parts.append(Text(f"job throughput: {fmt_rate(s.run_samples_per_s)} samples/s over the run"))
     if s.mean_loss is not None:

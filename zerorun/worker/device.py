@@ -149,7 +149,7 @@ def _named_kind(environ: Mapping[str, str], group_backend: str | None,
         return named, f"DS_ACCELERATOR={named}", decided if decided.startswith("cuda:") else None
     if decided != AUTO:
         return decided.split(":")[0], f"{ENV_NAME}={decided} (the launcher's choice)", decided
-    if existing == "cpu" and (built_on or "").startswith("cuda"):
+    if existing == "cpu" and built_on is not None and built_on.startswith("cuda"):
         # gloo moves CUDA tensors: a script that chose gloo for a model it put on a GPU keeps it there
         return "cuda", f"the {group_backend} backend and a model built on {built_on}", built_on if ":" in built_on else None
     if existing is not None:

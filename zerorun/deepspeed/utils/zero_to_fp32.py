@@ -26,7 +26,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
         consolidate(checkpoint_dir, target, tag=tag, fmt="torch", dtype="fp32")
         state = torch.load(target, map_location="cpu", weights_only=True)
     if exclude_frozen_parameters:
-        parameters = read_manifest(resolve(checkpoint_dir, tag))["parameters"]
+        directory = resolve(checkpoint_dir, tag)
+        assert directory is not None  # consolidate() has just read this very checkpoint
+        parameters = read_manifest(directory)["parameters"]
         frozen = {name for name, info in parameters.items() if not info["trainable"]}
         state = {k: v for k, v in state.items() if k not in frozen}
     return state
