@@ -157,7 +157,7 @@ def _check_values(section: str, cls: type, params: dict, module_name: str, probl
 
     module = cls.__module__ if cls.__module__.startswith("zerorun.") else module_name
     owner = f"{module}.{cls.__name__}"  # torch.optim.AdamW, torch.optim.lr_scheduler.StepLR
-    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
+    defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()}
     for key, value in params.items():
         default = defaults.get(key)
         if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):

@@ -216,6 +216,9 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     if env_file:
         text = read_small_file(Path(cwd) / env_file, "env file", LaunchError)
         env_file_vars = parse_env_file(text, source=env_file)
+    from zerorun.zero.comm.shm_names import channel_wanted
+
+    channel_wanted({**environ, **env_file_vars})  # ZERORUN_HOST_CHANNEL: every rank would refuse it after start
     ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
     token = secrets.token_hex(16)
     all_local = all(is_local_host(h, local_names) for h in hosts)
@@ -308,9 +311,6 @@ def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapp
     notes to print about it."""
     from zerorun.config import load_config
     from zerorun.config.sources import launcher_config_file
-    from zerorun.zero.comm.shm_names import channel_wanted
-
-    channel_wanted({**environ, **env_file_vars})  # every rank would refuse it after start
 
     config_source, config_note = launcher_config_file(options.config, cwd)
     config = load_config(
