@@ -71,7 +71,8 @@ def test_parity_on_one_gpu(stage, dtype, offload, expected, tmp_path):
 def test_stage3_parameter_offload_with_and_without_optimizer_offload(dtype, optimizer_home, expected):
     """Finding 1: with offload_param but no offload_optimizer the master was the host shard while
     the gradient stayed on the GPU, and the first step failed ("assigned grad has data of a
-    different type"). The master now sits beside the gradient."""
+    different type"). The master now sits beside the gradient. Finding 6: the host chunks are
+    copied on the copy stream (Note [copy stream]), and parity says the ordering holds."""
     import zerorun
 
     model = build_model("cpu")
@@ -81,6 +82,9 @@ def test_stage3_parameter_offload_with_and_without_optimizer_offload(dtype, opti
     want = "cuda" if optimizer_home == "none" else "cpu"
     assert all(r.master.device.type == want for r in engine.records)
     check(train(engine), engine.full_state_dict(), expected, dtype)
+    from zerorun.zero.unit import staging
+
+    assert 0 in staging._streams  # finding 6: the host chunks came over on the copy stream
 
 
 RANK_CODE = """

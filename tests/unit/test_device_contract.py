@@ -332,3 +332,50 @@ def test_a_cpu_placement_pins_nothing_and_counts_no_slack():
 def test_init_distributed_asked_for_nccl_without_a_gpu_is_one_line():
     with pytest.raises(RuntimeConfigError, match="^the nccl backend asks for a GPU but this worker sees none"):
         choose_device(TORCHRUN, gpus(0), group_backend="nccl")
+
+
+def test_staging_copies_on_the_copy_stream_then_orders_the_compute_stream_after_it(monkeypatch):
+    """Finding 6: a parameter-offload gather copied the host chunk on the compute stream, so the
+    copy waited for all compute queued before it (Note [copy stream] in unit/staging.py). With
+    CUDA mocked: the copy is issued inside the copy stream, the compute stream then waits for
+    it, and the staged tensor is marked as used by the compute stream (allocator safety)."""
+    import contextlib
+
+    from zerorun.zero.unit import staging
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits for {other.name}")
+
+    compute = FakeStream("compute")
+    in_stream: list[str] = []
+
+    @contextlib.contextmanager
+    def stream_context(stream):
+        in_stream.append(stream.name)
+        yield
+        in_stream.pop()
+
+    class Staged:
+        def record_stream(self, stream):
+            log.append(f"staged used by {stream.name}")
+
+    class Host:
+        def to(self, device, non_blocking=False):
+            log.append(f"copy to {device} on {in_stream[-1] if in_stream else 'compute'}, non_blocking={non_blocking}")
+            return Staged()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: FakeStream(f"copy{device}"))
+    monkeypatch.setattr(torch.cuda, "stream", stream_context)
+    monkeypatch.setattr(staging, "_streams", {})
+    staging.stage(Host(), torch.device("cuda", 1))
+    staging.stage(Host(), torch.device("cuda", 1))  # one copy stream per GPU, made once
+    assert log == ["copy to cuda:1 on copy1, non_blocking=True", "compute waits for copy1", "staged used by compute"] * 2
+    assert list(staging._streams) == [1]
+    assert torch.equal(staging.stage(torch.arange(3.0), torch.device("cpu")), torch.arange(3.0))  # CPU: no stream

@@ -14,8 +14,11 @@ blocking collective, the ``wait()`` for an asynchronous one), reported from that
 number names the same collective on every rank of a correct SPMD program.
 
 Note [streams]: zerorun issues every collective, bucket copy, zero-fill and fp32 accumulation
-on the caller's current CUDA stream; it creates no stream of its own yet. What that guarantees
-and what it does not, on NCCL:
+on the caller's current CUDA stream. The one stream of its own is the copy stream that moves an
+offloaded parameter chunk onto the GPU before its gather (Note [copy stream] in
+unit/staging.py: issued at once, not behind queued compute; the current stream waits for it
+before the all-gather is issued, and the staged block is freed only after the current stream
+passed the collective). What that guarantees and what it does not, on NCCL:
 - Order is correct by construction. ProcessGroupNCCL makes its internal stream wait for the
   current stream when a collective is issued, and ``Handle.wait()`` makes the current stream
   wait for the collective. Every later read of an output (accumulating a reduced chunk,
@@ -33,8 +36,9 @@ and what it does not, on NCCL:
   seconds reported per collective measure issue-to-queue time, not the transfer, and the
   in-flight throttle (MAX_IN_FLIGHT) bounds queued work, not running work; a stuck collective
   shows as the next synchronizing call, not as "has not entered collective #k". Events timed
-  on a dedicated communication stream would fix all three; that needs a GPU to test, and none
-  was lent to the sessions that wrote this.
+  on a dedicated communication stream would fix all three (issue 32 item 3, not done): that
+  needs a GPU to test, and none was lent to the sessions that wrote this. The cuda test tier
+  (tests/cuda, scripts/gpu_check.sh) checks the ordering above by parity on a GPU.
 """
 
 from __future__ import annotations

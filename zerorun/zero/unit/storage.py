@@ -28,7 +28,8 @@ does a torch without the swap.
 Note [host shards]: with stage-3 parameter offload (``zero.offload_param.device``) the owned
 chunk is kept where its placement's ``place_shard`` puts it (offload/placements.py: cpu, host memory,
 pinned when the model is on CUDA; nvme, a memory-mapped file) and copied onto the device right
-before its all-gather when it is not there already; the staged
+before its all-gather when it is not there already, on a copy stream (Note [copy stream] in
+unit/staging.py); the staged
 copy lives until the gather is waited for (the collective reads it), then is dropped, so the device holds only gathered units. The optimizer
 publishes updates straight into the host chunk. On a CPU host the chunk is simply a tensor of
 its own and the staging is skipped.
@@ -53,6 +54,7 @@ from torch import nn
 from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.host_memory import host_buffer
+from zerorun.zero.unit import staging
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
 
 
@@ -226,8 +228,8 @@ class FlatUnit:
             lo, hi = self.layout.chunk_range(self.rank)
             source = self.full[lo:hi]
             source.copy_(self.shard)
-        elif source.device != self.device:
-            source = self._staged_shard = source.to(self.device, non_blocking=True)
+        elif source.device != self.device:  # a host shard: Note [copy stream] in unit/staging.py
+            source = self._staged_shard = staging.stage(source, self.device)
         self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
         self._move(ParamState.GATHERING)
 
