@@ -282,7 +282,8 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False)
         parts.append(Text(f"job throughput: {fmt_rate(s.run_samples_per_s)} samples/s over the run"))
     if s.mean_loss is not None:
         parts.append(Text(f"last step {s.step}: {mean_loss_label(s)}"))
-    parts.append(Text(SUMMARY_LEGEND, style="dim"))
+    if any(r.run_samples_per_s is not None or r.run_comm_fraction is not None or r.comm for r in s.ranks):
+        parts.append(Text(SUMMARY_LEGEND, style="dim"))  # what the figures mean, when there are any
     if s.hang is not None:
         parts.append(Text(hang_message(s), style="bold red"))
     dropped = dropped_message(s)
@@ -311,7 +312,7 @@ def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
         ranks.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         ranks.add_row(
-            str(r.rank), Text(r.host[:HOST_WIDTH]), "-" if r.step is None else str(r.step),
+            str(r.rank), Text(host_cell(r)[:HOST_WIDTH]), "-" if r.step is None else str(r.step),
             f"{r.mem_label} {fmt_short(r.mem_peak)}" if r.mem_peak is not None else "-",
             *((fmt_short(model_state_bytes(r)),) if with_state else ()),
             _run_wait(r),
@@ -348,7 +349,7 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
         seconds = {c.op: c for c in r.comm}
         table.add_row(
             str(r.rank),
-            Text(r.host),  # Text, not str: a host name is never read as markup
+            Text(host_cell(r)),  # Text, not str: a host name is never read as markup
             "-" if r.step is None else str(r.step),
             f"{r.mem_label} {fmt_bytes(r.mem_peak)}" if r.mem_peak is not None else "-",
             *((fmt_bytes(model_state_bytes(r)),) if with_state else ()),
