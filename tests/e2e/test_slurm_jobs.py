@@ -346,8 +346,8 @@ def test_the_sbatch_template_runs_as_a_new_user_would(cluster, tmp_path):
     done = subprocess.run([str(BIN / "zerorun"), "init", "--slurm"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "sbatch job.sbatch" in done.stdout, done.stderr
-    # Only the resources this 4-CPU test cluster lacks are changed, on the command line.
-    done = cluster.run(["sbatch", "--parsable", "--cpus-per-task=1", "job.sbatch"], cwd=tmp_path, env=env, timeout=30)
+    # As written: whole nodes (--exclusive), whatever their CPU count (4 here).
+    done = cluster.run(["sbatch", "--parsable", "job.sbatch"], cwd=tmp_path, env=env, timeout=30)
     assert done.returncode == 0, done.stderr
     job = done.stdout.strip()
     state = wait_job(cluster, job, timeout_s=180)
@@ -355,3 +355,34 @@ def test_the_sbatch_template_runs_as_a_new_user_would(cluster, tmp_path):
     assert state == "COMPLETED", log[-3000:]
     assert "rank 1" in log or "│    1 │ n2" in log, log[-3000:]
     assert list((tmp_path / "zerorun-runs").glob("*/logs/rank1.log"))
+
+
+def test_a_time_limit_signal_in_the_first_seconds_requeues_without_a_kill_then_completes(cluster, reference, tmp_path):
+    """--time=2 --signal=B:USR1@110: Slurm's timer fires within the first seconds (it may send the
+    signal up to a minute early), before or while the launcher plans; the launcher has handled
+    USR1 from its first line (Note [signals from the first instant]), so the batch step is not
+    killed by it: the save waits for the first step, the job requeues, and in the end completes
+    with the losses of an uninterrupted run."""
+    (tmp_path / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
+    (tmp_path / "ckpt").mkdir()
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(STEPS),
+                                                          str(tmp_path), "3.0"),
+                 "-N2", "--time=2", "--signal=B:USR1@110", "--requeue", "--open-mode=append")
+    log = tmp_path / f"slurm-{job}.out"
+    nudged = [time.monotonic()]
+
+    def ended() -> str | None:
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        if state == "PENDING" and time.monotonic() - nudged[0] > 10:  # a requeued job waits (BeginTime)
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            nudged[0] = time.monotonic()
+        return final_state(cluster, job)
+
+    try:
+        state = wait_for(ended, 480, f"job {job} to complete")
+    finally:
+        cluster.run(["scancel", job])
+    text = log.read_text()
+    assert "time limit near (SIGUSR1)" in text and f"job {job} requeued" in text, text[-3000:]
+    assert state == "COMPLETED", text[-3000:]
+    assert_same_training(tmp_path, reference)

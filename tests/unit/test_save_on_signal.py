@@ -18,12 +18,16 @@ from zerorun.launch import save_on_signal
 
 @pytest.fixture
 def armed(monkeypatch):
-    previous = signal.getsignal(signal.SIGUSR1)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     monkeypatch.setattr(save_on_signal, "_armed", False)
     monkeypatch.setattr(save_on_signal, "_requested", False)
+    monkeypatch.setattr(save_on_signal, "_terminating", False)
     monkeypatch.setenv(save_on_signal.ENV_NAME, "1")
     yield
-    signal.signal(signal.SIGUSR1, previous)
+    if save_on_signal._term_timer is not None:
+        save_on_signal._term_timer.cancel()  # it would end this test process later
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def engine_for(tmp_path):
@@ -56,3 +60,18 @@ def test_unarmed_workers_never_pay_for_the_check(tmp_path, monkeypatch):
     assert not save_on_signal.arm()
     engine = engine_for(tmp_path)
     assert not save_on_signal.due(engine)
+
+
+def test_in_a_slurm_job_the_first_sigterm_waits_for_the_verdict_and_is_no_save(tmp_path, armed, monkeypatch):
+    """Note [a worker's SIGTERM under Slurm]: Slurm's SIGTERM to the step does not kill at once;
+    the launcher's SIGUSR1 that follows (a preemption) saves; the TERM alone saves nothing."""
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setattr(save_on_signal, "TERM_WAIT_S", 60.0)
+    engine = engine_for(tmp_path)
+    os.kill(os.getpid(), signal.SIGTERM)  # the test process lives on
+    train_step(engine)
+    assert not (tmp_path / "ckpt").exists()
+    os.kill(os.getpid(), signal.SIGUSR1)  # the verdict: preempted, save
+    with pytest.raises(SystemExit):
+        train_step(engine)
+    assert (tmp_path / "ckpt" / "global_step2").is_dir()

@@ -7,6 +7,7 @@ script and a salloc shell.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 from test_slurm import BATCH, SALLOC, SRUN_TASK
@@ -152,3 +153,21 @@ def test_zerorun_env_reports_the_allocation_and_how_nodes_are_reached():
     assert "n2: reached by this launcher" in step and "n1: reached by its own srun task's launcher" in step
     assert slurm_facts({}, "c7", "c7")["lines"] == ["Slurm: not in an allocation (no SLURM_JOB_ID)"]
     assert "cannot be read" in slurm_facts({"SLURM_JOB_ID": "x"}, "c7", "c7")["lines"][0]
+
+
+def test_a_slurm_run_directory_is_named_by_the_job_and_a_requeued_start_continues_it(tmp_path):
+    from zerorun.launch import slurm
+    from zerorun.launch.launcher import default_run_dir
+
+    first = slurm.detect({"SLURM_JOB_ID": "4242"})
+    path = default_run_dir(str(tmp_path), first)
+    assert path == str(tmp_path / "zerorun-runs" / "slurm-4242")
+    Path(path).mkdir(parents=True)
+    requeued = slurm.detect({"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"})
+    assert default_run_dir(str(tmp_path), requeued) == path  # the same folder, the same metrics file
+    # A second launch in one allocation (salloc) does not write into the first one's folder.
+    again = default_run_dir(str(tmp_path), first)
+    assert again != path and Path(again).name.startswith("slurm-4242-")
+    array = slurm.detect({"SLURM_JOB_ID": "4243", "SLURM_ARRAY_TASK_ID": "7"})
+    assert Path(default_run_dir(str(tmp_path), array)).name == "slurm-4243-array7"
+    assert Path(default_run_dir(str(tmp_path), None)).parent == tmp_path / "zerorun-runs"

@@ -243,11 +243,13 @@ def register(app: typer.Typer) -> None:
         if result.checkpoint_signal is not None and result.failure is None:
             finish_after_checkpoint(job, result, logs)
         if result.failure is not None and job.slurm is not None:
-            ended = slurm_ended(job)
+            cause, ended = slurm_ended(job)
             if ended is not None:
-                # scancel / time limit under salloc: Slurm signalled the steps (the workers died
-                # of it) before, or instead of, the launcher; that is the cause, not the worker.
-                print(f"zerorun: {ended}: Slurm ended the job's steps; {stopped} (logs in {logs})", file=sys.stderr)
+                # scancel / time limit under salloc, a preemption's SIGTERM to the agent steps:
+                # Slurm signalled the steps (the workers died of it) before, or instead of, the
+                # launcher; that is the cause, not the worker.
+                print(f"zerorun: {ended}: Slurm ended the job's steps; {stopped} (logs in {logs})"
+                      + after_preemption(job, cause), file=sys.stderr)
                 raise typer.Exit(128 + 15)
         if result.failure is not None:
             failure = result.failure
@@ -279,15 +281,33 @@ def stop_reason(job, signum: int, cause: str | None = None) -> str:
     return reason
 
 
-def slurm_ended(job) -> str | None:
-    """What ended the job when Slurm says it is over (cancelled, time limit, preempted), else None."""
+def slurm_ended(job) -> tuple[str | None, str | None]:
+    """Why Slurm is ending the job (slurm.stop_cause) and that in words, or (None, None)."""
     from zerorun.launch.launcher import signal_meaning, slurm_stop_cause
 
     cause = slurm_stop_cause(job.slurm)
     if cause is None:
-        return None
-    return signal_meaning(signal.SIGTERM, cause, in_slurm=True).replace(" (SIGTERM, scancel)", " (scancel)").replace(
-        " (SIGTERM)", "").replace("SIGTERM; ", "")
+        return None, None
+    return cause, signal_meaning(signal.SIGTERM, cause, in_slurm=True).replace(
+        " (SIGTERM, scancel)", " (scancel)").replace(" (SIGTERM)", "").replace("SIGTERM; ", "")
+
+
+def after_preemption(job, cause: str | None) -> str:
+    """The closing line's clause after a preemption that killed the workers. Nothing was saved
+    on the signal, so the requeued job resumes from the last interval checkpoint. A preempted job
+    that ends within its grace time counts as ended and Slurm does not requeue it: with
+    checkpoint.requeue the launcher does."""
+    from zerorun.launch.launcher import requeue_slurm_job
+
+    if cause not in ("preempted", "requeued") or job.slurm is None:
+        return ""
+    clause = "; nothing was saved on the signal: the requeued job resumes from the last interval checkpoint"
+    if cause == "requeued":
+        return clause  # Slurm has requeued it already
+    if not job.requeue:
+        return clause + "; not requeued (checkpoint.requeue is off)"
+    problem = requeue_slurm_job(job.slurm.job_id)
+    return clause + (f"; {problem}" if problem else f"; job {job.slurm.job_id} requeued")
 
 
 def finish_after_checkpoint(job, result, logs: str) -> None:

@@ -65,6 +65,9 @@ MAX_OUTPUT_LINE = 64 * 1024
 MAX_TELEMETRY_LINE = MAX_LINE_BYTES
 
 Emit = Callable[[dict], None]
+# Seconds an agent step waits, after Slurm's SIGTERM, for the launcher's verdict (checkpoint or
+# stop) before stopping its workers anyway; less than the workers' own wait (save_on_signal).
+TERM_VERDICT_WAIT_S = 8.0
 
 # Runs as ``python -c GUARDIAN_SOURCE`` (stdlib only). stdin: "+PGID" when a worker group
 # starts, "done" when the agent ends normally. EOF without "done" means the agent died.
@@ -195,6 +198,10 @@ class NodeAgent:
         self.guardian = guardian
         self._procs: dict[int, subprocess.Popen] = {}
         self._waiters: list[threading.Thread] = []
+        # The exit code of the first worker that failed before any stop was asked for: the
+        # agent's own exit status, so a Slurm step of a failing node ends FAILED in accounting,
+        # and the steps the launcher stopped because of it end as they were told.
+        self.first_failure: int | None = None
         self._stop_lock = threading.Lock()
         self._stopped = False
         self._preexec = _die_with_parent(os.getpid(), _libc_prctl(), hold_usr1=self.saves_on_signal)
@@ -297,6 +304,9 @@ class NodeAgent:
 
     def _await_exit(self, rank: int, proc: subprocess.Popen, readers: tuple[threading.Thread, ...]) -> None:
         rc = proc.wait()
+        with self._stop_lock:
+            if rc != 0 and not self._stopped and self.first_failure is None:
+                self.first_failure = rc
         # The last output lines (a traceback) and the last telemetry (final step) must reach
         # the launcher before the exit event, but a grandchild holding a pipe open must not
         # delay the exit report: the wait for them is bounded.
@@ -497,7 +507,24 @@ def _serve() -> int:
             stop_requested.set()
             threading.Thread(target=agent.stop, daemon=True).start()
 
+    verdict = threading.Event()  # the launcher's "checkpoint" or "stop" after a SIGTERM
+
+    def on_slurm_term(signum, _frame):
+        # Note [a worker's SIGTERM under Slurm] (save_on_signal.py): a preemption signals this
+        # step, maybe not the launcher's. Tell the launcher (from a thread: emit takes a lock the
+        # interrupted code may hold); with on_signal its verdict decides, else stop now.
+        threading.Thread(target=emit, args=({"t": "signal", "sig": signum},), daemon=True).start()
+        if not agent.saves_on_signal:
+            request_stop()
+            return
+        waiting = threading.Timer(TERM_VERDICT_WAIT_S, lambda: None if verdict.is_set() else request_stop())
+        waiting.daemon = True
+        waiting.start()
+
+    in_slurm = bool(os.environ.get("SLURM_JOB_ID"))
     handlers: dict[int, Callable] = {sig: request_stop for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    if in_slurm:
+        handlers[signal.SIGTERM] = on_slurm_term
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
         handlers[sig] = (lambda *_: agent.checkpoint()) if agent.saves_on_signal else request_stop
     for signum, handler in handlers.items():
@@ -514,8 +541,10 @@ def _serve() -> int:
                 agent.dump_stacks()
                 continue
             if line.strip() == b"checkpoint":
+                verdict.set()
                 agent.checkpoint()
                 continue
+            verdict.set()
             request_stop()
             return
 
@@ -530,7 +559,15 @@ def _serve() -> int:
         end_adopted((guardian.proc.pid,) if guardian.proc is not None else (), grace_s)
     guardian.release()
     emit({"t": "done"})
-    return 0
+    return exit_status(agent.first_failure)
+
+
+def exit_status(first_failure: int | None) -> int:
+    """The agent's exit code from its first failed worker's (pure): that code, 128+N for a death
+    by signal N (as a shell reports it), 0 when none failed on its own."""
+    if first_failure is None:
+        return 0
+    return 128 - first_failure if first_failure < 0 else min(first_failure, 255)
 
 
 if __name__ == "__main__":

@@ -188,9 +188,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def default_run_dir(cwd: str) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return str(Path(cwd) / "zerorun-runs" / f"{stamp}-{secrets.token_hex(3)}")
+def default_run_dir(cwd: str, ctx: slurm.SlurmContext | None = None) -> str:
+    """``zerorun-runs/<time>-<id>``; in a Slurm job ``zerorun-runs/slurm-JOB`` (``-arrayTASK`` in a
+    job array), which a requeued start (SLURM_RESTART_COUNT > 0) continues: one run directory and
+    one metrics file per job, however often it is requeued. A second launch in the same
+    allocation (a salloc shell) gets its own time-stamped folder beside it."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    if ctx is None:
+        return str(Path(cwd) / "zerorun-runs" / stamp)
+    name = f"slurm-{ctx.job_id}" + (f"-array{ctx.array_task_id}" if ctx.array_task_id is not None else "")
+    path = Path(cwd) / "zerorun-runs" / name
+    if ctx.restart_count > 0 or not path.exists():
+        return str(path)
+    return str(Path(cwd) / "zerorun-runs" / f"{name}-{stamp}")
 
 
 # --- prepare / execute --------------------------------------------------------------------
@@ -227,7 +237,7 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
         target,
         python=sys.executable,
         cwd=cwd,
-        run_dir=_run_dir(options, cwd, role, step_label),
+        run_dir=_run_dir(options, cwd, role, step_label, context if mode != "local" else None),
         token=token,
         master_port=_master_port(options, role, next(iter(hosts)), local_names, context, mode),
         master_addr=options.master_addr or (role.master_addr if role is not None else None),
@@ -298,12 +308,13 @@ def _master_port(options: LaunchOptions, role, first_host: str, local_names, con
     return slurm.master_port(context.job_id, None) if context is not None and mode != "local" else DEFAULT_MASTER_PORT
 
 
-def _run_dir(options: LaunchOptions, cwd: str, role, step_label: str) -> str:
+def _run_dir(options: LaunchOptions, cwd: str, role, step_label: str,
+             slurm_job: slurm.SlurmContext | None) -> str:
     if role is not None:
         # One folder per node of the step (several launchers may share a filesystem).
         base = options.run_dir or os.path.join(cwd, "zerorun-runs", step_label)
         return os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
-    return os.path.abspath(options.run_dir or default_run_dir(cwd))
+    return os.path.abspath(options.run_dir or default_run_dir(cwd, slurm_job))
 
 
 def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapping[str, str], all_local: bool):
@@ -578,11 +589,16 @@ def execute(job: PreparedJob, view_factory=None):
         job.plan, view, grace_s=job.options.grace_s, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options,
         files={f"{job.plan.run_dir}/config.json": job.config_json}, token=job.token,
         hang_timeout_s=job.hang_timeout_s, hang_warn_s=job.hang_warn_s, startup_timeout_s=job.startup_timeout_s,
+        # Note [why Slurm sent SIGTERM]: with on_signal a preemption's SIGTERM saves, as USR1 does.
+        is_preemption=(lambda: slurm_stop_cause(job.slurm) == "preempted")
+        if job.save_on_signal and job.slurm is not None else None,
     )
 
     def on_signal(signum, _frame):
         if signum in CHECKPOINT_SIGNALS and job.save_on_signal:
             supervisor.request_checkpoint(signum)
+        elif signum == signal.SIGTERM:
+            supervisor.judge_term(signum)  # stops, unless Slurm says it is a preemption (on_signal)
         else:
             supervisor.interrupt(signum)
 

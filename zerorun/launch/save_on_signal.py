@@ -8,6 +8,15 @@ all-reduce, MAX) whether any rank got the signal, so every rank saves at the sam
 though the signal reaches them at slightly different moments. The engine then saves and the
 worker exits 0 (``stop``). The all-reduce runs only in workers that were armed
 (ZERORUN_SAVE_ON_SIGNAL=1, set by the launcher for checkpoint.on_signal).
+
+Note [a worker's SIGTERM under Slurm]: Slurm signals every process of a step, so a preemption
+SIGTERMs the workers of each agent step directly, at the same moment as their agent; by default
+they would die at once and the checkpoint the grace time allows would be lost. So an armed
+worker inside a Slurm job does not die of its first SIGTERM: it waits ``TERM_WAIT_S`` for the
+launcher's verdict (Note [why Slurm sent SIGTERM] in slurm.py), which comes as SIGUSR1 (a
+preemption: save and stop) or as the agent's own stop (another TERM, then KILL). With no verdict
+in that time it ends as SIGTERM would have. A SIGTERM is never a save request by itself: a
+``scancel`` must not write a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,10 +24,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
 ENV_NAME = "ZERORUN_SAVE_ON_SIGNAL"
+# Seconds an armed worker in a Slurm job outlives its first SIGTERM, waiting for the verdict.
+TERM_WAIT_S = 10.0
 _armed = False
 _requested = False
+_terminating = False
+_term_timer: threading.Timer | None = None
 
 
 def arm(environ=None) -> bool:
@@ -31,8 +45,26 @@ def arm(environ=None) -> bool:
     # The agent starts workers with SIGUSR1 blocked (agent._die_with_parent): one that came
     # before this handler was pending all along and is delivered now, not lost and not fatal.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    if environ.get("SLURM_JOB_ID"):
+        signal.signal(signal.SIGTERM, _await_verdict)  # Note [a worker's SIGTERM under Slurm]
     _armed = True
     return True
+
+
+def _await_verdict(_signum, _frame) -> None:
+    """First SIGTERM: wait for SIGUSR1 (save) a while; a second one, or none, ends the worker."""
+    global _terminating, _term_timer
+    if _terminating:
+        _die_of_sigterm()
+    _terminating = True
+    _term_timer = threading.Timer(TERM_WAIT_S, lambda: None if _requested else _die_of_sigterm())
+    _term_timer.daemon = True
+    _term_timer.start()
+
+
+def _die_of_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _note_request(_signum, _frame) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import collections
 import queue
+import signal
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,8 +120,6 @@ def format_failure(failure: Failure) -> str:
 
 
 def signal_name(signum: int) -> str:
-    import signal
-
     return signal.Signals(signum).name
 
 
@@ -128,7 +128,7 @@ class Supervisor:
     def __init__(self, plan: LaunchPlan, view, *, grace_s: float = 3.0, ssh_port: int | None = None,
                  ssh_options: list[str] | None = None, files: dict[str, str] | None = None,
                  token: str = "", hang_timeout_s: float = 0.0, hang_warn_s: float = 0.0,
-                 startup_timeout_s: float = 0.0):
+                 startup_timeout_s: float = 0.0, is_preemption: Callable[[], bool] | None = None):
         self.plan = plan
         self.view = view
         self.grace_s = grace_s
@@ -157,12 +157,37 @@ class Supervisor:
         self._checkpoint_signal: int | None = None
         self._checkpoint_asked = False
         self._checkpoint_deferred = False
+        # Under Slurm with checkpoint.on_signal: asks Slurm whether a SIGTERM is a preemption
+        # (launcher.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
+        self._is_preemption = is_preemption
+        self._term_judged = False
 
     def interrupt(self, signum: int = 2) -> None:
         """Ctrl-C / SIGTERM: safe to call from a signal handler."""
         if not self._interrupt.is_set():
             self._signal = signum
         self._interrupt.set()
+
+    def judge_term(self, signum: int) -> None:
+        """SIGTERM, to the launcher or reported by an agent step (Note [a worker's SIGTERM under
+        Slurm] in save_on_signal.py): a preemption becomes a checkpoint request, anything else
+        (scancel, the time limit) stops the job. Safe from a signal handler: Slurm is asked in a
+        thread, once."""
+        if self._is_preemption is None:
+            self.interrupt(signum)
+            return
+        if self._term_judged:
+            return
+        self._term_judged = True
+        is_preemption = self._is_preemption
+
+        def decide() -> None:
+            if is_preemption():
+                self.request_checkpoint(signum)
+            else:
+                self.interrupt(signum)
+
+        threading.Thread(target=decide, name="zerorun-judge-sigterm", daemon=True).start()
 
     def request_checkpoint(self, signum: int) -> None:
         """SIGUSR1/2 with checkpoint.on_signal: safe to call from a signal handler (Note [Slurm signals])."""
@@ -172,9 +197,10 @@ class Supervisor:
     def run(self) -> JobResult:
         log_dir = Path(self.plan.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
-        # Line-buffered, so `tail -f` on a log follows the rank as it runs.
+        # Line-buffered, so `tail -f` on a log follows the rank as it runs. Appended: a requeued
+        # Slurm job continues its run directory (launcher.default_run_dir).
         logs = {
-            rank: open(log_dir / f"rank{rank}.log", "w", encoding="utf-8", errors="surrogateescape", buffering=1)
+            rank: open(log_dir / f"rank{rank}.log", "a", encoding="utf-8", errors="surrogateescape", buffering=1)
             for rank in self._tails
         }
         self._sink = OutputSink(self.view, logs, self._tails)
@@ -254,6 +280,11 @@ class Supervisor:
                 # Only the first failure is the root cause: ranks that die after we began
                 # stopping are its consequences (or our own TERM).
                 self._fail(Failure(host, rank, describe_exit(rc), rc, list(self._tails[rank])))
+        elif kind == "signal" and event.get("sig") == signal.SIGTERM and self._is_preemption is not None:
+            # An agent step got Slurm's SIGTERM (the batch script may get none: a preemption
+            # with a grace time signals the steps). Without on_signal its workers die of it and
+            # the closing line names the cause (cli/run.py slurm_ended).
+            self.judge_term(signal.SIGTERM)
         elif kind == "gone":
             lost = {r for r in self._running if self._host_of[r] == host}
             if lost:

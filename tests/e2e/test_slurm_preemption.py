@@ -1,0 +1,127 @@
+"""pytest -m slurm tests/e2e/test_slurm_preemption.py (long) — a preempted zerorun job loses nothing.
+
+The private cluster of slurm_cluster.py, set up to preempt (Note [preempting cluster]: partitions
+low and high, preempt/partition_prio, PreemptMode=REQUEUE, GraceTime on low). A 2-node zerorun
+job of slurm_train.py runs in low; once it has trained a few steps a job in high takes both
+nodes. With a grace time, Slurm SIGTERMs the agent steps (not the batch script); the launcher
+asks Slurm why (Note [why Slurm sent SIGTERM]), every rank saves on the spot, the job is
+requeued and resumes, and every step's loss and the final parameters are bit-identical to an
+uninterrupted local run. With GraceTime 0 Slurm requeues at once and the job resumes from its
+last interval checkpoint, each step counted once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, slurm_available
+from test_slurm_jobs import BIN, TRAIN, final_state, job_env, sbatch, wait_for, wait_job, zerorun_cmd
+
+from launch_helpers import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.long]
+
+STEPS = 30
+
+
+def start_cluster(tmp: Path, grace_time: int) -> SlurmCluster:
+    reason = slurm_available()
+    if reason:
+        pytest.skip(reason)
+    return SlurmCluster(tmp / "slurm", grace_time=grace_time).start()
+
+
+def reference_run(tmp: Path) -> tuple[dict, dict]:
+    out = tmp / "reference"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([str(BIN / "zerorun"), "--no-dashboard", "--launcher", "local", "--nproc", "2",
+                           str(TRAIN), str(STEPS), str(out)], cwd=out, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / "losses.json").read_text()), json.loads((out / "world.json").read_text())
+
+
+def preempt_and_finish(cluster: SlurmCluster, tmp: Path, config: str) -> tuple[str, str]:
+    """Run the low job, preempt it after 8 steps, let it resume and end; (job id, its log)."""
+    out = tmp / "job"
+    out.mkdir()
+    (out / "zerorun.yaml").write_text(config)
+    (out / "ckpt").mkdir()
+    job = sbatch(cluster, out, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(STEPS), str(out),
+                                                     "0.5"),
+                 "-N2", "--ntasks-per-node=1", "--exclusive", "--requeue", "--open-mode=append")
+    log = out / f"slurm-{job}.out"
+    wait_for(lambda: (out / "losses.json").exists() and len(json.loads((out / "losses.json").read_text())) >= 8,
+             180, "eight steps")
+    high = cluster.run(["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", str(tmp / "high.out"),
+                        "--wrap", "sleep 2"], cwd=tmp, env=job_env(cluster), timeout=30)
+    assert high.returncode == 0, high.stderr
+    preempted_at = time.monotonic()
+
+    def started_again() -> bool:
+        # Slurm holds a requeued job back (BeginTime); start it once the high job is done.
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        if state == "PENDING" and time.monotonic() - preempted_at > 10:
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        return final_state(cluster, job) is not None or (log.exists() and "resumed from" in log.read_text())
+
+    try:
+        wait_for(started_again, 240, "the preempted job to resume")
+        state = wait_job(cluster, job, timeout_s=240)
+    except AssertionError as err:
+        record = cluster.run(["scontrol", "-o", "show", "job", job]).stdout
+        raise AssertionError(f"{err}\n{record}\n{log.read_text()[-4000:] if log.exists() else ''}") from None
+    text = log.read_text()
+    assert state == "COMPLETED", text[-4000:]
+    return job, text
+
+
+def assert_bit_identical(out: Path, reference: tuple[dict, dict]) -> None:
+    losses = json.loads((out / "losses.json").read_text())
+    assert sorted(map(int, losses)) == list(range(STEPS))
+    assert losses == reference[0]
+    assert json.loads((out / "world.json").read_text())["params"] == reference[1]["params"]
+
+
+def test_preempted_with_a_grace_time_saves_requeues_and_resumes_bit_exactly(tmp_path):
+    reference = reference_run(tmp_path)
+    cluster = start_cluster(tmp_path, grace_time=30)
+    try:
+        job, log = preempt_and_finish(
+            cluster, tmp_path, "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, requeue: true, resume: true}\n")
+    finally:
+        cluster.stop()
+    first_run = log[:log.index("resumed from")]
+    closing = [line for line in first_run.splitlines() if line.startswith("zerorun: preempted")]
+    assert closing and closing[-1].startswith("zerorun: preempted (SIGTERM): every rank saved a checkpoint and stopped"), \
+        first_run[-3000:]
+    assert f"job {job} requeued" in closing[-1]
+    # No interval saves: the one checkpoint is the save on the signal, mid-way.
+    saved = int((tmp_path / "job" / "ckpt" / "latest").read_text().strip().removeprefix("global_step"))
+    assert 8 <= saved < STEPS
+    assert_bit_identical(tmp_path / "job", reference)
+    runs = list((tmp_path / "job" / "zerorun-runs").iterdir())
+    assert [run.name for run in runs] == [f"slurm-{job}"]  # the requeued start continued it
+
+
+def test_preempted_without_a_grace_time_resumes_from_the_interval_checkpoint(tmp_path):
+    reference = reference_run(tmp_path)
+    cluster = start_cluster(tmp_path, grace_time=0)
+    try:
+        job, log = preempt_and_finish(
+            cluster, tmp_path,
+            "zero: {stage: 2}\ncheckpoint: {dir: ckpt, interval_steps: 5, on_signal: true, requeue: true, resume: true}\n")
+    finally:
+        cluster.stop()
+    first_run = log[:log.index("resumed from")]
+    assert "zerorun: preempted or requeued (SIGTERM; Slurm requeued the job)" in first_run, first_run[-3000:]
+    resumed = log[log.index("resumed from"):].splitlines()[0]
+    assert "/global_step5 " in resumed or "/global_step10 " in resumed or "/global_step15 " in resumed, resumed
+    assert_bit_identical(tmp_path / "job", reference)
