@@ -9,6 +9,7 @@ run of the same script, which sees the same batches.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -369,13 +370,18 @@ def test_a_time_limit_signal_in_the_first_seconds_requeues_without_a_kill_then_c
                                                           str(tmp_path), "3.0"),
                  "-N2", "--time=2", "--signal=B:USR1@110", "--requeue", "--open-mode=append")
     log = tmp_path / f"slurm-{job}.out"
-    nudged = [time.monotonic()]
+    requeues = {"seen": 0, "at": time.monotonic()}
 
     def ended() -> str | None:
+        seen = log.read_text().count(f"job {job} requeued") if log.exists() else 0
+        if seen > requeues["seen"]:
+            requeues.update(seen=seen, at=time.monotonic())
         state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
-        if state == "PENDING" and time.monotonic() - nudged[0] > 10:  # a requeued job waits (BeginTime)
+        # A requeued job waits (BeginTime); started again too soon after the requeue, while the
+        # first start's batch step is still being cleaned up on n1, it fails at once.
+        if state == "PENDING" and seen and time.monotonic() - requeues["at"] > 10:
             cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
-            nudged[0] = time.monotonic()
+            requeues["at"] = time.monotonic()
         return final_state(cluster, job)
 
     try:
@@ -386,3 +392,42 @@ def test_a_time_limit_signal_in_the_first_seconds_requeues_without_a_kill_then_c
     assert "time limit near (SIGUSR1)" in text and f"job {job} requeued" in text, text[-3000:]
     assert state == "COMPLETED", text[-3000:]
     assert_same_training(tmp_path, reference)
+
+
+def test_the_sbatch_template_saves_requeues_and_resumes_counting_each_step_once(cluster, tmp_path):
+    """The `zerorun init --slurm` job, its train.py given more steps so the signal lands mid-run:
+    SIGUSR1 to the batch script (as --signal=B:USR1@120 would send it) saves, requeues; the
+    requeued start resumes from the checkpoint and prints every step from there to the total,
+    so across both starts each step 1..N is printed exactly once."""
+    env = job_env(cluster)
+    done = subprocess.run([str(BIN / "zerorun"), "init", "--slurm"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    steps = 3000
+    script = tmp_path / "job.sbatch"
+    script.write_text(script.read_text().replace("    train.py\n", f"    train.py --steps {steps}\n"))
+    done = cluster.run(["sbatch", "--parsable", "job.sbatch"], cwd=tmp_path, env=env, timeout=30)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip()
+    log = tmp_path / f"zerorun-{job}.out"
+    wait_for(lambda: log.exists() and f"step 200/{steps} " in log.read_text(), 180, "two hundred steps")
+    assert cluster.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+    wait_for(lambda: f"job {job} requeued" in log.read_text(), 60, "the save and requeue")
+    requeued_at = time.monotonic()
+
+    def ended() -> str | None:
+        state = cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip()
+        if state == "PENDING" and time.monotonic() - requeued_at > 10:
+            cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        return final_state(cluster, job)
+
+    try:
+        state = wait_for(ended, 300, f"job {job} to complete")
+    finally:
+        cluster.run(["scancel", job])
+    text = log.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    assert "zerorun: resumed from" in text, text[-3000:]
+    printed = [int(n) for n in re.findall(rf"\bstep (\d+)/{steps} +loss", text)]
+    assert sorted(printed) == list(range(1, steps + 1)), [n for n in printed if printed.count(n) > 1][:10]
+    assert [run.name for run in (tmp_path / "zerorun-runs").iterdir()] == [f"slurm-{job}"]

@@ -21,7 +21,6 @@ def armed(monkeypatch):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     monkeypatch.setattr(save_on_signal, "_armed", False)
     monkeypatch.setattr(save_on_signal, "_requested", False)
-    monkeypatch.setattr(save_on_signal, "_terminating", False)
     monkeypatch.setenv(save_on_signal.ENV_NAME, "1")
     yield
     if save_on_signal._term_timer is not None:
@@ -75,3 +74,29 @@ def test_in_a_slurm_job_the_first_sigterm_waits_for_the_verdict_and_is_no_save(t
     with pytest.raises(SystemExit):
         train_step(engine)
     assert (tmp_path / "ckpt" / "global_step2").is_dir()
+
+
+WAITER = """
+import os, signal, sys, time
+from zerorun.launch import save_on_signal
+save_on_signal.TERM_WAIT_S = 0.5
+assert save_on_signal.arm({"ZERORUN_SAVE_ON_SIGNAL": "1", "SLURM_JOB_ID": "42"})
+os.kill(os.getpid(), signal.SIGTERM)
+if sys.argv[1] == "verdict":
+    os.kill(os.getpid(), signal.SIGUSR1)
+time.sleep(3)
+print("alive")
+"""
+
+
+@pytest.mark.parametrize("verdict", ["verdict", "none"])
+def test_without_a_verdict_a_slurm_sigterm_still_ends_the_worker(verdict):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WAITER, verdict], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    if verdict == "verdict":
+        assert done.returncode == 0 and "alive" in done.stdout, done.stderr
+    else:
+        assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr)

@@ -31,7 +31,6 @@ ENV_NAME = "ZERORUN_SAVE_ON_SIGNAL"
 TERM_WAIT_S = 10.0
 _armed = False
 _requested = False
-_terminating = False
 _term_timer: threading.Timer | None = None
 
 
@@ -52,19 +51,14 @@ def arm(environ=None) -> bool:
 
 
 def _await_verdict(_signum, _frame) -> None:
-    """First SIGTERM: wait for SIGUSR1 (save) a while; a second one, or none, ends the worker."""
-    global _terminating, _term_timer
-    if _terminating:
-        _die_of_sigterm()
-    _terminating = True
-    _term_timer = threading.Timer(TERM_WAIT_S, lambda: None if _requested else _die_of_sigterm())
+    """First SIGTERM: SIGTERM gets its default action back (a second one, the agent's stop, ends
+    the worker at once) and, unless SIGUSR1 (save) comes within TERM_WAIT_S, the worker ends as
+    if this one had. Runs in the main thread, the only one that may set a handler."""
+    global _term_timer
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _term_timer = threading.Timer(TERM_WAIT_S, lambda: None if _requested else os.kill(os.getpid(), signal.SIGTERM))
     _term_timer.daemon = True
     _term_timer.start()
-
-
-def _die_of_sigterm() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _note_request(_signum, _frame) -> None:
