@@ -224,9 +224,9 @@ def test_each_unsupported_name_imports_and_fails_on_use_naming_the_feature(use, 
 
 
 def test_a_deepspeed_name_zerorun_does_not_map_is_one_clear_line():
-    with pytest.raises(AttributeError, match="zerorun.deepspeed has no 'checkpointing': a DeepSpeed name zerorun "
+    with pytest.raises(AttributeError, match="zerorun.deepspeed has no 'autotuning': a DeepSpeed name zerorun "
                                              "does not map"):
-        deepspeed.checkpointing  # noqa: B018
+        deepspeed.autotuning  # noqa: B018
 
 
 def test_moe_helpers_answer_as_deepspeed_does_for_a_model_without_moe_layers():
@@ -261,3 +261,56 @@ def test_left_out_optimizer_params_take_deepspeeds_defaults(ds_type, torch_class
 def test_lamb_in_a_config_is_refused_when_loaded():
     with pytest.raises(ConfigError, match="DeepSpeed-only optimizer"):
         load_config({"train_batch_size": 1, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, environ={})
+
+
+# -- issue 31 item 10 ----------------------------------------------------------------------------
+def test_deepspeed_checkpointing_recomputes_with_the_plain_gradients():
+    """``deepspeed.checkpointing`` was a plain AttributeError; Megatron-style models call it."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Dropout(0.3), torch.nn.Tanh())
+    x = torch.randn(5, 7)
+    deepspeed.checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
+    assert deepspeed.checkpointing.is_configured()
+    torch.manual_seed(1)
+    deepspeed.checkpointing.checkpoint(block, x).sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    torch.manual_seed(1)
+    block(x).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, block.parameters(), strict=True))
+    with pytest.raises(UnsupportedFeature, match="model parallelism"):
+        deepspeed.checkpointing.configure(object())
+    with pytest.raises(UnsupportedFeature, match="model-parallel activation checkpointing"):
+        deepspeed.checkpointing.model_parallel_cuda_manual_seed(1)
+
+
+@pytest.mark.parametrize("code", [
+    "import zerorun.deepspeed as deepspeed\ndeepspeed.moe.layer.MoE(hidden_size=4, expert=None, num_experts=2)",
+    "import zerorun.deepspeed as deepspeed\ndeepspeed.PipelineModule(layers=[], num_stages=2)",
+])
+def test_a_refusal_before_initialize_is_one_line_not_a_traceback(tmp_path, code):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("zerorun: error: deepspeed.") and "is not supported" in lines[0], done.stderr
+    assert len(lines) == 2 and lines[1].startswith("zerorun: hint: "), done.stderr
+
+
+def test_peer_exited_is_one_line_on_the_surviving_rank(capsys):
+    from zerorun.errors import ZerorunError
+    from zerorun.zero.comm import process_group
+    from zerorun.zero.comm.host_channel import PeerExited
+
+    assert issubclass(PeerExited, ZerorunError) and issubclass(PeerExited, RuntimeError)
+    process_group._watch_for_uncaught_exceptions()
+    error = PeerExited("rank 1 (pid 4242) exited while this rank waited for it in a collective")
+    import sys
+
+    sys.excepthook(PeerExited, error, None)
+    err = capsys.readouterr().err  # (an earlier test's process group may prefix "[rank0]: ")
+    assert err.count("\n") == 1 and err.endswith("zerorun: error: rank 1 (pid 4242) exited while this rank waited "
+                                                  "for it in a collective\n"), err

@@ -17,7 +17,7 @@ from zerorun.deepspeed.as_deepspeed import version as _version
 # DeepSpeed's API version this module follows, labelled as zerorun's: "0.19.8+zerorun.<zerorun's>".
 __version__ = _version()
 from zerorun.deepspeed import (  # noqa: F401
-    accelerator, checkpoint, comm, compression, moe, ops, pipe, runtime, utils, zero,
+    accelerator, checkpoint, checkpointing, comm, compression, moe, ops, pipe, runtime, utils, zero,
 )
 from zerorun.deepspeed.accelerator import get_accelerator  # noqa: F401  (DeepSpeed re-exports it here)
 from zerorun.deepspeed.arguments import add_config_arguments  # noqa: F401

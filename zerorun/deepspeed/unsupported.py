@@ -16,6 +16,12 @@ HINT = "zerorun shards data-parallel training only (ZeRO stages 0-3); run this p
 
 
 def refuse(name: str, feature: str) -> UnsupportedFeature:
+    """The error for using ``name``. Often raised before ``initialize`` (a MoE layer or a
+    PipelineModule is built first), so the one-line printing of zerorun errors is installed
+    here too: each rank shows the line and hint, not a traceback of zerorun's stand-in."""
+    from zerorun.zero.comm import process_group
+
+    process_group._watch_for_uncaught_exceptions()
     return UnsupportedFeature(f"{name} is not supported: zerorun has no {feature}", hint=HINT)
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zerorun.errors import ZerorunError
 from zerorun.zero.comm import shm_names
 from zerorun.zero.comm.shm_names import channel_wanted
 
@@ -60,8 +61,12 @@ SHM_DIR = shm_names.SHM_DIR
 _HEADER = 64  # the outbox's first bytes hold its owner's nonce, checked by every peer
 
 
-class PeerExited(RuntimeError):
-    """A peer of a host channel exited while this rank waited for it."""
+class PeerExited(ZerorunError, RuntimeError):
+    """A peer of a host channel exited while this rank waited for it. A zerorun error, so a
+    surviving rank prints one line (the launcher names the rank that left and why), not a
+    traceback through the channel's worker thread."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,7 @@ def leave_process_group() -> None:
 
 EXIT_BARRIER_TIMEOUT_S = 30.0
 _uncaught_exception = False
+_watching = False
 
 
 def _watch_for_uncaught_exceptions() -> None:
@@ -184,7 +185,12 @@ def _watch_for_uncaught_exceptions() -> None:
 
     A zerorun error (a damaged NVMe file, a checkpoint that cannot load) ends the rank with its
     one line and hint, as the CLI prints them, instead of a traceback of zerorun's internals;
-    ZERORUN_DEBUG=1 keeps the traceback."""
+    ZERORUN_DEBUG=1 keeps the traceback. Installed once per process: by the process group's
+    creation, and by a refusal raised before it (zerorun.deepspeed's unsupported names)."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
     previous = sys.excepthook
 
     def note(kind, value, traceback) -> None:
