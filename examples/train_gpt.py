@@ -121,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    """This worker's device by the engine's own rule (docs/runtime.md, "The device contract"):
+    the CPU under --nproc even on a GPU node, its GPU under --gpus, torchrun or srun."""
+    from zerorun.worker.device import this_worker
+
+    return this_worker().torch_device()
 
 
 def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
