@@ -256,8 +256,11 @@ def test_human_bytes():
     assert scratch.human_bytes(3 << 30) == "3.0 GiB"
 
 
-def test_an_nvme_path_whose_parent_is_missing_is_refused_and_the_last_component_is_created(tmp_path):
-    """A mistyped mount point is refused, not created as a chain of directories on the root disk."""
+def test_an_nvme_path_whose_parent_is_missing_is_refused_and_the_last_component_is_created(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """A mistyped mount point is refused, not created as a chain of directories on the root disk;
+    run by hand (no launcher to say it before start), creating the last component is said once."""
+    monkeypatch.delenv("ZERORUN_RUN_DIR")
     mistyped = tmp_path / "mnt" / "nvme"
     assert "neither does its parent" in scratch.nvme_path_problem(mistyped)
     with pytest.raises(RuntimeConfigError, match="a mistyped mount point"):
@@ -267,4 +270,6 @@ def test_an_nvme_path_whose_parent_is_missing_is_refused_and_the_last_component_
     assert scratch.nvme_path_problem(fresh) is None
     engine = _engine(fresh)
     assert engine.records[0].state_home.directory.parent.parent == fresh
+    said = [line for line in capsys.readouterr().err.splitlines() if "created" in line]
+    assert said == [f"zerorun: note: zero.offload_optimizer.nvme_path: created {fresh} (its parent exists)"]
     del engine

@@ -33,6 +33,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import threading
 from pathlib import Path
 from collections.abc import Iterable, Mapping
@@ -101,6 +102,7 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
     try:
         with _lock:
             if base not in _held:
+                _create_nvme_path(base.parent, key, rank)
                 sweep_dead(base.parent)
                 _make_locked(base)
                 atexit.register(remove_if_empty, base)
@@ -113,10 +115,20 @@ def placement_directory(nvme_path: str, rank: int, kind: str, key: str) -> Path:
     return directory
 
 
+def _create_nvme_path(path: Path, key: str, rank: int) -> None:
+    """Create ``nvme_path`` when it is missing: only its last component can be (nvme_path_problem).
+    Run by hand there is no launcher to have said so before start, so rank 0 says it, once."""
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    if rank == 0 and not os.environ.get("ZERORUN_RUN_DIR"):
+        print(f"zerorun: note: {key}: created {path} (its parent exists)", file=sys.stderr, flush=True)
+
+
 def _make_locked(base: Path) -> None:
     """Create ``base`` holding a ``.lock`` this process has locked, under a name no sweeper
     touches until the lock is held."""
-    base.parent.mkdir(exist_ok=True)  # at most the last component (nvme_path_problem)
     new = base.parent / f".zerorun-new-{secrets.token_hex(8)}"
     new.mkdir(mode=0o700)
     fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
