@@ -90,11 +90,13 @@ def test_without_config_the_launcher_reads_the_zerorun_yaml_a_script_run_by_hand
 
 
 def test_init_template_trains_for_real_on_two_cpu_ranks(tmp_path):
+    """The issue's command: no --config in an init directory trains with its zerorun.yaml, says so,
+    and nothing in it is overridden (no precedence warning)."""
     assert zerorun(["init", "--template", "zero2"], tmp_path).returncode == 0
-    result = zerorun(["--nproc", "2", "--no-dashboard", "--config", "zerorun.yaml", "train.py", "--steps", "2"],
-                     tmp_path)
+    result = zerorun(["--nproc", "2", "--no-dashboard", "train.py", "--steps", "2"], tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "step 2/2  loss" in result.stdout
+    assert "using config" in result.stderr and "Warning" not in result.stdout + result.stderr
 
 
 def test_offload_combinations_that_cannot_work_are_refused_before_anything_starts(workdir):
