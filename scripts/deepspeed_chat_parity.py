@@ -1,0 +1,151 @@
+"""DeepSpeed-Chat steps 1 (SFT) and 2 (DPO), unchanged, under real DeepSpeed and under zerorun --as-deepspeed.
+
+    python scripts/deepspeed_chat_parity.py [--record] [--ds-python /work/dsvenv/bin/python]
+
+Both on the CPU with 2 gloo ranks, bf16, on the tiny OPT and the synthetic rm-static data of
+tests/data/deepspeed_chat/fixture.py (built once, here, with this interpreter, so both arms load
+the same files). DeepSpeed's side runs in its own virtual environment (never the project's):
+
+    python3 -m venv /work/dsvenv && /work/dsvenv/bin/pip install torch==2.13.0 transformers==5.24.0 accelerate==1.15.0
+    DS_BUILD_OPS=0 /work/dsvenv/bin/pip install deepspeed==0.19.8
+
+torchrun starts DeepSpeed's ranks through a two-line wrapper that appends ``--local_rank=N`` as
+DeepSpeed's launcher does (DeepSpeed-Chat joins the process group only when it gets one).
+``--record`` writes DeepSpeed's rank-0 losses to tests/data/deepspeed_chat/ds_losses.json, which
+tests/e2e/test_deepspeed_chat.py compares zerorun's against without DeepSpeed installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "deepspeed_chat"
+RECORD = DATA / "ds_losses.json"
+STEP_SCRIPTS = {"sft": "training/step1_supervised_finetuning/main.py", "dpo": "training/step2_dpo_finetuning/main.py"}
+# name: (step, stage, extra arguments)
+RUNS = {
+    "sft-stage2": ("sft", 2, []),
+    "sft-stage2-offload": ("sft", 2, ["--offload"]),
+    "sft-stage3": ("sft", 3, []),
+    "dpo-stage0": ("dpo", 0, []),
+    "dpo-stage2": ("dpo", 2, []),
+    "dpo-stage3": ("dpo", 3, []),
+}
+LOSS_LINE = re.compile(r"Epoch: (\d+), Step: (\d+), Rank: 0, loss = ([-0-9.eE+naif]+)")
+LOCAL_RANK_WRAPPER = ("import os, runpy, sys\n"
+                      "sys.argv = sys.argv[1:] + ['--local_rank=' + os.environ['LOCAL_RANK']]\n"
+                      "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def step_args(step: str, stage: int, extra: list[str], fixture: Path, out: Path) -> list[str]:
+    split = "10,0,0" if step == "sft" else "0,10,0"
+    return ["--data_path", str(fixture / "Dahoas" / "rm-static"), "--data_split", split,
+            "--model_name_or_path", str(fixture / "model"), "--per_device_train_batch_size", "2",
+            "--per_device_eval_batch_size", "2", "--max_seq_len", "16", "--learning_rate", "1e-3",
+            "--num_train_epochs", "1", "--gradient_accumulation_steps", "2" if step == "sft" else "1",
+            "--zero_stage", str(stage), "--dtype", "bf16", "--output_dir", str(out), "--seed", "1234",
+            "--data_output_path", str(out / "cache"), "--print_loss", "--deepspeed", *extra]
+
+
+def build_fixture(where: Path) -> Path:
+    subprocess.run([sys.executable, str(DATA / "fixture.py"), str(where)], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return where
+
+
+def losses(output: str) -> list[float]:
+    return [float(m.group(3)) for m in LOSS_LINE.finditer(output)]
+
+
+def _env(extra_path: list[str]) -> dict[str, str]:
+    path = [*extra_path, str(DATA), str(DATA / "shims")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
+            "TRANSFORMERS_VERBOSITY": "error", "DS_ACCELERATOR": "cpu"}
+
+
+def run_zerorun(name: str, fixture: Path, workdir: Path, timeout_s: float = 600) -> tuple[list[float], str]:
+    step, stage, extra = RUNS[name]
+    out = workdir / f"zerorun-{name}"
+    command = [str(Path(sys.executable).with_name("zerorun")), "--nproc", "2", "--no-dashboard", "--as-deepspeed",
+               str(DATA / STEP_SCRIPTS[step]), *step_args(step, stage, extra, fixture, out)]
+    done = subprocess.run(command, cwd=workdir, env=_env([str(ROOT)]), capture_output=True, text=True,
+                          timeout=timeout_s)
+    output = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"zerorun {name} exited {done.returncode}:\n{output[-4000:]}")
+    return losses(output), output
+
+
+def run_deepspeed(name: str, fixture: Path, workdir: Path, ds_python: str, timeout_s: float = 900) -> list[float]:
+    step, stage, extra = RUNS[name]
+    out = workdir / f"deepspeed-{name}"
+    wrapper = workdir / "with_local_rank.py"
+    wrapper.write_text(LOCAL_RANK_WRAPPER)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [ds_python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               str(wrapper), str(DATA / STEP_SCRIPTS[step]), *step_args(step, stage, extra, fixture, out)]
+    done = subprocess.run(command, cwd=workdir, env=_env([]), capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"DeepSpeed {name} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
+    return losses(done.stdout + done.stderr)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--ds-python", default="/work/dsvenv/bin/python")
+    parser.add_argument("--record", action="store_true", help=f"write DeepSpeed's losses to {RECORD}")
+    parser.add_argument("--no-zerorun", action="store_true", help="run DeepSpeed only")
+    args = parser.parse_args()
+    version = subprocess.run([args.ds_python, "-c", "import deepspeed, torch, transformers; "
+                              "print(deepspeed.__version__, torch.__version__, transformers.__version__)"],
+                             capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    if version.returncode != 0:
+        print(f"error: DeepSpeed does not import with {args.ds_python} (see this file's docstring)", file=sys.stderr)
+        return 2
+    ds_version, torch_version, transformers_version = version.stdout.split()[-3:]
+    recorded = json.loads(RECORD.read_text())["losses"] if RECORD.exists() else {}
+    with tempfile.TemporaryDirectory(prefix="dschat-parity-") as scratch:
+        workdir = Path(scratch)
+        fixture = build_fixture(workdir / "fixture")
+        for name in args.runs:
+            try:
+                theirs = run_deepspeed(name, fixture, workdir, args.ds_python)
+            except RuntimeError as err:
+                print(f"{name}: DeepSpeed failed: {str(err)[-600:]}")
+                continue
+            recorded[name] = theirs
+            print(f"{name}: DeepSpeed {len(theirs)} losses {theirs[:3]} ... {theirs[-2:]}")
+            if args.no_zerorun:
+                continue
+            try:
+                ours, _ = run_zerorun(name, fixture, workdir)
+            except RuntimeError as err:
+                print(f"{name}: zerorun failed: {str(err)[-600:]}")
+                continue
+            worst = max((abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True)), default=float("nan")) \
+                if len(ours) == len(theirs) else float("inf")
+            print(f"{name}: zerorun {len(ours)} losses; largest relative difference {worst:.2e}")
+    if args.record:
+        RECORD.write_text(json.dumps({
+            "deepspeed": ds_version, "torch": torch_version, "transformers": transformers_version, "world_size": 2,
+            "note": "rank 0's printed loss per micro-step (--print_loss) of DeepSpeed-Chat's unchanged step "
+                    "under DeepSpeed on the CPU, bf16, fixture.py's tiny OPT and data",
+            "losses": recorded}, indent=1) + "\n")
+        print(f"recorded DeepSpeed's losses in {RECORD}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
