@@ -79,5 +79,22 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, layout):
     done = subprocess.run([sys.executable, str(tmp_path / "limited.py"), "consolidate", *args], env=env,
                           capture_output=True, text=True, timeout=120)
     _one_error_line(done, "failed after", "File too large")
+    # Issue 31 item 14: it used to say "the previous checkpoint is intact", of a consolidation.
+    assert "previous checkpoint" not in done.stderr and "the checkpoint was only read and is unchanged" in done.stderr
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("layout", ["file", "hf"])
+def test_an_existing_output_is_never_overwritten(tmp_path, layout):
+    """Issue 31 item 20: consolidate replaced an existing model file without a word."""
+    ckpt, _ = saved_dropnet(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / ("model.safetensors" if layout == "file" else "hf")
+    target = out if layout == "file" else out / "model.safetensors"
+    target.parent.mkdir(exist_ok=True)
+    target.write_bytes(b"someone's model")
+    args = [str(ckpt), str(out)] + (["--hf-config", str(tmp_path / "config.json")] if layout == "hf" else [])
+    _one_error_line(cli("consolidate", *args), "exists; consolidate does not overwrite it")
+    assert target.read_bytes() == b"someone's model"
+

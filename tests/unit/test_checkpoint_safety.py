@@ -96,9 +96,32 @@ def test_a_refused_load_leaves_the_engine_untouched(tmp_path, monkeypatch):
     target = _engine()
     _train(target, 1)
     before = _state(target)
-    with pytest.raises(CheckpointError, match=r"engine.pt' cannot be loaded \(Weights only load failed"):
+    with pytest.raises(CheckpointError, match=r"engine.pt' cannot be loaded \(it holds argparse.Namespace, which "
+                                              r"the safe unpickler does not load\)") as caught:
         target.load_checkpoint(tmp_path)
+    # Issue 31 item 18: torch's own text advises weights_only=False, never to be said of a file from disk.
+    assert "weights_only" not in str(caught.value) + str(caught.value.hint)
     _same(before, _state(target))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_a_planted_partial_is_removed_never_followed(tmp_path, planted):
+    """Issue 31 item 15: a symlink at ``TAG.partial`` failed the save with "File exists"
+    and no file named; ``.partial`` is zerorun's own name, so it is removed, not followed."""
+    engine = _engine()
+    _train(engine)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    tmp_path.joinpath("ck").mkdir()
+    staging = tmp_path / "ck" / "global_step2.partial"
+    if planted == "symlink":
+        staging.symlink_to(victim)
+    else:
+        staging.write_text("planted")
+    engine.save_checkpoint(tmp_path / "ck")
+    assert (tmp_path / "ck" / "global_step2" / MANIFEST).is_file() and not os.path.lexists(staging)
+    assert (victim / "keep").read_text() == "x" and [p.name for p in victim.iterdir()] == ["keep"]
 
 
 # -- item 6: one owner --------------------------------------------------------------------------

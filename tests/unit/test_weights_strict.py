@@ -111,3 +111,59 @@ def test_matching_weights_load_silently(tmp_path):
         warnings.simplefilter("error")
         engine = _init(_model(meta=True), tmp_path / "w.safetensors")
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in engine.module.parameters())
+
+
+# -- issue 31 items 5 and 20 --------------------------------------------------------------------
+def _index_dir(tmp_path, shard_name="model-1.safetensors"):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: shard_name for name in _weights()}}))
+    return model_dir
+
+
+def test_an_index_naming_a_fifo_is_one_line_not_a_hang(tmp_path):
+    """Issue 31 item 5: safetensors opened the FIFO and blocked initialize for ever."""
+    import os
+    import time
+
+    model_dir = _index_dir(tmp_path)
+    os.mkfifo(model_dir / "model-1.safetensors")
+    started = time.monotonic()
+    with pytest.raises(RuntimeConfigError, match="names 'model-1.safetensors', which is not a regular file"):
+        _init(_model(), model_dir)
+    assert time.monotonic() - started < 60
+
+
+def test_a_symlinked_shard_outside_the_index_directory_is_said_once(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    model_dir = _index_dir(tmp_path)
+    save_file(_weights(), str(tmp_path / "elsewhere.safetensors"))
+    (model_dir / "model-1.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    engine = _init(_model(), model_dir)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "a symlink to" in line]
+    assert len(notes) == 1 and "outside the index's directory; reading it" in notes[0], notes
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in engine.module.parameters())
+
+
+def test_the_hugging_face_cache_layout_of_symlinks_is_silent(tmp_path, capsys):
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    save_file(_weights(), str(repo / "blobs" / "abc123"))
+    snapshot = repo / "snapshots" / "rev1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "model-1.safetensors" for name in _weights()}}))
+    (snapshot / "model-1.safetensors").symlink_to("../../blobs/abc123")
+    _init(_model(), snapshot)
+    assert "symlink" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_infinite_weights_are_refused_naming_the_tensor(tmp_path, bad):
+    weights = _weights()
+    weights["0.weight"][1, 2] = bad
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    with pytest.raises(RuntimeConfigError, match=r"weights for '0.weight' in .*w.safetensors' hold 1 NaN or "
+                                                 r"infinite value\(s\) of 12"):
+        _init(_model(), tmp_path / "w.safetensors")

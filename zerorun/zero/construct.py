@@ -38,6 +38,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import stat
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,8 +162,10 @@ class WeightSource:
             try:
                 self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:  # pickle and zip errors are many types
+                from zerorun.zero.checkpoint.tensor_files import load_refusal
+
                 raise RuntimeConfigError(f"weights file {str(path)!r} cannot be loaded as a torch state dict "
-                                         f"({_first_line(exc)})", hint="pass a .safetensors file or a state dict") from None
+                                         f"({load_refusal(exc)})", hint="pass a .safetensors file or a state dict") from None
             if not isinstance(self._state, Mapping):
                 raise RuntimeConfigError(f"weights file {str(path)!r} holds a {type(self._state).__name__}, not a state dict")
         else:
@@ -222,7 +227,35 @@ def _read_index(index: Path) -> dict[str, Path]:
             raise RuntimeConfigError(f"weights index {str(index)!r} maps {name!r} to {file!r}, which is not a file "
                                      "in the index's directory", hint="an index names files beside it, never paths")
         files[name] = index.parent / file
+    for path in set(files.values()):
+        _check_beside(index, path)
     return files
+
+
+def _check_beside(index: Path, path: Path) -> None:
+    """A file an index names is a regular file in the index's directory, and a symlink there
+    points into that directory: a FIFO would block the reader for ever (600 s, then the hang
+    watchdog), and a symlink to elsewhere would read whatever it points at."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise RuntimeConfigError(f"weights index {str(index)!r} names {path.name!r}, which cannot be read "
+                                 f"({exc.strerror})", hint="copy every shard the index names beside it") from None
+    if stat.S_ISLNK(info.st_mode):
+        home, target = os.path.realpath(index.parent), os.path.realpath(path)
+        # The Hugging Face cache links snapshots/<rev>/<file> to ../../blobs/<hash>: expected.
+        blobs = os.path.join(os.path.dirname(os.path.dirname(home)), "blobs")
+        if os.path.dirname(target) not in (home, blobs) and os.environ.get("RANK", "0") == "0":
+            print(f"zerorun: note: weights index {str(index)!r} names {path.name!r}, a symlink to {target!r} "
+                  "outside the index's directory; reading it", file=sys.stderr, flush=True)
+        try:
+            info = os.stat(target)
+        except OSError as exc:
+            raise RuntimeConfigError(f"weights index {str(index)!r} names {path.name!r}, a symlink to {target!r}, "
+                                     f"which cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise RuntimeConfigError(f"weights index {str(index)!r} names {path.name!r}, which is not a regular file "
+                                 "(a FIFO, device or socket)", hint="an index names safetensors files beside it")
 
 
 def _persistent(model: nn.Module):
@@ -352,6 +385,13 @@ class Materializer:
                 f"weights for {name!r} in {self._where(param)} have shape {tuple(value.shape)}, "
                 f"the model's parameter has {tuple(param.shape)}",
                 hint="load weights saved from the same model configuration")
+        if isinstance(param, nn.Parameter) and value.dtype.is_floating_point:
+            # NaN or infinity in a parameter trains nothing but NaN; only buffers (masks) hold -inf.
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                raise RuntimeConfigError(
+                    f"weights for {name!r} in {self._where(param)} hold {bad} NaN or infinite value(s) of "
+                    f"{value.numel()}", hint="the weights are damaged; load another copy")
         if param.dtype.is_floating_point and not (value.dtype.is_floating_point or self.cast):
             raise RuntimeConfigError(
                 f"weights for {name!r} in {self._where(param)} are {str(value.dtype).replace('torch.', '')}, "

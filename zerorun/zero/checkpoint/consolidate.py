@@ -22,6 +22,7 @@ first name, as ``save_pretrained`` writes it (``from_pretrained`` ties them agai
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -139,6 +140,9 @@ def _check_output(out: Path, target: Path, directory: Path, hf: bool) -> None:
                               hint=f"name a file, e.g. {str(out / 'model.safetensors')!r}, or pass --like/--hf-config")
     if hf and out.exists() and not out.is_dir():
         raise CheckpointError(f"output {str(out)!r} is a file; with --hf-config or --like the output is a directory")
+    if os.path.lexists(target):  # a model someone may still need (or a link to one): never replaced
+        raise CheckpointError(f"output {str(target)!r} exists; consolidate does not overwrite it",
+                              hint="remove it first, or name another output")
 
 
 def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetensors", dtype: str | None = None,
@@ -214,6 +218,11 @@ def _write_safetensors(assembler: Assembler, entries: list[Entry], target: Path)
             writer.write(entry.out_name, assembler.tensor(entry))
             get_recorder().record_activity("consolidating", writer.nbytes)  # Note [saving is progress]
         return writer.commit()["bytes"]
+    except CheckpointError as exc:
+        writer.abandon()
+        # The writer's own hint speaks of a checkpoint save; here only the output was being written.
+        raise CheckpointError(exc.message, hint="free space on the output's disk, or choose another output; the "
+                                                "checkpoint was only read and is unchanged") from None
     except BaseException:
         writer.abandon()
         raise

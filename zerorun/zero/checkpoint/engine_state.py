@@ -73,7 +73,8 @@ from zerorun.zero.checkpoint.reshard import (BUFFER, FROZEN, MASTER, RNG, Uncove
                                   tags_to_delete, whole_key)
 from zerorun.zero.unit.layout import Segment
 from zerorun.zero.precision import model_dtype
-from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, write_bytes_atomically
+from zerorun.zero.checkpoint.tensor_files import (DTYPE_NAMES, DTYPES, TensorFileWriter, fsync_dir, load_refusal,
+                                                  write_bytes_atomically)
 from zerorun.zero.unit.storage import ParamState
 from zerorun.zero.update import refresh_replicas
 
@@ -267,10 +268,14 @@ def _prepare(engine, root: Path, staging: Path) -> None:
                               hint="checkpoint.dir must be a writable directory shared by every rank") from None
     owner.claim(root, job_key())
     try:
-        shutil.rmtree(staging, ignore_errors=True)  # what a crashed save of this tag left
+        # What a crashed save of this tag left; ``TAG.partial`` is zerorun's own name, so a file
+        # or symlink planted there is removed (never followed) rather than failing the save.
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+            staging.unlink()
+        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoints to {str(root)!r} ({exc.strerror})",
+        raise CheckpointError(f"cannot create {str(staging)!r} ({exc.strerror})",
                               hint="checkpoint.dir must be a writable directory shared by every rank") from None
 
 
@@ -565,8 +570,8 @@ def _read_engine_state(engine, reader: Reader) -> dict:
     try:
         saved = torch.load(path, weights_only=True, map_location=storage_home(engine.pg.device))  # device contract
     except Exception as exc:  # the unpickler's refusals are many types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded ({first})",
+        raise CheckpointError(f"checkpoint file {str(reader.directory / ENGINE_FILE)!r} cannot be loaded "
+                              f"({load_refusal(exc)})",
                               hint="it holds a client_state this version cannot read, or it is damaged") from None
     optimizer = engine.train_state.optimizer
     if len(saved["param_groups"]) != len(optimizer.param_groups):

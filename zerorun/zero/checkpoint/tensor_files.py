@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import stat
 import struct
@@ -294,3 +295,19 @@ def verify(path: Path, expected: dict) -> None:
     if f"{checksum:08x}" != expected[CHECKSUM]:
         raise CheckpointError(f"checkpoint file {str(path)!r} fails its {CHECKSUM} checksum "
                               f"({checksum:08x}, the manifest says {expected[CHECKSUM]}): it is damaged", hint=hint)
+
+
+def load_refusal(exc: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line of our own words.
+    torch's message advises re-running with ``weights_only=False``, which runs whatever code the
+    file carries: never advice to give about a file that may not be trusted. Only the refused
+    name is kept ("it holds argparse.Namespace, which the safe unpickler does not load")."""
+    text = " ".join(str(exc).split())
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return f"it holds {found.group(1)}, which the safe unpickler does not load"
+    if "Weights only load failed" in text:
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
+        return f"the safe unpickler refuses it: {found.group(1)[:200] if found else 'an object it does not load'}"
+    return text[:200] if text else type(exc).__name__
+
