@@ -394,6 +394,7 @@ def test_a_time_limit_signal_in_the_first_seconds_requeues_without_a_kill_then_c
     assert_same_training(tmp_path, reference)
 
 
+@pytest.mark.timeout(900)
 def test_the_sbatch_template_saves_requeues_and_resumes_counting_each_step_once(cluster, tmp_path):
     """The `zerorun init --slurm` job, its train.py given more steps so the signal lands mid-run:
     SIGUSR1 to the batch script (as --signal=B:USR1@120 would send it) saves, requeues; the
@@ -403,14 +404,14 @@ def test_the_sbatch_template_saves_requeues_and_resumes_counting_each_step_once(
     done = subprocess.run([str(BIN / "zerorun"), "init", "--slurm"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    steps = 3000
+    steps = 400  # 5 to 30 steps/s on this 2-core machine shared with other jobs
     script = tmp_path / "job.sbatch"
     script.write_text(script.read_text().replace("    train.py\n", f"    train.py --steps {steps}\n"))
     done = cluster.run(["sbatch", "--parsable", "job.sbatch"], cwd=tmp_path, env=env, timeout=30)
     assert done.returncode == 0, done.stderr
     job = done.stdout.strip()
     log = tmp_path / f"zerorun-{job}.out"
-    wait_for(lambda: log.exists() and f"step 200/{steps} " in log.read_text(), 180, "two hundred steps")
+    wait_for(lambda: log.exists() and f"step 100/{steps} " in log.read_text(), 300, "a hundred steps")
     assert cluster.run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
     wait_for(lambda: f"job {job} requeued" in log.read_text(), 60, "the save and requeue")
     requeued_at = time.monotonic()
@@ -422,7 +423,7 @@ def test_the_sbatch_template_saves_requeues_and_resumes_counting_each_step_once(
         return final_state(cluster, job)
 
     try:
-        state = wait_for(ended, 300, f"job {job} to complete")
+        state = wait_for(ended, 400, f"job {job} to complete")
     finally:
         cluster.run(["scancel", job])
     text = log.read_text()

@@ -70,10 +70,3 @@ def test_which_early_signal_stops_the_job_before_it_starts(taken, save_on_signal
 def test_only_a_real_launch_keeps_the_early_handlers(routed, starts):
     assert launches(routed) is starts
 
-
-@pytest.mark.parametrize("first_failure, status", [(None, 0), (1, 1), (-15, 143), (-9, 137), (300, 255)])
-def test_an_agent_ends_with_its_first_failed_workers_status(first_failure, status):
-    """A Slurm step of a node whose worker failed ends FAILED in sacct, not COMPLETED."""
-    from zerorun.launch.agent import exit_status
-
-    assert exit_status(first_failure) == status

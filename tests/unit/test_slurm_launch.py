@@ -171,3 +171,34 @@ def test_a_slurm_run_directory_is_named_by_the_job_and_a_requeued_start_continue
     array = slurm.detect({"SLURM_JOB_ID": "4243", "SLURM_ARRAY_TASK_ID": "7"})
     assert Path(default_run_dir(str(tmp_path), array)).name == "slurm-4243-array7"
     assert Path(default_run_dir(str(tmp_path), None)).parent == tmp_path / "zerorun-runs"
+
+
+def test_a_preemption_that_killed_the_workers_says_what_the_requeued_job_resumes_from(monkeypatch):
+    from types import SimpleNamespace
+
+    from zerorun.cli import run
+    from zerorun.launch import launcher, slurm
+
+    ctx = slurm.detect({"SLURM_JOB_ID": "77"})
+    asked = []
+    monkeypatch.setattr(launcher, "requeue_slurm_job", lambda job_id: asked.append(job_id))
+    job = SimpleNamespace(slurm=ctx, requeue=True, save_on_signal=False)
+    # Ended within the grace time: Slurm counts the job as ended, so the launcher requeues it.
+    assert run.after_preemption(job, "preempted") == (
+        "; nothing was saved on the signal: the requeued job resumes from the last interval checkpoint; job 77 requeued")
+    assert asked == [77]
+    assert run.after_preemption(job, "requeued").endswith("resumes from the last interval checkpoint")  # Slurm did
+    assert asked == [77]
+    assert run.after_preemption(SimpleNamespace(slurm=ctx, requeue=False), "preempted").endswith(
+        "not requeued (checkpoint.requeue is off)")
+    assert run.after_preemption(job, "cancelled") == ""
+    monkeypatch.setattr(launcher, "slurm_stop_cause", lambda ctx: "preempted")
+    assert run.stop_reason(job, signal.SIGTERM).startswith("preempted (SIGTERM); nothing was saved on the signal")
+
+
+@pytest.mark.parametrize("first_failure, status", [(None, 0), (1, 1), (-15, 143), (-9, 137), (300, 255)])
+def test_an_agent_ends_with_its_first_failed_workers_status(first_failure, status):
+    """A Slurm step of a node whose worker failed ends FAILED in sacct, not COMPLETED."""
+    from zerorun.launch.agent import exit_status
+
+    assert exit_status(first_failure) == status
