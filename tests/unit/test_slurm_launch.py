@@ -202,3 +202,25 @@ def test_an_agent_ends_with_its_first_failed_workers_status(first_failure, statu
     from zerorun.launch.agent import exit_status
 
     assert exit_status(first_failure) == status
+
+
+def test_an_agent_records_the_failure_of_its_own_workers_not_the_ones_it_stopped():
+    import sys
+    import threading
+    import time
+
+    from zerorun.launch.agent import NodeAgent
+
+    def worker(rank: int, code: str) -> dict:
+        return {"rank": rank, "argv": [sys.executable, "-c", code], "env": {}}
+
+    failing = NodeAgent([worker(0, "raise SystemExit(3)")], emit=lambda event: None, grace_s=1.0)
+    failing.start()
+    failing.wait()
+    assert failing.first_failure == 3
+    stopped = NodeAgent([worker(0, "import time; time.sleep(60)")], emit=lambda event: None, grace_s=1.0)
+    stopped.start()
+    time.sleep(0.5)
+    threading.Thread(target=stopped.stop).start()
+    stopped.wait()
+    assert stopped.first_failure is None  # ended by the launcher's stop: its step ends as told
