@@ -11,6 +11,7 @@ param_gather.py (stage 3 hooks), precision.py (dtypes and loss scaling).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerorun.config import ZerorunConfig, load_config
-from zerorun.errors import RuntimeConfigError, UsageError
+from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import engine_state
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
@@ -92,6 +93,31 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
                         launcher_config, world_size=engine.world_size)
     checkpoint_schedule.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/schedule.py)
     return engine
+
+
+@contextlib.contextmanager
+def _failing_together(pg, what: str, *, enabled: bool = True):
+    """Every rank agrees on whether the block succeeded on all (one all-reduce after it): the
+    rank that failed raises its own one-line error, every other rank one naming that rank. The
+    NVMe free-space check failing on one rank only used to leave its peers to die later of a
+    60-line gloo traceback. The block must run no collective of its own."""
+    if not enabled or pg.world_size == 1:
+        yield
+        return
+    failure: ZerorunError | None = None
+    try:
+        yield
+    except ZerorunError as exc:
+        failure = exc
+    flags = torch.zeros(pg.world_size, dtype=torch.int32, device=pg.device)
+    flags[pg.rank] = failure is not None
+    collectives.all_reduce(flags, group=pg.group)
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    if failed:
+        raise RuntimeConfigError(f"rank {pg.rank}: {what} failed on rank {failed[0]} (its error says why)",
+                                 hint="nothing was started; fix that rank's problem and start again")
 
 
 def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig, params=None) -> torch.optim.Optimizer:
@@ -182,26 +208,10 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         apply_from_config(model, cfg.activation_checkpointing)
         self.module = model
         self.stage = cfg.zero.stage
-        param_home = placement_from_config(cfg.zero.offload_param, rank=self.pg.rank, role="param")
-        partition = build_partition(
-            model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
-            bucket_numel=cfg.zero.reduce_bucket_size,
-            persistence_threshold=cfg.zero.param_persistence_threshold,
-            min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
-            shard_home=param_home,
-            before_unit=materializer.ensure if materializer else None,
-        )
-        if materializer is not None:
-            materializer.finish()
-        if state_home_for is None:
-            placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
-            state_home_for = lambda unit: placement
-        # One record per unit (unit/record.py), the one unit list every pass walks.
-        self.records: list[UnitRecord] = []
-        for unit in partition.units:
-            home = state_home_for(unit)
-            segments = tuple(unit.layout.segments(unit.rank))  # the pieces this rank's chunk holds
-            self.records.append(UnitRecord(unit, segments, home.make_master(unit), home, param_home))
+        with _failing_together(self.pg, "setting up NVMe offload",
+                               enabled=state_home_for is not None
+                               or "nvme" in (cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device)):
+            partition = self._build_units(model, optimizer, cfg, materializer, state_home_for)
         self.gatherer = None
         if self.stage == 3 and partition.module_units:
             module_records = {m: [self.records[u.index] for u in us] for m, us in partition.module_units.items()}
@@ -235,6 +245,30 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
         LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
+
+    def _build_units(self, model, optimizer, cfg, materializer, state_home_for):
+        """The partition into units and one record per unit (unit/record.py), the one unit list
+        every pass walks, with each unit's parameter chunk and master placed."""
+        param_home = placement_from_config(cfg.zero.offload_param, rank=self.pg.rank, role="param")
+        partition = build_partition(
+            model, optimizer, stage=self.stage, world_size=self.pg.world_size, rank=self.pg.rank,
+            bucket_numel=cfg.zero.reduce_bucket_size,
+            persistence_threshold=cfg.zero.param_persistence_threshold,
+            min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
+            shard_home=param_home,
+            before_unit=materializer.ensure if materializer else None,
+        )
+        if materializer is not None:
+            materializer.finish()
+        if state_home_for is None:
+            placement = placement_from_config(cfg.zero.offload_optimizer, rank=self.pg.rank)
+            state_home_for = lambda unit: placement
+        self.records: list[UnitRecord] = []
+        for unit in partition.units:
+            home = state_home_for(unit)
+            segments = tuple(unit.layout.segments(unit.rank))  # the pieces this rank's chunk holds
+            self.records.append(UnitRecord(unit, segments, home.make_master(unit), home, param_home))
+        return partition
 
     # -- the training loop ------------------------------------------------------------------
     @property
