@@ -155,6 +155,36 @@ def test_hang_timeout_ends_the_job_naming_the_stuck_rank_with_every_stack(tmp_pa
     assert_no_job_processes(run_dir, _pids(run_dir, (0, 1)))
 
 
+STOPPER = r'''
+import os, signal, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+run_dir = os.environ["ZERORUN_RUN_DIR"]
+with open(os.path.join(run_dir, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+print("ready", flush=True)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)  # as Ctrl-Z or a debugger would leave it
+dist.all_reduce(torch.ones(3))
+'''
+
+
+@pytest.mark.long  # waits out a hang timeout
+def test_a_sigstopped_rank_is_named_and_its_missing_stack_explained(tmp_path):
+    """Issue 31 item 11: the watchdog ended the job but named no rank, and said nothing of
+    the stack the stopped rank could not print."""
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    run_dir = tmp_path / "run"
+    done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "6", "--run-dir", str(run_dir),
+                    "stopper.py"], tmp_path, timeout=120)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("zerorun: error: rank 1 on host localhost failed: hung:"), done.stderr
+    assert "rank 0 waits for it in a collective" in last and "printed no Python stack when asked" in last, last
+    assert_no_job_processes(run_dir, _pids(run_dir, (0, 1)), within_s=30)
+
+
 # Silent at import time for argv[1] seconds (a slow shared file system, a data set being read),
 # then a real rendezvous and one collective.
 SLOW_STARTER = r'''

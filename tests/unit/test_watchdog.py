@@ -118,3 +118,48 @@ def test_runtime_paths_follow_the_modules():
 
     assert any(part in zerorun.zero.comm.collectives.__file__ for part in COLLECTIVE_FILES)
     assert any(part in zerorun.telemetry.recorder.__file__ for part in LIBRARY_FILES)
+
+
+def test_a_rank_that_printed_no_stack_is_blamed_when_every_stack_shown_waits():
+    """Issue 31 item 11: a SIGSTOPped rank cannot print its stack; the others all wait in a
+    collective, so the silent one is the one they wait for (it used to go unnamed)."""
+    waiting = main_stack(parse_fault_stacks(WAITING))
+    assert blame({0: waiting}, ranks=(0, 1)) == [1]
+    assert blame({0: waiting, 1: waiting}, ranks=(0, 1)) == []  # every rank printed and waits
+    assert blame({0: main_stack(parse_fault_stacks(STUCK))}, ranks=(0, 1)) == []  # nobody waits
+
+
+def test_the_rank_a_failure_names_as_its_cause():
+    from zerorun.launch.watchdog import cause_named
+
+    assert cause_named(["x", "zerorun: error: rank 0: setting up NVMe offload failed on rank 1 (its error says why)",
+                        "zerorun: hint: nothing was started"]) == 1
+    assert cause_named(["[rank0]: zerorun: error: rank 3 (pid 42) exited while this rank waited for it in a "
+                        "collective"]) == 3
+    assert cause_named(["Traceback (most recent call last):", "ValueError: bad batch"]) is None
+
+
+def test_the_closing_block_names_the_rank_the_first_failure_blamed():
+    """Issue 31 item 12: the rank that exited first was named even when its own error said it
+    failed because of another rank, which exited a moment later with the real cause."""
+    import collections
+    import types
+
+    from zerorun.launch.plan import Target, build_plan
+    from zerorun.launch.supervisor import Supervisor
+
+    plan = build_plan({"localhost": [0, 1]}, Target(script="t.py"), python="py", cwd="/w", run_dir="/r",
+                      token="t", master_port=29500, local_names={"localhost"})
+    view = types.SimpleNamespace(on_worker_exit=lambda host, rank, rc: None)
+    supervisor = Supervisor(plan, view)
+    for channel in supervisor.channels:
+        channel.stop = lambda: None  # no agent runs here
+    # What run() sets up before it reads the first event.
+    supervisor._failure, supervisor._exit_codes, supervisor._running, supervisor._stopping_since = None, {}, {0, 1}, None
+    supervisor._tails[0] = collections.deque(
+        ["zerorun: error: rank 0: setting up NVMe offload failed on rank 1 (its error says why)"])
+    supervisor._tails[1] = collections.deque(["zerorun: error: zero.offload_param.nvme_path: its file system has 8 KiB free"])
+    supervisor._handle("localhost", {"t": "exit", "rank": 0, "rc": 1})
+    assert supervisor._failure.rank == 0
+    supervisor._handle("localhost", {"t": "exit", "rank": 1, "rc": 1})
+    assert supervisor._failure.rank == 1 and "8 KiB free" in supervisor._failure.log_tail[-1]

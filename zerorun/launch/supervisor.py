@@ -30,6 +30,8 @@ from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.processes import describe_exit
 
 TAIL_LINES = 400  # enough for a faulthandler dump of a few threads
+# Exit codes of a rank ended by our own stop (TERM, then KILL): never a cause.
+STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL)
 SHOWN_LOG_LINES = 10
 
 
@@ -161,6 +163,8 @@ class Supervisor:
         # (launcher.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
         self._is_preemption = is_preemption
         self._term_judged = False
+        # The rank the first failure's own error says it failed because of (None: itself).
+        self._named_cause: int | None = None
 
     def interrupt(self, signum: int = 2) -> None:
         """Ctrl-C / SIGTERM: safe to call from a signal handler."""
@@ -278,8 +282,14 @@ class Supervisor:
             self.view.on_worker_exit(host, rank, rc)
             if rc != 0 and self._dumping_since is None:
                 # Only the first failure is the root cause: ranks that die after we began
-                # stopping are its consequences (or our own TERM).
-                self._fail(Failure(host, rank, describe_exit(rc), rc, list(self._tails[rank])))
+                # stopping are its consequences (or our own TERM) -- unless the first one's own
+                # error named this rank as the cause (watchdog.cause_named).
+                failure = Failure(host, rank, describe_exit(rc), rc, list(self._tails[rank]))
+                if self._failure is None:
+                    self._fail(failure)
+                    self._named_cause = watchdog.cause_named(failure.log_tail)
+                elif self._named_cause == rank and rc not in STOP_CODES:
+                    self._failure, self._named_cause = failure, None
         elif kind == "signal" and event.get("sig") == signal.SIGTERM and self._is_preemption is not None:
             # An agent step got Slurm's SIGTERM (the batch script may get none: a preemption
             # with a grace time signals the steps). Without on_signal its workers die of it and
@@ -391,7 +401,7 @@ class Supervisor:
             self._dumping_since = None
             self._fail(failure)
             return
-        culprits = watchdog.blame(stacks, self._hang_missing)
+        culprits = watchdog.blame(stacks, self._hang_missing, ranks=tuple(self._host_of))
         if culprits:
             others = sorted(set(stacks) - set(culprits))
             waiting = ""
@@ -403,6 +413,9 @@ class Supervisor:
                       f"wait for{waiting}")
             if len(culprits) > 1:
                 reason += f"; so are ranks {', '.join(map(str, culprits[1:]))}"
+            if rank not in stacks:
+                reason += ("; it printed no Python stack when asked (a stopped process, SIGSTOP or Ctrl-Z, "
+                           "cannot; nor can one stuck outside Python)")
             failure = Failure(self._host_of[rank], rank, reason, stacks=stacks)
         else:
             hosts = sorted(set(self._host_of.values()))

@@ -159,15 +159,37 @@ def stuck_at(stack: list[Frame]) -> Frame | None:
     return stack[0] if stack else None
 
 
-def blame(stacks: dict[int, list[Frame]], missing: tuple[int, ...] = ()) -> list[int]:
+def blame(stacks: dict[int, list[Frame]], missing: tuple[int, ...] = (), ranks: tuple[int, ...] = ()) -> list[int]:
     """The ranks the others wait for.
 
     ``missing``: ranks zerorun's collectives know have not entered the collective the others
     wait in (the most precise answer, when there is one). Otherwise the ranks whose stack is
-    not inside a collective while some other rank's is. Empty when nothing tells them apart.
+    not inside a collective while some other rank's is; failing that, when every stack shown is
+    inside a collective, the ranks of ``ranks`` that showed none (a SIGSTOPped process cannot
+    print its stack). Empty when nothing tells them apart.
     """
     if missing:
         return sorted(missing)
     waiting = {rank for rank, stack in stacks.items() if stack and in_collective(stack)}
     elsewhere = sorted(rank for rank, stack in stacks.items() if stack and rank not in waiting)
-    return elsewhere if waiting and elsewhere else []
+    if waiting and elsewhere:
+        return elsewhere
+    silent = sorted(rank for rank in ranks if not stacks.get(rank))
+    return silent if waiting and silent else []
+
+
+# zerorun's own lines that blame another rank: a checkpoint or set-up step that failed "on rank
+# N" elsewhere, and the host channel's peer that exited.
+_NAMES_CAUSE = (re.compile(r"zerorun: error: rank \d+: .* failed on rank (\d+) \(its error says why\)"),
+                re.compile(r"zerorun: error: rank (\d+) \(pid \d+\) (?:exited|closed its inbox)"))
+
+
+def cause_named(lines: list[str]) -> int | None:
+    """The rank a worker's last lines name as the cause of its own failure, or None."""
+    for line in reversed(lines[-20:]):
+        for pattern in _NAMES_CAUSE:
+            found = pattern.search(line)
+            if found:
+                return int(found.group(1))
+    return None
+
