@@ -8,6 +8,7 @@ checkpoints, construction), with torch.cuda mocked where a GPU would be touched.
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import types
 
@@ -379,3 +380,65 @@ def test_staging_copies_on_the_copy_stream_then_orders_the_compute_stream_after_
     assert log == ["copy to cuda:1 on copy1, non_blocking=True", "compute waits for copy1", "staged used by compute"] * 2
     assert list(staging._streams) == [1]
     assert torch.equal(staging.stage(torch.arange(3.0), torch.device("cpu")), torch.arange(3.0))  # CPU: no stream
+
+
+@pytest.mark.parametrize("device, environ, expected", [
+    ("cuda:0", {"LOCAL_RANK": "3", "SLURM_LOCALID": "3"}, 0),  # Slurm bound one GPU to the task: it is cuda:0
+    ("cuda:2", {"LOCAL_RANK": "2"}, 2),                        # torchrun / zerorun --gpus: the same number
+    ("cpu", {"SLURM_LOCALID": "1"}, 1),                        # CPU: the local rank, for "== 0" checks
+    ("cpu", {}, 0),
+])
+def test_engine_local_rank_is_the_index_of_the_engines_gpu(device, environ, expected, monkeypatch):
+    """DeepSpeed's ``inputs.to(engine.local_rank)`` must land on the engine's device: its local_rank
+    is the index of the GPU it trains on, which is not LOCAL_RANK under Slurm's per-task binding."""
+
+    from zerorun.zero.engine_api import DeepSpeedEngineAPI
+
+    for name in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    engine = types.SimpleNamespace(pg=types.SimpleNamespace(device=torch.device(device)))
+    local_rank = DeepSpeedEngineAPI.local_rank.fget(engine)  # type: ignore[attr-defined]
+    assert local_rank == expected
+    if device.startswith("cuda"):
+        assert torch.device("cuda", local_rank) == torch.device(device)  # what .to(local_rank) means
+
+
+def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
+    """A checkpoint written on GPUs carries CUDA generator states; a CPU worker on a GPU node
+    restoring it called is_available()/set_rng_state_all, starting the CUDA driver there. Now
+    only a process already using CUDA restores them."""
+    from zerorun.zero.checkpoint import engine_state
+    from zerorun.zero.checkpoint.reshard import RNG
+
+    cpu_state = torch.get_rng_state()
+    saved = {engine_state.whole_key(RNG, "torch"): cpu_state, engine_state.whole_key(RNG, "cuda0"): torch.zeros(8)}
+
+    class Source:
+        def keys(self):
+            return list(saved)
+
+        def read(self, key):
+            return saved[key]
+
+    class Reader:
+        def file(self, name):
+            return Source()
+
+    restored = []
+
+    def untouchable(*args):
+        raise AssertionError("a CPU worker asked the CUDA driver")
+
+    monkeypatch.setattr(torch.cuda, "is_available", untouchable)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
+    manifest = {"ranks": [{"rng": json.loads(json.dumps(engine_state._python_rng()))}]}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    torch.rand(3)
+    engine_state._load_rng(Reader(), manifest, 0)
+    assert restored == [] and torch.equal(torch.get_rng_state(), cpu_state)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a GPU worker: restored
+    engine_state._load_rng(Reader(), manifest, 0)
+    assert len(restored) == 1 and torch.equal(restored[0][0], torch.zeros(8))

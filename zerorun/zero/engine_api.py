@@ -40,7 +40,19 @@ class DeepSpeedEngineAPI:
 
     @property
     def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK") or 0)
+        """DeepSpeed's ``engine.local_rank``: the index of this worker's GPU, so the idiom
+        ``inputs.to(engine.local_rank)`` lands where the model is. DeepSpeed reads LOCAL_RANK and
+        trains on ``cuda:LOCAL_RANK``; here the device contract chose the GPU (zerorun/worker/
+        device.py), which under Slurm's per-task binding is the task's first visible GPU (0),
+        not its local rank. On the CPU it is the local rank (LOCAL_RANK, SLURM_LOCALID, MPI's),
+        for ``local_rank == 0`` checks; no integer means the CPU to ``.to()``: use ``engine.device``
+        (DeepSpeed's ``get_accelerator().device_name(engine.local_rank)`` says "cpu" there)."""
+        index = self.pg.device.index if self.pg.device.type == "cuda" else None
+        if index is not None:
+            return index
+        from zerorun.worker.device import local_rank
+
+        return local_rank(os.environ)
 
     @property
     def global_rank(self) -> int:

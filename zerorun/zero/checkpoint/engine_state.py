@@ -589,7 +589,10 @@ def _load_rng(reader: Reader, manifest: dict, rank: int) -> None:
     source = reader.file(rank_file(rank))
     torch.set_rng_state(source.read(whole_key(RNG, "torch")))
     cuda = [k for k in source.keys() if k.startswith(f"{RNG}/cuda")]
-    if cuda and torch.cuda.is_available():
+    # Only where CUDA is already in use (a GPU worker moved its model there): asking
+    # is_available() or device_count() in a CPU worker on a GPU node starts the CUDA driver,
+    # which Note [device contract] (zerorun/worker/device.py) promises never happens.
+    if cuda and torch.cuda.is_initialized():
         states = [source.read(whole_key(RNG, f"cuda{i}")) for i in range(len(cuda))]
         torch.cuda.set_rng_state_all(states[: torch.cuda.device_count()])
     _restore_python_rng(manifest["ranks"][rank]["rng"])
