@@ -155,6 +155,44 @@ def test_hang_timeout_ends_the_job_naming_the_stuck_rank_with_every_stack(tmp_pa
     assert_no_job_processes(run_dir, _pids(run_dir, (0, 1)))
 
 
+EXITER = r'''
+import os, sys, time, torch, zerorun
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 1}})
+rank, run_dir = engine.rank, os.environ["ZERORUN_RUN_DIR"]
+with open(os.path.join(run_dir, f"pid{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+if rank == 1:
+    with open(os.path.join(run_dir, "exited_at"), "w") as f:
+        f.write(repr(time.time()))
+    if sys.argv[1] == "raise":
+        raise SystemExit("rank 1: the data shard is empty")
+    sys.exit(3)
+engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+engine.step()
+'''
+
+
+@pytest.mark.parametrize("how", ["raise", "sys.exit"])
+def test_a_rank_that_exits_failing_ends_the_job_in_seconds(tmp_path, how):
+    """Issue 31 item 6: ``raise SystemExit("...")`` on one rank waited 30 s at the exit barrier
+    for a peer stuck in a collective with it, and the dashboard called the quiet a hang."""
+    (tmp_path / "exiter.py").write_text(EXITER)
+    run_dir = tmp_path / "run"
+    done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "120", "--run-dir", str(run_dir),
+                    "exiter.py", how], tmp_path, timeout=180)
+    ended = time.time()
+    assert done.returncode == 1, done.stderr
+    took = ended - float((run_dir / "exited_at").read_text())
+    print(f"{how}: the job ended {took:.1f} s after rank 1 exited")
+    assert took < 20, f"the job took {took:.1f} s to end"
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("zerorun: error: rank 1 on host localhost failed: exit code "), done.stderr
+    assert "HANG" not in done.stdout + done.stderr
+    assert_no_job_processes(run_dir, _pids(run_dir, (0, 1)), within_s=30)
+
+
 STOPPER = r'''
 import os, signal, time
 import torch, torch.distributed as dist

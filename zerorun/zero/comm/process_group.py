@@ -156,11 +156,13 @@ GLOO_THREADS = 2
 def leave_process_group() -> None:
     """At exit: ``leave_together`` on the group zerorun created (Note [clean exit]).
 
-    Only on a clean exit: a rank dying of an uncaught exception must exit at once, so the
-    launcher sees it and ends the job, rather than wait at a barrier its peers never reach.
-    Other exits (``sys.exit(1)`` on one rank) wait at most ``EXIT_BARRIER_TIMEOUT_S``.
+    Only on a clean exit: a rank dying of an uncaught exception, or leaving with a failing
+    status (``raise SystemExit("...")``, ``sys.exit(1)``: Note [failing exits]), must exit at
+    once, so the launcher sees it and ends the job in seconds, rather than wait at a barrier
+    its peers never reach (it used to hold the job for EXIT_BARRIER_TIMEOUT_S, and the
+    dashboard called the quiet a hang). A clean exit waits at most ``EXIT_BARRIER_TIMEOUT_S``.
     """
-    if _uncaught_exception or not (dist.is_available() and dist.is_initialized()):
+    if _uncaught_exception or _failing_exit or not (dist.is_available() and dist.is_initialized()):
         return
     met = threading.Event()
 
@@ -178,6 +180,45 @@ def leave_process_group() -> None:
 EXIT_BARRIER_TIMEOUT_S = 30.0
 _uncaught_exception = False
 _watching = False
+_failing_exit = False
+
+
+def _failing(code) -> bool:
+    """Whether SystemExit(code) ends the process with a non-zero status (a message is status 1)."""
+    return code is not None and code != 0
+
+
+def _note_exit_status() -> None:
+    """Note [failing exits]: an atexit handler cannot see the status the process exits with,
+    and SystemExit never reaches sys.excepthook. So the status is noted where it is raised:
+    ``sys.exit`` is wrapped, and the builtin name ``SystemExit`` (what ``raise SystemExit(...)``
+    looks up) becomes a subclass of the real one that notes its code. It stays a SystemExit in
+    every way the interpreter and ``except SystemExit`` care about."""
+    import builtins
+
+    real = builtins.SystemExit
+    if getattr(real, "_zerorun_noting", False):
+        return
+
+    class SystemExit(real):  # type: ignore[misc, valid-type]
+        _zerorun_noting = True
+
+        def __init__(self, *args):
+            global _failing_exit
+            super().__init__(*args)
+            _failing_exit = _failing(args[0] if len(args) == 1 else (args or None))
+
+    real_exit = sys.exit
+
+    def exit(status=None):
+        global _failing_exit
+        _failing_exit = _failing(status)
+        real_exit(status)
+
+    SystemExit.__qualname__ = SystemExit.__name__ = "SystemExit"
+    SystemExit.__module__ = "builtins"
+    setattr(builtins, "SystemExit", SystemExit)  # noqa: B010  (mypy refuses assigning to a builtin type)
+    sys.exit = exit
 
 
 def _watch_for_uncaught_exceptions() -> None:
@@ -191,6 +232,7 @@ def _watch_for_uncaught_exceptions() -> None:
     if _watching:
         return
     _watching = True
+    _note_exit_status()
     previous = sys.excepthook
 
     def note(kind, value, traceback) -> None:
