@@ -180,7 +180,7 @@ def test_offloaded_masters_and_shards_are_pinned_from_one_arena_and_counted():
     assert all(r.master.is_pinned() and r.master.device.type == "cpu" for r in engine.records)
     assert all(r.unit.shard.is_pinned() for r in engine.records if r.unit.partitioned)
     home = engine.records[0].state_home
-    arena = home._arena
+    arena = home.memory.arena
     assert arena.handed_out == sum(r.master.numel() * 4 for r in engine.records)
     assert arena.reserved >= arena.handed_out and home.arena_slack() == arena.reserved - arena.handed_out
     counted = home.nbytes(engine.records, engine.optimizer)["host"]

@@ -10,7 +10,7 @@ import time
 # What a signal usually means for a training worker, where the name alone says little.
 SIGNAL_CAUSES = {
     # A read of a memory-mapped page whose file was cut short: zerorun maps NVMe-offloaded
-    # parameter chunks (offload/placements.py, Note [host shards]) and safetensors files.
+    # parameter chunks (offload/nvme.py, Note [host shards]) and safetensors files.
     signal.SIGBUS: "a memory-mapped file it was reading was truncated or removed, such as an NVMe offload file",
 }
 

@@ -180,7 +180,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         optimizer -= MASTER_COPY_BYTES * shard(sharded, n)
     host = nvme = 0.0
     if training.offload != "none":
-        # An offloaded master is always a tensor of its own (zerorun/zero/offload/placements.py), even in
+        # An offloaded master is always a tensor of its own (make_master in zerorun/zero/offload/master.py), even in
         # fp32, where without offload the parameter storage doubles as the master.
         offloaded = optimizer + (MASTER_COPY_BYTES * shard(psi, n) if training.precision == "fp32" else 0)
         optimizer = 0.0

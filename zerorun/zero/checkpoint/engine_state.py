@@ -127,7 +127,7 @@ def _writes_records(engine) -> bool:
 
 def _state_split(record, optimizer) -> tuple[dict[str, torch.dtype], dict]:
     """A record's optimizer state: per-element tensors (key -> dtype) and scalars (key -> value).
-    Between NVMe updates a per-element tensor is a placeholder of its size (offload/placements.py
+    Between NVMe updates a per-element tensor is a placeholder of its size (offload/nvme.py
     Note [file buffers]), so the split needs no read."""
     n = record.unit.layout.chunk_numel
     elementwise, scalars = {}, {}

@@ -31,7 +31,7 @@ passed the collective). What that guarantees and what it does not, on NCCL:
 - The offload worker thread (update.py) copies a reduced chunk to the host with a blocking
   ``.to("cpu")`` issued after the main thread queued the collective's wait; both threads use
   the default stream, so the copy sees the reduced values. Publishing an update back is a
-  blocking copy too (offload/placements.py), so a host buffer is never reused under an in-flight copy.
+  blocking copy too (publish in offload/master.py), so a host buffer is never reused under an in-flight copy.
 - Not right on GPU yet: ``Handle.wait()`` on NCCL returns as soon as the wait is queued, so the
   seconds reported per collective measure issue-to-queue time, not the transfer, and the
   in-flight throttle (MAX_IN_FLIGHT) bounds queued work, not running work; a stuck collective

@@ -1,6 +1,6 @@
 """Checked reads and writes of offload scratch files: every byte count is compared.
 
-Used by offload/placements.py (NVMe optimizer state and parameter files); tests:
+Used by offload/nvme.py (NVMe optimizer state and parameter files); tests:
 tests/unit/test_offload_io.py. Storage fails in ordinary ways (a short read of a truncated
 file, ENOSPC, EIO, a file a cleanup job removed), and a read that fills only part of a buffer
 leaves the rest holding an earlier unit's values, which trains on silently. So each call here

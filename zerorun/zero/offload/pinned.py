@@ -79,3 +79,24 @@ class HostArena:
     def slack(self) -> int:
         """Pinned bytes not handed out: counted with the placement's host bytes."""
         return self.reserved - self.handed_out
+
+
+class HostMemory:
+    """A placement's host memory: pinned pieces from its own arena when the model is on CUDA
+    (made at the first such request), plain host tensors otherwise. ``pin`` is the config's
+    ``pin_memory``; a CPU worker never pins whatever it says (pinned memory exists only with CUDA)."""
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.arena: HostArena | None = None
+
+    def empty(self, numel: int, dtype: torch.dtype, model_device: torch.device) -> torch.Tensor:
+        if not (self.pin and model_device.type == "cuda"):
+            return torch.empty(numel, dtype=dtype)
+        if self.arena is None:
+            self.arena = HostArena(pin=True)
+        return self.arena.empty(numel, dtype)
+
+    def slack(self) -> int:
+        """Pinned bytes held but not handed out (Note [pinned arena]): host memory too."""
+        return self.arena.slack() if self.arena is not None else 0

@@ -1,6 +1,6 @@
 """Where NVMe offload keeps its scratch files, and how they are cleaned up and budgeted.
 
-Used by offload/placements.py; the launcher's agent calls ``sweep_recorded`` after its workers
+Used by offload/nvme.py; the launcher's agent calls ``sweep_recorded`` after its workers
 exit. Tests: tests/unit/test_offload_io.py, tests/e2e/test_nvme_faults.py.
 
 Note [scratch names]: a rank's scratch lives in ``NVME_PATH/zerorun-<job>-<launch>-rank<R>/``.
