@@ -169,13 +169,9 @@ class OnFile:
                 f"master and optimizer state ({need} elements)",
                 hint=f"set buffer_size to at least {need}, or shrink the units (reduce_bucket_size / allgather_bucket_size)")
         master = make_master(unit, self.location)
-        scratch.reserve(self.directory, need * 4, 0, self._config_key)
-        self._budget["planned"] += need * 4
         self._largest = max(self._largest, need)
         self._model_device = unit.device
-        write_exactly(self.directory / f"unit{unit.index}.bin", _bytes_of(master), self.rank, create=True)
-        scratch.reserve(self.directory, 0, master.numel() * 4, self._config_key)
-        self._budget["written"] += master.numel() * 4
+        self._create(unit.index, master, planned=need * 4)  # room for the state its updates add
         master.data = torch.empty(0, dtype=torch.float32)
         return master
 
@@ -187,6 +183,19 @@ class OnFile:
 
     def arena_slack(self) -> int:
         return self.memory.slack()
+
+    def _create(self, index: int, host: torch.Tensor, planned: int) -> Path:
+        """A new file ``unit{index}.bin`` holding ``host``: the ``planned`` bytes it may grow to
+        are reserved first, the bytes written counted after (Note [scratch budget] in
+        offload/scratch.py)."""
+        path = self.directory / f"unit{index}.bin"
+        scratch.reserve(self.directory, planned, 0, self._config_key)
+        self._budget["planned"] += planned
+        written = host.numel() * host.element_size()
+        write_exactly(path, _bytes_of(host), self.rank, create=True)
+        scratch.reserve(self.directory, 0, written, self._config_key)
+        self._budget["written"] += written
+        return path
 
     def _buffer_pool(self) -> BufferPool:
         """The pool, made at the first read, when every unit is known: buffers no larger than
@@ -209,14 +218,8 @@ class OnFile:
         """Note [host shards]: the chunk lives in a file of its own, memory-mapped
         (``torch.from_file(shared=True)``), so a gather reads it from the file and an update's
         publish writes through to it. Which pages stay in memory is the page cache's choice."""
-        path = self.directory / f"unit{index}.bin"
         host = chunk.detach().to(HOST).contiguous()
-        nbytes = host.numel() * host.element_size()
-        scratch.reserve(self.directory, nbytes, 0, self._config_key)
-        self._budget["planned"] += nbytes
-        write_exactly(path, _bytes_of(host), self.rank, create=True)
-        scratch.reserve(self.directory, 0, nbytes, self._config_key)
-        self._budget["written"] += nbytes
+        path = self._create(index, host, planned=host.numel() * host.element_size())
         return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
 
     def prefetch(self, record: UnitRecord) -> None:
