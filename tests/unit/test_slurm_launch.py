@@ -125,6 +125,7 @@ def test_checkpoint_on_signal_arms_every_worker(job_dir):
     assert job.save_on_signal and job.requeue
     assert all(w.env[launcher.SAVE_ON_SIGNAL_ENV] == "1" for w in job.plan.workers)
     assert "saves a checkpoint at the next step, then stops; then scontrol requeue" in dry_run_text(job)
+    assert "SIGTERM of a preemption (the job's record says so) saves like SIGUSR1" in dry_run_text(job)
 
 
 def test_signals_say_what_they_meant():

@@ -488,8 +488,11 @@ def signal_plan(save_on_signal: bool, requeue: bool) -> list[str]:
     if save_on_signal:
         usr = "every rank saves a checkpoint at the next step, then stops" + (
             "; then scontrol requeue (the next start resumes)" if requeue else "")
-    return ["signals: SIGTERM (scancel, time limit, preemption) and SIGHUP stop every worker, exit 128+signal",
-            f"signals: SIGUSR1/SIGUSR2 (sbatch --signal=B:USR1@SECONDS): {usr}"]
+    term = "signals: SIGTERM (scancel, time limit, preemption) and SIGHUP stop every worker, exit 128+signal"
+    if save_on_signal:
+        term = ("signals: SIGTERM of a preemption (the job's record says so) saves like SIGUSR1; SIGTERM of "
+                "scancel or the time limit, and SIGHUP, stop every worker, exit 128+signal")
+    return [term, f"signals: SIGUSR1/SIGUSR2 (sbatch --signal=B:USR1@SECONDS): {usr}"]
 
 
 def signal_meaning(signum: int, cause: str | None = None, in_slurm: bool = False) -> str:
