@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from zerorun.telemetry import events
 
@@ -108,6 +109,7 @@ class Recorder:
         self.steps_dropped = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._poll_collectives: Callable[[], None] | None = None  # collectives.poll_timings once started (Note [event ledger])
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -116,6 +118,7 @@ class Recorder:
 
         self._send("hello", pid=self._pid, world_size=self._world_size, **_device_info())
         collectives.add_observer(self)
+        self._poll_collectives = collectives.poll_timings
         self._thread = threading.Thread(target=self._sample_loop, name="zerorun-telemetry", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -138,6 +141,7 @@ class Recorder:
                     samples=None, tokens=None, **_ignored) -> None:
         if os.getpid() != self._pid:  # a forked child (e.g. a DataLoader worker) stays silent
             return
+        self._poll()  # the step's collectives the GPU has finished, timed by their events
         try:
             with self._lock:
                 self._training_thread = threading.get_ident()
@@ -180,8 +184,12 @@ class Recorder:
     # compute they overlap, several times over (all-gather 5.4 s + reduce-scatter 6.3 s in a
     # 6.2 s loop); even the union of those intervals counted overlapped time as if exposed
     # ("comm 90%"). Waits in other threads (the offload worker) do not hold the step. The
-    # per-op seconds (summary table) stay issue-to-completion sums, labelled so; the samples'
-    # comm_seconds_total (the union) is kept in metrics.jsonl for reading overlap.
+    # per-op seconds (summary table) stay issue-to-completion sums on the CPU, labelled so; on
+    # NCCL they are each collective's transfer, timed by CUDA events on the communication stream
+    # and reported once the GPU finished it (Note [streams] in zero/comm/collectives.py), and the
+    # host's (tiny) blocked time arrives apart, in collective_waited. The samples'
+    # comm_seconds_total (the union) is kept in metrics.jsonl for reading overlap; on NCCL its
+    # intervals run from when a poll saw the GPU begin a collective to when one saw it finish.
     def collective_started(self, seq: int, op: str, nbytes: int) -> None:
         with self._lock:
             now = time.monotonic()
@@ -190,6 +198,13 @@ class Recorder:
             self._in_flight[seq] = (op, now)
             if seq > self._entered_seq:
                 self._entered_seq = seq
+
+    def collective_waited(self, seq: int, op: str, waited: float) -> None:
+        """A collective timed by events (NCCL): the host's blocked time, from the waiting thread;
+        its seconds come later in ``collective_finished`` (Note [streams] in collectives.py)."""
+        with self._lock:
+            if threading.get_ident() == self._training_thread:
+                self._waited_total += max(0.0, float(waited))
 
     def collective_finished(self, seq: int, op: str, nbytes: int, seconds: float, waited: float = 0.0) -> None:
         with self._lock:
@@ -210,6 +225,7 @@ class Recorder:
     def send_sample(self) -> None:
         if os.getpid() != self._pid:
             return
+        self._poll()  # a collective the GPU finished is not shown in flight, nor counted late
         try:
             mem = sample_memory()
             with self._lock:
@@ -231,6 +247,15 @@ class Recorder:
             self._send("sample", **fields)
         except Exception:
             pass
+
+    def _poll(self) -> None:
+        """Ask the collectives module what the GPU has begun or finished (Note [event ledger] in
+        zero/comm/event_ledger.py: event queries, never a wait); nothing on the CPU."""
+        if self._poll_collectives is not None:
+            try:
+                self._poll_collectives()
+            except Exception:
+                pass
 
     def _oldest_in_flight(self) -> dict | None:
         if not self._in_flight:

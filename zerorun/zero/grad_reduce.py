@@ -52,6 +52,17 @@ class ReducePolicy(enum.Enum):
 
 # REDUCE_SCATTER keeps at most this many buckets in flight, so transient gradient memory
 # stays a few buckets, not the whole model (the point of stage 2).
+#
+# Note [in flight by events]: a reduce-scatter is in flight until it is known finished, not until
+# a host call returned. On the CPU that is its wait(): the oldest is waited for (the host blocks)
+# when a launch would leave more than MAX_IN_FLIGHT out, exactly as before. On a GPU's
+# communication stream (Note [streams] in comm/collectives.py) wait() returns at once, so it
+# cannot tell; there each launch first retires, oldest first, those whose end event says the GPU
+# finished them (a query, no blocking: their buckets go back to the pool and their units' updates
+# may start at once), and only beyond MAX_IN_FLIGHT still running does the oldest get waited for,
+# which makes the compute stream, not the host, wait for it. Memory stays bounded by the host's
+# count either way: buckets and output chunks are allocated on the compute stream and reused only
+# by work queued after that wait (Note [buffers across streams]).
 MAX_IN_FLIGHT = 2
 
 
@@ -234,7 +245,8 @@ class GradReducer:
         handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True)
         self._in_flight.append((record, handle, (out, bucket, record.bucket_buffer)))
         record.bucket_buffer = None
-        while len(self._in_flight) > MAX_IN_FLIGHT:
+        # Note [in flight by events]
+        while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0][1].finished_on_device()):
             self._complete_oldest()
 
     def _complete_oldest(self) -> None:

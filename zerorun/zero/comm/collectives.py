@@ -6,39 +6,61 @@ seconds). Telemetry (zerorun/telemetry) is one such observer; tests can add thei
 
 Observer contract (duck-typed):
     collective_started(seq: int, op: str, nbytes: int) -> None
+    collective_waited(seq: int, op: str, waited: float) -> None      (optional)
     collective_finished(seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None
-``seconds`` runs from issue to completion (an asynchronous collective overlaps compute for most
-of it); ``waited`` is the part the calling thread spent blocked on it (all of it for a
-blocking collective, the ``wait()`` for an asynchronous one), reported from that thread.
-``seq`` counts collectives issued by this process, from 0, in program order: the same
-number names the same collective on every rank of a correct SPMD program.
+On the CPU (gloo, the host channel, the ring) a collective starts when it is issued and
+finishes inside its ``wait()``: ``seconds`` runs from issue to completion (an asynchronous
+collective overlaps compute for most of it) and ``waited`` is the part the calling thread spent
+blocked on it (all of it for a blocking collective, the ``wait()`` for an asynchronous one),
+reported from that thread. On the communication stream (NCCL, below) the device says when: a
+collective starts when the GPU begins it and finishes when the GPU is done, ``seconds`` is that
+transfer as its CUDA events timed it, reported later from whichever thread polled (Note [event
+ledger] in event_ledger.py) with ``waited`` 0; the host's blocked time comes separately, from
+the waiting thread, as ``collective_waited``. ``seq`` counts collectives issued by this process,
+from 0, in program order: the same number names the same collective on every rank of a correct
+SPMD program.
 
-Note [streams]: zerorun issues every collective, bucket copy, zero-fill and fp32 accumulation
-on the caller's current CUDA stream. The one stream of its own is the copy stream that moves an
-offloaded parameter chunk onto the GPU before its gather (Note [copy stream] in
-unit/staging.py: issued at once, not behind queued compute; the current stream waits for it
-before the all-gather is issued, and the staged block is freed only after the current stream
-passed the collective). What that guarantees and what it does not, on NCCL:
-- Order is correct by construction. ProcessGroupNCCL makes its internal stream wait for the
-  current stream when a collective is issued, and ``Handle.wait()`` makes the current stream
-  wait for the collective. Every later read of an output (accumulating a reduced chunk,
-  autograd reading a gathered unit) is queued on the current stream after that wait.
-- Buffer lifetimes: a bucket handed back to its pool (grad_reduce.py, Note [bucket reuse])
-  after ``wait()`` is next written by work queued on the current stream after that wait, so
-  the collective has finished with it; the process group also keeps its inputs alive until
-  the work completes. A gathered unit's storage is freed (Note [freeing by storage resize])
-  by the current stream's allocator only after its last reader was queued there.
-- The offload worker thread (update.py) copies a reduced chunk to the host with a blocking
-  ``.to("cpu")`` issued after the main thread queued the collective's wait; both threads use
-  the default stream, so the copy sees the reduced values. Publishing an update back is a
-  blocking copy too (publish in offload/master.py), so a host buffer is never reused under an in-flight copy.
-- Not right on GPU yet: ``Handle.wait()`` on NCCL returns as soon as the wait is queued, so the
-  seconds reported per collective measure issue-to-queue time, not the transfer, and the
-  in-flight throttle (MAX_IN_FLIGHT) bounds queued work, not running work; a stuck collective
-  shows as the next synchronizing call, not as "has not entered collective #k". Events timed
-  on a dedicated communication stream would fix all three (issue 32 item 3, not done): that
-  needs a GPU to test, and none was lent to the sessions that wrote this. The cuda test tier
-  (tests/cuda, scripts/gpu_check.sh) checks the ordering above by parity on a GPU.
+Note [streams]: on the CPU nothing here uses a stream. On a GPU with NCCL every collective of
+CUDA tensors (all-gather, reduce-scatter, all-reduce, broadcast; ``barrier`` has no tensor and
+stays torch's) runs on the GPU's communication stream (comm_stream.py), ordered by CUDA events:
+- Before: an event recorded on the issuing thread's current stream (the compute stream) right
+  at the issue, which the communication stream waits for. Everything the collective reads was
+  written before that point (a bucket filled, a chunk cast into its slot of ``full``, a staged
+  host chunk the compute stream already waited for: Note [copy stream] in unit/staging.py), and
+  its output was allocated before it, so any earlier user of that memory is done with it.
+- After: the collective's ``end`` event. ``wait()`` makes the waiting thread's current stream
+  wait for it, on the device: the host does not block, and every later read of an output
+  (accumulating a reduced chunk, autograd reading a gathered unit, the offload worker's
+  blocking copy of a reduced chunk, issued after the main thread queued the wait on the same
+  default stream) is queued after it. Publishing an update back to a host chunk is a blocking
+  copy (publish in offload/master.py), so a host buffer is never reused under an in-flight copy.
+- Timing: the collective runs between two timing events on the communication stream; its
+  seconds are theirs, read lazily (Note [event ledger]). Before this, ``wait()`` on NCCL
+  returned once the wait was queued, so the reported seconds measured issue-to-queue time.
+- In flight: a collective is in flight until its end event completed, not until a host call
+  returned; the reduce-scatter throttle (grad_reduce.py, Note [in flight by events]) and the
+  hang view (a stuck collective stays begun and unfinished) count that way.
+- One stream for all of them, so they run in issue order, the order every rank issued them
+  (Note [launch order] in grad_reduce.py); a reduce-scatter and the next gather do not overlap
+  each other, only compute. Separate gather and reduce streams, as FSDP2 has, would need the
+  gather not to wait behind a reduce-scatter it does not depend on; not measured, not done.
+- The comm share (``waited_s``) stays host-blocked time: on NCCL a wait blocks the host for
+  microseconds, so the share says little there; the transfer seconds (``bw``, the summary's
+  per-op seconds) are what the GPU spent in collectives.
+Note [buffers across streams]: every buffer a collective touches (its inputs and outputs: a
+gradient bucket, an output chunk, a gathered unit's storage, a staged copy) is allocated on the
+compute stream, and the handle holds a reference to each until ``wait()`` has queued the compute
+stream's wait for the collective's end event; only then may the caller drop them. The caching
+allocator hands a freed block out again only to work queued later on the stream it was
+allocated on, which is then after that wait, so the collective has finished with the block
+(holding references, not ``record_stream``: memory is freed at a known point, as FSDP2 chose,
+instead of whenever the communication stream's later work completes). So a handle must be
+waited before its buffers are dropped; every caller waits (grad_reduce's in-flight queue,
+a gather's ``_finish_gather``, a refresh, a blocking call). The process group keeps its own
+references too. gloo with CUDA tensors (two ranks sharing one GPU, the cuda test tier) keeps
+torch's own ordering: its ``wait()`` blocks the host and orders the current stream.
+The cuda test tier checks all of this on a GPU (tests/cuda/test_cuda_comm_stream.py; NCCL at
+world 2 needs two GPUs).
 """
 
 from __future__ import annotations
@@ -51,12 +73,15 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from zerorun.zero.comm.event_ledger import EventLedger
 from zerorun.zero.comm.host_channel import host_channel, usable as host_channel_usable
 from zerorun.zero.comm.ring import Ring
 
 
 class CollectiveObserver(Protocol):
     def collective_started(self, seq: int, op: str, nbytes: int) -> None: ...
+
+    def collective_waited(self, seq: int, op: str, waited: float) -> None: ...
 
     def collective_finished(self, seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None: ...
 
@@ -91,6 +116,34 @@ def notify_finished(seq: int, op: str, nbytes: int, seconds: float, waited: floa
         observer.collective_finished(seq, op, nbytes, seconds, waited)
 
 
+def notify_waited(seq: int, op: str, waited: float) -> None:
+    for observer in list(_observers):
+        said = getattr(observer, "collective_waited", None)
+        if said is not None:
+            said(seq, op, waited)
+
+
+def _on_gpu(lane: int):
+    from zerorun.zero.comm import comm_stream
+
+    return comm_stream.on_gpu(lane)
+
+
+# Collectives on communication streams not yet seen finished (Note [event ledger]).
+_ledger = EventLedger(guard=_on_gpu)
+
+
+def poll_timings() -> None:
+    """Tell the observers which collectives on a communication stream the GPU has begun or
+    finished since the last poll, with their transfer seconds; never blocks (Note [event
+    ledger]). Nothing to do on the CPU."""
+    for progress in _ledger.poll():
+        if progress.seconds is None:
+            notify_started(progress.seq, progress.op, progress.nbytes)
+        else:
+            notify_finished(progress.seq, progress.op, progress.nbytes, progress.seconds, 0.0)
+
+
 # --- the collectives ---------------------------------------------------------------------
 # Every function below takes its group explicitly (``group=None`` means the default group)
 # and issues nothing at all when the group has one member: world size 1 is the plain path.
@@ -110,7 +163,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class Handle:
-    """An issued collective: ``wait()`` blocks until it is done and reports it once."""
+    """An issued collective on the CPU path: ``wait()`` blocks until it is done and reports it once."""
 
     __slots__ = ("_work", "_seq", "_op", "_nbytes", "_start", "_done")
 
@@ -129,6 +182,39 @@ class Handle:
         now = time.perf_counter()
         notify_finished(self._seq, self._op, self._nbytes, now - self._start, now - entered)
 
+    def finished_on_device(self) -> bool:
+        """False: a host collective has no device events; it is in flight until waited."""
+        return False
+
+
+class StreamHandle:
+    """A collective on a GPU's communication stream (Note [streams]): ``wait()`` makes the
+    waiting thread's current stream wait for it, then lets its buffers go (Note [buffers across
+    streams]); its seconds come from its events (Note [event ledger])."""
+
+    __slots__ = ("_seq", "_op", "_end", "_device", "_buffers", "_done")
+
+    def __init__(self, seq: int, op: str, end, device: torch.device, buffers: tuple):
+        self._seq, self._op, self._end, self._device, self._buffers = seq, op, end, device, buffers
+        self._done = False
+
+    def wait(self, *, blocked_since: float | None = None) -> None:
+        if self._done:
+            return
+        entered = time.perf_counter() if blocked_since is None else blocked_since
+        from zerorun.zero.comm import comm_stream
+
+        comm_stream.consume(self._end, self._device)
+        self._buffers = ()  # the consumer is ordered after the collective now
+        self._done = True
+        notify_waited(self._seq, self._op, time.perf_counter() - entered)
+        poll_timings()
+
+    def finished_on_device(self) -> bool:
+        """Whether the GPU has finished it (its end event), asked without blocking."""
+        with _on_gpu(self._device.index):
+            return bool(self._end.query())
+
 
 class _Done:
     """What a collective on a one-member group returns: already complete."""
@@ -136,19 +222,42 @@ class _Done:
     def wait(self) -> None:
         pass
 
+    def finished_on_device(self) -> bool:
+        return False  # as a host collective: the CPU path retires it exactly as before
+
 
 DONE = _Done()
+Issued = Handle | StreamHandle | _Done  # what every collective below returns
 
 
-def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None):
+def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_stream=None, buffers=()):
+    """``on_stream``: the GPU whose communication stream runs it (Note [streams]), or None."""
     seq = next_sequence()
-    notify_started(seq, op, nbytes)
-    start = time.perf_counter()
-    work = transport(seq) if transport is not None else call(async_op)
-    handle = Handle(work, seq, op, nbytes, start)  # None when torch already finished it
+    handle: Handle | StreamHandle
+    if on_stream is not None:
+        from zerorun.zero.comm import comm_stream
+
+        start = time.perf_counter()
+        began, end = comm_stream.issue(lambda: call(False), on_stream)  # queued, not waited, by the host
+        _ledger.add(seq, op, nbytes, began, end, lane=on_stream.index)
+        handle = StreamHandle(seq, op, end, on_stream, buffers)
+        poll_timings()  # report what finished meanwhile (a query or two)
+    else:
+        notify_started(seq, op, nbytes)
+        start = time.perf_counter()
+        work = transport(seq) if transport is not None else call(async_op)
+        handle = Handle(work, seq, op, nbytes, start)  # None when torch already finished it
     if not async_op:
         handle.wait(blocked_since=start)
     return handle
+
+
+def _stream_device(tensor: torch.Tensor, group) -> torch.device | None:
+    """Note [streams]: an NCCL collective of CUDA tensors runs on that GPU's communication
+    stream; everything else (the CPU, gloo with CUDA tensors) as torch runs it."""
+    if not tensor.is_cuda or "nccl" not in str(dist.get_backend(group)).lower():
+        return None
+    return tensor.device
 
 
 # torch 2.13 renamed the flat collectives; older releases only have the *_tensor names.
@@ -162,6 +271,7 @@ def all_reduce(tensor: torch.Tensor, *, group, op=ReduceOp.SUM, async_op: bool =
     return _issue(
         "all_reduce", _nbytes(tensor),
         lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op,
+        on_stream=_stream_device(tensor, group), buffers=(tensor,),
     )
 
 
@@ -187,6 +297,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op
         "reduce_scatter", _nbytes(input),
         lambda a: _reduce_scatter_flat(output, input, group=group, async_op=a), async_op,
         transport=_cpu_transport("reduce_scatter", output, input, group),
+        on_stream=_stream_device(output, group), buffers=(output, input),
     )
 
 
@@ -201,6 +312,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bo
         "all_gather", _nbytes(output),
         lambda a: _all_gather_flat(output, input, group=group, async_op=a), async_op,
         transport=_cpu_transport("all_gather", output, input, group),
+        on_stream=_stream_device(output, group), buffers=(output, input),
     )
 
 
@@ -210,6 +322,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
     return _issue(
         "broadcast", _nbytes(tensor),
         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), async_op,
+        on_stream=_stream_device(tensor, group), buffers=(tensor,),
     )
 
 

@@ -10,9 +10,9 @@ stream of its own for the same reason). Here the copy is issued on one copy stre
 device and starts at once; then:
 
 - the compute stream waits for the copy (an event, queued where the all-gather is about to
-  be issued from), so the all-gather, which NCCL orders after the compute stream's queued
-  work, reads the finished copy, and nothing on the compute stream is held back but what
-  comes after that point;
+  be issued from), so the all-gather, which the communication stream runs after an event the
+  compute stream records at its issue (Note [streams] in comm/collectives.py), reads the
+  finished copy, and nothing on the compute stream is held back but what comes after that point;
 - the staged tensor is allocated from the copy stream's pool and marked as used by the
   compute stream (``record_stream``): when the gather drops it after ``wait()``, the caching
   allocator reuses the block only once the compute stream passed that point, which is after

@@ -188,7 +188,7 @@ class FlatUnit:
                     param.data = view.view(param.shape)
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
-        self._gather_handle: collectives.Handle | collectives._Done | None = None
+        self._gather_handle: collectives.Issued | None = None
         self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
