@@ -86,17 +86,19 @@ print("rank", engine.rank, "finished", flush=True)
 '''
 
 
-def test_a_truncated_parameter_file_is_named_as_the_cause_of_the_bus_error(tmp_path):
+def test_a_truncated_parameter_file_is_named_before_it_can_be_a_bus_error(tmp_path):
     """NVMe parameter chunks are memory-mapped (Note [host shards]): reading a page past a
-    truncated end is a SIGBUS, which the launcher's last line explains instead of only naming it."""
+    truncated end is a SIGBUS, which named no file (the 1 partial probe of issue 31). Each
+    gather now checks the file's size first: one line naming the rank, the file and the bytes."""
     (tmp_path / "job.py").write_text(PARAM_SCRIPT)
     run_dir = tmp_path / "run"
     done = run_cli(["--nproc", "2", "--no-dashboard", "--hang-timeout", "120", "--run-dir", str(run_dir),
                     "job.py", str(tmp_path / "nvme")], tmp_path, timeout=180)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("zerorun: error: rank 0 on host localhost failed: signal SIGBUS (a memory-mapped file "
-                           "it was reading was truncated or removed, such as an NVMe offload file)"), last
+    lines = [line for line in done.stderr.splitlines() if "zerorun: error: rank 0: NVMe read of" in line]
+    assert lines and "params" in lines[-1] and "/unit" in lines[-1], done.stderr[-3000:]
+    assert lines[-1].rstrip().endswith("(the file ends at 0 bytes: truncated while memory-mapped)"), lines[-1]
+    assert "SIGBUS" not in done.stderr
     assert "finished" not in done.stdout
     assert not job_processes(run_dir)
 

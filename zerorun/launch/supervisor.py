@@ -348,6 +348,8 @@ class Supervisor:
             # A checkpoint being written moves ``activity`` (bytes so far): progress too.
             self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
                                  for v in ranks}, now)
+            if self._left_mid_collective(ranks):
+                return
         if self._watch.startup_expired(now):
             self._starting_at_dump = sorted(self._watch.starting)
             starting = ", ".join(map(str, self._starting_at_dump))
@@ -369,6 +371,26 @@ class Supervisor:
                               "(--hang-timeout); collecting every rank's Python stack and ending the job")
             self._hang_missing = self._collective_missing()
             self._begin_dump(now)
+
+    def _left_mid_collective(self, ranks) -> bool:
+        """Note [failing exits] in comm/process_group.py: a rank whose script ended (activity
+        "leaving") while others wait for it in a zerorun collective it never entered is the
+        cause; the job ends now instead of after its 30 s exit barrier (or a hang timeout)."""
+        leaving = {v.rank for v in ranks if v.activity and v.activity[0] == "leaving" and v.rank in self._running}
+        if not leaving:
+            return False
+        from zerorun.telemetry.collector import detect_hang
+
+        hang = detect_hang(list(ranks), 0.0)
+        culprits = sorted(leaving & set(hang.missing)) if hang is not None else []
+        if not culprits:
+            return False
+        rank = culprits[0]
+        waiting = ", ".join(map(str, hang.waiting)) if hang is not None else ""
+        self._fail(Failure(self._host_of[rank], rank, f"its script ended (raise SystemExit, or the end of the script) "
+                           f"while rank(s) {waiting} wait for it in a collective it never entered",
+                           log_tail=list(self._tails[rank])))
+        return True
 
     def _begin_dump(self, now: float) -> None:
         self._dumping_since = now

@@ -42,6 +42,9 @@ class NullRecorder:
     def record_activity(self, what, nbytes: int) -> None:
         pass
 
+    def send_sample(self) -> None:
+        pass
+
 
 _recorder = None
 _created = False

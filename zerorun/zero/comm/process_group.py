@@ -164,6 +164,13 @@ def leave_process_group() -> None:
     """
     if _uncaught_exception or _failing_exit or not (dist.is_available() and dist.is_initialized()):
         return
+    # Note [failing exits]: say so, in case a peer waits for this rank in a collective it never
+    # entered (a bare ``raise SystemExit(...)`` mid-job): the launcher then ends the job now.
+    from zerorun.telemetry import get_recorder
+
+    recorder = get_recorder()
+    recorder.record_activity("leaving", 0)
+    recorder.send_sample()  # now: the recorder's own exit handler (it ran first) sent its last one
     met = threading.Event()
 
     def meet() -> None:
@@ -190,34 +197,21 @@ def _failing(code) -> bool:
 
 def _note_exit_status() -> None:
     """Note [failing exits]: an atexit handler cannot see the status the process exits with,
-    and SystemExit never reaches sys.excepthook. So the status is noted where it is raised:
-    ``sys.exit`` is wrapped, and the builtin name ``SystemExit`` (what ``raise SystemExit(...)``
-    looks up) becomes a subclass of the real one that notes its code. It stays a SystemExit in
-    every way the interpreter and ``except SystemExit`` care about."""
-    import builtins
-
-    real = builtins.SystemExit
-    if getattr(real, "_zerorun_noting", False):
-        return
-
-    class SystemExit(real):  # type: ignore[misc, valid-type]
-        _zerorun_noting = True
-
-        def __init__(self, *args):
-            global _failing_exit
-            super().__init__(*args)
-            _failing_exit = _failing(args[0] if len(args) == 1 else (args or None))
-
+    and SystemExit never reaches sys.excepthook. ``sys.exit`` (what argparse, typer and most
+    scripts call) is therefore wrapped to note its status; it raises the same SystemExit. A
+    bare ``raise SystemExit(...)`` is not seen here: the rank then announces that it is leaving
+    (telemetry activity "leaving"), and the launcher ends the job at once when a peer waits for
+    it in a collective it never entered (launch/supervisor.py)."""
     real_exit = sys.exit
+    if getattr(real_exit, "zerorun_noting", False):
+        return
 
     def exit(status=None):
         global _failing_exit
         _failing_exit = _failing(status)
         real_exit(status)
 
-    SystemExit.__qualname__ = SystemExit.__name__ = "SystemExit"
-    SystemExit.__module__ = "builtins"
-    setattr(builtins, "SystemExit", SystemExit)  # noqa: B010  (mypy refuses assigning to a builtin type)
+    exit.zerorun_noting = True  # type: ignore[attr-defined]
     sys.exit = exit
 
 

@@ -63,3 +63,17 @@ def write_exactly(path: Path, view: memoryview, rank: int, *, create: bool = Fal
             done += put
     finally:
         os.close(fd)
+
+
+def check_mapped(path: Path, nbytes: int, rank: int) -> None:
+    """A memory-mapped parameter file still holds its ``nbytes``: reading a page past a
+    truncated end is a SIGBUS, which kills the rank without naming the file, so the file's size
+    is checked before each read of the mapping (one stat). A removed file is still readable
+    through its mapping (the inode lives on), so only a short one fails."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return
+    if size < nbytes:
+        raise _fail(rank, "read", path, 0, nbytes, f"the file ends at {size} bytes: truncated while memory-mapped")
+

@@ -219,8 +219,12 @@ class OnFile:
         (``torch.from_file(shared=True)``), so a gather reads it from the file and an update's
         publish writes through to it. Which pages stay in memory is the page cache's choice."""
         host = chunk.detach().to(HOST).contiguous()
-        path = self._create(index, host, planned=host.numel() * host.element_size())
-        return torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+        nbytes = host.numel() * host.element_size()
+        path = self._create(index, host, planned=nbytes)
+        mapped = torch.from_file(str(path), shared=True, size=chunk.numel(), dtype=chunk.dtype)
+        # What a gather checks before reading the mapping (file_io.check_mapped).
+        mapped.zerorun_mapped_file = (path, nbytes, self.rank)  # type: ignore[attr-defined]
+        return mapped
 
     def prefetch(self, record: UnitRecord) -> None:
         """Start reading ``record``'s file into a pool buffer (read-ahead)."""

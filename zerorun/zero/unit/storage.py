@@ -222,6 +222,11 @@ class FlatUnit:
         """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
         if self.state is not ParamState.SHARDED:
             return
+        mapped = getattr(self.shard, "zerorun_mapped_file", None)
+        if mapped is not None:  # a memory-mapped NVMe chunk: a truncated file would be a SIGBUS
+            from zerorun.zero.offload.file_io import check_mapped
+
+            check_mapped(*mapped)
         self._allocate_full()
         source = self.shard
         if source.dtype != self.dtype:  # Note [fp32 shard]: cast into this rank's slot
