@@ -269,3 +269,31 @@ def test_comm_share_is_what_the_training_thread_waited_over_the_step_time(monkey
     from zerorun.telemetry.collector import comm_fraction
 
     assert comm_fraction([(step["step_time_s"], step["waited_s"])]) == pytest.approx(0.15)
+
+
+def test_an_event_timed_collective_counts_its_transfer_and_the_hosts_wait_apart(monkeypatch):
+    """Note [streams] in zero/comm/collectives.py: on NCCL the host's blocked time arrives from
+    the waiting thread (collective_waited), the transfer later from whichever thread polled the
+    events (collective_finished with waited 0); only the former is comm share, only the latter
+    per-op seconds. The recorder polls the collectives at each step record and sample."""
+    sink = _Lines()
+    rec = Recorder(sink, token=TOKEN, rank=0, host="h", world_size=2)
+    polled = []
+
+    def poll():
+        polled.append(threading.current_thread().name)
+        if len(polled) == 1:  # the GPU finished it by the step's end
+            rec.collective_started(7, "all_gather", 64)
+            rec.collective_finished(7, "all_gather", 64, 0.25, 0.0)
+
+    rec._poll_collectives = poll
+    rec.collective_waited(7, "all_gather", 0.002)  # the training thread queued the wait
+    other = threading.Thread(target=rec.collective_waited, args=(8, "all_gather", 5.0))
+    other.start()  # not the training thread: not the step's
+    other.join()
+    rec.record_step(step=1, step_time_s=1.0)
+    rec.send_sample()
+    sample = next(m for m in sink.messages if m["kind"] == "sample")
+    step = next(m for m in sink.messages if m["kind"] == "step")
+    assert step["waited_s"] == pytest.approx(0.002) and sample["comm"]["all_gather"] == [1, 64, 0.25]
+    assert sample["blocked"] is None and len(polled) == 2

@@ -159,7 +159,7 @@ def terminal_report(metrics: Metrics, run_dir: Path):
 
 
 LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; <collective> s: "
-          "issue-to-completion time, summed (overlaps compute); samples/s: every step's samples over the summed "
+          "issue-to-completion time (CPU) or transfer (GPU), summed (overlaps compute); samples/s: every step's samples over the summed "
           "step time (the end-of-run summary's figures)")
 
 
@@ -210,7 +210,7 @@ def _figures(metrics: Metrics) -> dict:
         ax.bar([j + i * width for j in range(len(ops))], [s.comm.get(op, [0, 0, 0])[2] for op in ops],
                width=width, label=f"rank {rank}")
     ax.set_xticks([j + width * (len(metrics.ranks) - 1) / 2 for j in range(len(ops))], ops)
-    ax.set(title="Communication time per collective type (issue to completion, overlaps compute)", ylabel="seconds")
+    ax.set(title="Communication time per collective type (issue to completion on CPU, transfer on GPU; overlaps compute)", ylabel="seconds")
     if ops:
         ax.legend(loc="best", fontsize="small")
     figures["comm"] = fig

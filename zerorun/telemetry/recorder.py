@@ -130,6 +130,7 @@ class Recorder:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._poll()  # what the GPU finished by now is still told to this recorder
         collectives.remove_observer(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval_s + 1)

@@ -293,7 +293,7 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False)
 
 
 SUMMARY_LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; "
-                  "<collective> s: issue-to-completion time, summed (overlaps compute); "
+                  "<collective> s: issue-to-completion time (CPU) or transfer (GPU), summed (overlaps compute); "
                   "samples/s: every step's samples over the summed step time")
 
 
