@@ -40,7 +40,7 @@ RUNS = {
     "dpo-stage2": ("dpo", 2, []),
     "dpo-stage3": ("dpo", 3, []),
 }
-LOSS_LINE = re.compile(r"Epoch: (\d+), Step: (\d+), Rank: 0, loss = ([-0-9.eE+naif]+)")
+LOSS_LINE = re.compile(r"Epoch: (\d+), Step: (\d+), Rank: 0, loss = ([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))")
 LOCAL_RANK_WRAPPER = ("import os, runpy, sys\n"
                       "sys.argv = sys.argv[1:] + ['--local_rank=' + os.environ['LOCAL_RANK']]\n"
                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
@@ -126,7 +126,9 @@ def main() -> int:
                 print(f"{name}: DeepSpeed failed: {str(err)[-600:]}")
                 continue
             recorded[name] = theirs
-            print(f"{name}: DeepSpeed {len(theirs)} losses {theirs[:3]} ... {theirs[-2:]}")
+            print(f"{name}: DeepSpeed {len(theirs)} losses {theirs[:3]} ... {theirs[-2:]}", flush=True)
+            if args.record:  # after each run: a later failure keeps what was measured
+                write_record(recorded, ds_version, torch_version, transformers_version)
             if args.no_zerorun:
                 continue
             try:
@@ -136,15 +138,18 @@ def main() -> int:
                 continue
             worst = max((abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True)), default=float("nan")) \
                 if len(ours) == len(theirs) else float("inf")
-            print(f"{name}: zerorun {len(ours)} losses; largest relative difference {worst:.2e}")
+            print(f"{name}: zerorun {len(ours)} losses; largest relative difference {worst:.2e}", flush=True)
     if args.record:
-        RECORD.write_text(json.dumps({
-            "deepspeed": ds_version, "torch": torch_version, "transformers": transformers_version, "world_size": 2,
-            "note": "rank 0's printed loss per micro-step (--print_loss) of DeepSpeed-Chat's unchanged step "
-                    "under DeepSpeed on the CPU, bf16, fixture.py's tiny OPT and data",
-            "losses": recorded}, indent=1) + "\n")
         print(f"recorded DeepSpeed's losses in {RECORD}")
     return 0
+
+
+def write_record(recorded: dict, ds_version: str, torch_version: str, transformers_version: str) -> None:
+    RECORD.write_text(json.dumps({
+        "deepspeed": ds_version, "torch": torch_version, "transformers": transformers_version, "world_size": 2,
+        "note": "rank 0's printed loss per micro-step (--print_loss) of DeepSpeed-Chat's unchanged step "
+                "under DeepSpeed on the CPU, bf16, fixture.py's tiny OPT and data",
+        "losses": recorded}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
