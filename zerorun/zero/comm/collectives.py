@@ -48,11 +48,13 @@ stays torch's) runs on the GPU's communication stream (comm_stream.py), ordered 
   microseconds, so the share says little there; the transfer seconds (``bw``, the summary's
   per-op seconds) are what the GPU spent in collectives.
 Note [buffers across streams]: every buffer a collective touches (its inputs and outputs: a
-gradient bucket, an output chunk, a gathered unit's storage, a staged copy) is allocated on the
-compute stream, and the handle holds a reference to each until ``wait()`` has queued the compute
-stream's wait for the collective's end event; only then may the caller drop them. The caching
-allocator hands a freed block out again only to work queued later on the stream it was
-allocated on, which is then after that wait, so the collective has finished with the block
+gradient bucket, an output chunk, a gathered unit's storage) is allocated on the compute stream
+(a staged host chunk on the copy stream, marked used by the compute stream: Note [copy stream]),
+and the handle holds a reference to each until ``wait()`` has queued the compute stream's wait
+for the collective's end event; only then may the caller drop them. The caching allocator hands
+a freed block out again only to work queued later on the stream it was allocated on (or, for a
+marked block, once the compute stream passed the point of the free), which is then after that
+wait, so the collective has finished with the block
 (holding references, not ``record_stream``: memory is freed at a known point, as FSDP2 chose,
 instead of whenever the communication stream's later work completes). So a handle must be
 waited before its buffers are dropped; every caller waits (grad_reduce's in-flight queue,
