@@ -154,7 +154,7 @@ class GatheredParameters:
                 self._write_through()
         finally:
             for unit in self._gathered:
-                unit.release()
+                unit.release(detach=True)  # Note [detached release] in zero/unit/storage.py
             pool = self._engine.gatherer.pool if self._engine is not None and self._engine.gatherer else None
             if self._gathered and pool is not None:
                 pool.clear()  # as full_state_dict does: no buffer per distinct unit size left behind

@@ -37,6 +37,7 @@ from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.comm.process_group import ProcessGroupInfo, resolve_process_group
 from zerorun.zero.offload.placements import Placement, placement_from_config
+from zerorun.zero.unit import ds_params
 from zerorun.zero.unit.record import UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
@@ -212,11 +213,15 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                                enabled=state_home_for is not None
                                or "nvme" in (cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device)):
             partition = self._build_units(model, optimizer, cfg, materializer, state_home_for)
+        if self.stage == 3:  # DeepSpeed's ds_* attributes (unit/ds_params.py), after make_master
+            ds_params.attach([record.unit for record in self.records])
         self.gatherer = None
         if self.stage == 3 and partition.module_units:
             module_records = {m: [self.records[u.index] for u in us] for m, us in partition.module_units.items()}
+            holder_records = {m: [self.records[u.index] for u in us] for m, us in partition.holder_units.items()}
             self.gatherer = ParamGatherer(model, module_records, self.group,
-                                          max_reuse_distance=cfg.zero.max_reuse_distance)
+                                          max_reuse_distance=cfg.zero.max_reuse_distance,
+                                          holder_records=holder_records)
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,

@@ -7,12 +7,34 @@ module's outputs so the units are gathered again right before the module's backw
 Backward: units are released as soon as all their gradients have arrived (the reducer tells
 us), and anything still gathered is released when backward ends.
 
+Note [gather follows use]: a unit is planned with an owner (unit/plan.py), but a model may use
+a parameter without calling its owner's forward: OPT's ``OPTForCausalLM`` calls
+``self.model.decoder``, never ``self.model`` (the owner of the decoder's embeddings); PEFT makes
+``PeftModel.forward`` be ``LoraModel.forward``, so ``LoraModel``'s hooks never fire. So every
+module that directly holds a partitioned parameter (``holder_records``) has hooks too. When it
+runs while a running gatherer holds its units (``in_use > 0``: the owner's call encloses it,
+the common path), its hook does nothing: no gather, no place in the recorded order. When a
+unit of its own parameters is held by no running call (a *stranded* use), the module gathers
+that unit itself from then on (``_promote``), around its forward and again before its
+backward, so the use is correct from the first call. Promotion alone would gather a unit once
+per holder (every Linear and norm of OPT's decoder); so the calls are observed (the first
+forward, and the next one after any stranded use: gather_use.py), and at the end of the
+observed forward each stranded unit moves to the innermost module call that enclosed all its
+uses (``common_caller``: OPT's decoder, Llama's model under PEFT), which gathers it once per
+forward from the next forward on. Gradients need nothing: autograd sums a parameter's uses
+into one accumulation, whose hook reduces the unit once (grad_reduce.py).
+
 Note [shared units]: a unit used by several modules (a tied embedding and output head) would
 otherwise stay gathered from the first of their backwards to the last, because its gradient
 arrives only once every use has contributed (33.5 MB of the 33.7M GPT for all of backward). So
-after each sharing module's backward (a hook on its inputs' gradients) the shared unit is
-released, and gathered again only by a module whose backward reads it; an Embedding's backward
-needs only the indices, so it gathers nothing.
+after each sharing module's backward the shared unit is released, and gathered again only by a
+module whose backward reads it; an Embedding's backward needs only the indices, so it gathers
+nothing. "After the backward" is an identity autograd function on the module's inputs
+(``_AfterBackward``), which runs once the module's whole backward has produced their
+gradients. A hook on the input tensor itself ran too early when that tensor is another
+gathering module's output: BART's decoder output feeds the tied head, and the tensor's hooks
+ran in registration order, the model's gather before the head's release, so the model's
+backward found the shared unit released.
 
 Note [execution order]: the prefetch order is recorded from the first forward and re-recorded
 whenever the order changes, so a wrong guess costs one wasted gather, never correctness.
@@ -48,6 +70,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerorun.zero.activation_checkpointing import is_recomputing
+from zerorun.zero.gather_use import CallObserver, common_caller
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import GatherPool, ParamState
@@ -58,11 +81,14 @@ class ParamGatherer:
     (``in_use``, ``users``, ``keep_after``, ``keep_for_backward``)."""
 
     def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
-                 *, max_reuse_distance: int = 0):
+                 *, max_reuse_distance: int = 0, holder_records: dict[nn.Module, list[UnitRecord]] | None = None):
         self.max_reuse_distance = max_reuse_distance
-        self.module_records = module_records
+        self.module_records = {m: list(rs) for m, rs in module_records.items()}  # the gathering modules
+        # Note [gather follows use]: every module holding a partitioned parameter, with its units.
+        self.holder_records = holder_records or {}
         self.group = group
-        self.records = sorted({r.index: r for rs in module_records.values() for r in rs}.values(), key=lambda r: r.index)
+        every = [r for rs in list(module_records.values()) + list(self.holder_records.values()) for r in rs]
+        self.records = sorted({r.index: r for r in every}.values(), key=lambda r: r.index)
         self.pool = None
         if self.records and self.records[0].unit.device.type == "cpu" and GatherPool.SUPPORTED:
             self.pool = GatherPool()  # Note [gather pool] in unit/storage.py
@@ -81,13 +107,29 @@ class ParamGatherer:
         self._finished: list[nn.Module] = []
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
-        for module, records in module_records.items():  # hooks for the model's lifetime
-            module.register_forward_pre_hook(self._pre_forward)
-            module.register_forward_hook(self._post_forward)
+        # Note [gather follows use]: stranded uses found in this forward, per record: the module
+        # that held the parameter and the call stack around it (None when not observing).
+        self._stranded: dict[UnitRecord, list[tuple[nn.Module, tuple[nn.Module, ...] | None]]] = {}
+        self._observer = CallObserver(root)
+        self._observe_next = True  # the first forward is observed
+        self._hooked: set[nn.Module] = set()
+        for module in list(self.module_records) + list(self.holder_records):  # hooks for the model's lifetime
+            self._hook(module)
+        for records in self.module_records.values():
             for record in records:
                 record.users += 1
+        self.root = root
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         root.register_forward_hook(self._root_post_forward)
+
+    def _hook(self, module: nn.Module) -> None:
+        if module not in self._hooked:
+            self._hooked.add(module)
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
+
+    def _records_of(self, module: nn.Module) -> list[UnitRecord]:
+        return self.module_records.get(module, [])
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -97,8 +139,65 @@ class ParamGatherer:
         self._finished = []
         self._calls = []
         self._on_order = True
+        if self._observe_next and not self._observer.active:
+            self._undo_promotions()
+            self._observer.start()
 
-    def _pre_forward(self, module, args) -> None:
+    # -- Note [gather follows use] ----------------------------------------------------------
+    def _promote(self, module: nn.Module, stranded: list[UnitRecord]) -> None:
+        """``module`` runs while units of its own parameters are gathered by no running module:
+        from now on it gathers them itself; the end of forward may move that to its caller."""
+        self.module_records.setdefault(module, []).extend(stranded)
+        stack = self._observer.stack() if self._observer.active else None
+        for record in stranded:
+            self._stranded.setdefault(record, []).append((module, stack))
+        if stack is None:
+            self._observe_next = True
+
+    def _undo_promotions(self) -> None:
+        for record, uses in self._stranded.items():
+            for module, _ in uses:
+                self._demote(module, record)
+        self._stranded = {}
+
+    def _demote(self, module: nn.Module, record: UnitRecord) -> None:
+        records = self.module_records.get(module)
+        if records is not None and record in records:
+            records.remove(record)
+            if not records:
+                del self.module_records[module]
+
+    def _plan_stranded(self) -> None:
+        """End of an observed forward: each stranded unit is gathered from now on by the
+        innermost module call that enclosed all its uses (Note [gather follows use])."""
+        self._observer.stop()
+        self._observe_next = False
+        for record, uses in self._stranded.items():
+            stacks = [stack for _, stack in uses]
+            if any(stack is None for stack in stacks):
+                self._observe_next = True
+                continue
+            caller = common_caller(stacks)  # type: ignore[arg-type]  # None filtered above
+            if caller is None:
+                continue
+            for module, _ in uses:
+                self._demote(module, record)
+            if record not in self._records_of(caller):
+                self.module_records.setdefault(caller, []).append(record)
+                record.users += 1
+                self._hook(caller)
+        self._stranded = {}
+
+    def _pre_forward(self, module, args, kwargs):
+        holds = self.holder_records.get(module)
+        if holds:
+            gathering = self._records_of(module)
+            stranded = [r for r in holds if r.in_use == 0 and r not in gathering]
+            if stranded:
+                self._promote(module, stranded)
+        records = self.module_records.get(module)
+        if not records:
+            return None  # a holder whose units a running caller already gathered: the common path
         recomputing = is_recomputing()
         if not recomputing:
             position = len(self._recording)
@@ -106,19 +205,26 @@ class ParamGatherer:
                               and self.forward_order[position] is module)
             self._calls.append(position)
             self._recording.append(module)
-        for record in self.module_records[module]:
+        for record in records:
             record.in_use += 1
             record.unit.gather(self.group)
-        if not recomputing:
-            self._prefetch_forward(module)
+        if recomputing:
+            return None
+        self._prefetch_forward(module)
+        if torch.is_grad_enabled() and any(r.users > 1 for r in records):
+            return self._hook_inputs(module, args, kwargs)
+        return None
 
     def _post_forward(self, module, args, output) -> None:
         # Note [no release in recomputation] (zero/activation_checkpointing.py): the tensors a checkpoint
         # recomputation saves alias the gathered storage and the module's backward runs next;
         # its units are released when their gradients arrive or backward ends.
+        records = self.module_records.get(module)
+        if not records:
+            return
         recomputing = is_recomputing()
         position = self._calls.pop() if not recomputing and self._calls else -1  # in forward_order
-        for record in self.module_records[module]:
+        for record in records:
             record.in_use -= 1
             kept = self._on_order and position in record.keep_after  # Note [kept gathered]
             if record.in_use == 0 and not recomputing and not kept:
@@ -126,10 +232,10 @@ class ParamGatherer:
         if torch.is_grad_enabled() and not recomputing:
             self._finished.append(module)
             self._hook_outputs(module, output)
-            if any(r.users > 1 for r in self.module_records[module]):
-                self._hook_inputs(module, args)
 
     def _root_post_forward(self, module, args, output) -> None:
+        if self._observer.active:
+            self._plan_stranded()
         if self._finished:
             backward = [m for m in reversed(self._finished) if _reads_params_in_backward(m)]
             if backward != self.backward_order:
@@ -142,7 +248,7 @@ class ParamGatherer:
             self.forward_order = self._recording
             self._forward_wanted_from = gathers_still_wanted(self._partitioned_sizes(self.forward_order))
             keep_after, keep_for_backward = plan_kept_units(
-                [[r.index for r in self.module_records[m]] for m in self.forward_order],
+                [[r.index for r in self._records_of(m)] for m in self.forward_order],
                 {r.index: r.unit.layout.numel for r in self.records}, self.max_reuse_distance,
             )
             for record in self.records:
@@ -156,7 +262,7 @@ class ParamGatherer:
         order = self.forward_order
         position = order.index(module) if module in order else -1
         if 0 <= position < len(order) - 1:
-            for record in self.module_records[order[position + 1]]:
+            for record in self._records_of(order[position + 1]):
                 record.unit.start_gather(self.group)
         if self.pool is not None:
             on_order = self._on_order and position >= 0
@@ -164,7 +270,7 @@ class ParamGatherer:
 
     def _partitioned_sizes(self, modules: list[nn.Module]) -> list[list[int]]:
         """Per module, the byte sizes of the partitioned units its call gathers."""
-        return [[r.unit.full_nbytes for r in self.module_records[m] if r.unit.partitioned] for m in modules]
+        return [[r.unit.full_nbytes for r in self._records_of(m) if r.unit.partitioned] for m in modules]
 
     def _prefetch_backward(self, module: nn.Module) -> None:
         """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s,
@@ -173,7 +279,7 @@ class ParamGatherer:
         if position is None:
             return
         for following in self.backward_order[position + 1 : position + 1 + BACKWARD_PREFETCH]:
-            for record in self.module_records[following]:
+            for record in self._records_of(following):
                 record.unit.start_gather(self.group)
         if self.pool is not None:
             self.pool.expect(self._wanted_from[min(position + 1 + BACKWARD_PREFETCH, len(self._wanted_from) - 1)])
@@ -184,10 +290,11 @@ class ParamGatherer:
         if not tensors:
             return
 
-        reads_params = _reads_params_in_backward(module)
+        # This call's units: the end of forward may move a stranded unit to another module.
+        records = list(self._records_of(module)) if _reads_params_in_backward(module) else []
 
         def before_backward(grad):
-            for record in self.module_records[module] if reads_params else ():
+            for record in records:
                 record.unit.gather(self.group)
             self._prefetch_backward(module)
             return grad
@@ -195,19 +302,27 @@ class ParamGatherer:
         for tensor in tensors:
             tensor.register_hook(before_backward)
 
-    def _hook_inputs(self, module: nn.Module, args) -> None:
-        """Release ``module``'s shared units once its backward is over (Note [shared units])."""
-        tensors = [t for t in tensors_in(args) if t.requires_grad]
+    def _hook_inputs(self, module: nn.Module, args, kwargs):
+        """Release ``module``'s shared units once its backward is over (Note [shared units]):
+        its inputs pass through ``_AfterBackward``, whose backward runs when the module's whole
+        backward has produced their gradients, and so before the backward hook of the module
+        that made them (a tensor hook on the same input would run after that hook's gather)."""
+        records = [r for r in self._records_of(module) if r.users > 1]
 
-        def after_backward(grad):
+        def after_backward() -> None:
             if not is_recomputing():
-                for record in self.module_records[module]:
-                    if record.users > 1 and record.in_use == 0:
+                for record in records:
+                    if record.in_use == 0:
                         record.unit.release()
-            return grad
 
-        for tensor in tensors:
-            tensor.register_hook(after_backward)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
+        if not positions:
+            return None
+        passed = _AfterBackward.apply(after_backward, *(leaves[i] for i in positions))
+        for i, tensor in zip(positions, passed, strict=True):
+            leaves[i] = tensor
+        return pytree.tree_unflatten(leaves, spec)
 
     def unit_grads_done(self, record: UnitRecord) -> None:
         """All of ``record``'s gradients arrived: its values are not needed any more."""
@@ -232,6 +347,20 @@ class ParamGatherer:
 
     def pool_nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward calls ``callback`` (Note [shared units])."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 def plan_kept_units(

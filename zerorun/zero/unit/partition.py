@@ -34,6 +34,9 @@ class Partition:
     reduce_order: list[int]
     # Stage 3 only: the partitioned units each module needs gathered to run.
     module_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
+    # Stage 3 only: the partitioned units of each module's own parameters (its direct
+    # ``parameters(recurse=False)``), whoever owns them: Note [gather follows use] in param_gather.py.
+    holder_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
 
 
 def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -81,6 +84,7 @@ def build_partition(
     shard_world, shard_rank = (1, 0) if stage == 0 else (world_size, rank)
     units: list[FlatUnit] = []
     module_units: dict[nn.Module, list[FlatUnit]] = {}
+    holder_units: dict[nn.Module, list[FlatUnit]] = {}
 
     def add_unit(members: list[tuple[str, nn.Parameter]], group_index: int, partitioned: bool) -> FlatUnit:
         if before_unit is not None:
@@ -99,6 +103,7 @@ def build_partition(
                 by_group.setdefault(group_of[id(param)], []).append((name_of[id(param)], param))
             module_units[owner] = [add_unit(m, g, partitioned=True) for g, m in sorted(by_group.items())]
         _add_outside_users(model, units, module_units)
+        holder_units = _holder_units(model, units)
 
     for group_index in range(len(optimizer.param_groups)):
         rest = [(n, p) for n, p in reversed(named)
@@ -109,7 +114,7 @@ def build_partition(
 
     # Gradients of later-registered parameters come first in backward.
     reduce_order = sorted(range(len(units)), key=lambda i: -min(registration[id(p)] for p in units[i].params))
-    return Partition(units, reduce_order, module_units)
+    return Partition(units, reduce_order, module_units, holder_units)
 
 
 
@@ -155,3 +160,18 @@ def _add_outside_users(model: nn.Module, units: list[FlatUnit], module_units: di
                 module_units.setdefault(module, [])
                 if unit not in module_units[module]:
                     module_units[module].append(unit)
+
+
+def _holder_units(model: nn.Module, units: list[FlatUnit]) -> dict[nn.Module, list[FlatUnit]]:
+    """Every module that directly holds a parameter of a partitioned unit, with those units
+    (a tied parameter: every module that registers it)."""
+    unit_of_param = {id(p): u for u in units if u.partitioned for p in u.params}
+    holders: dict[nn.Module, list[FlatUnit]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            unit = unit_of_param.get(id(param))
+            if unit is not None and unit not in holders.setdefault(module, []):
+                holders[module].append(unit)
+        if not holders.get(module, True):
+            del holders[module]
+    return holders

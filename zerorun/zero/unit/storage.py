@@ -47,6 +47,7 @@ bit-for-bit what it was with two copies. The cast needs no buffer beyond ``full`
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -192,6 +193,8 @@ class FlatUnit:
         self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
+        # Called after every state change (DeepSpeed's ds_status: unit/ds_params.py).
+        self.on_state: Callable[[FlatUnit], None] | None = None
 
     def _allocate_full(self) -> None:
         storage = self.full.untyped_storage()
@@ -217,6 +220,8 @@ class FlatUnit:
         if new not in _ALLOWED[self.state]:
             raise InternalError(f"unit {self.index}: parameter state {self.state.name} -> {new.name} is not a transition")
         self.state = new
+        if self.on_state is not None:
+            self.on_state(self)
 
     def start_gather(self, group) -> None:
         """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
@@ -252,12 +257,30 @@ class FlatUnit:
             self._gather_handle = self._staged_shard = None  # the collective has read the staged copy
             self._move(ParamState.GATHERED)
 
-    def release(self) -> None:
-        """Drop ``full`` (stage 3); waits for an in-flight gather first."""
+    def release(self, *, detach: bool = False) -> None:
+        """Drop ``full`` (stage 3); waits for an in-flight gather first.
+
+        ``detach``: Note [detached release]."""
         self._finish_gather()
         if self.state is ParamState.GATHERED:
-            self._free_full()
+            if detach:
+                self._detach_full()
+            else:
+                self._free_full()
             self._move(ParamState.SHARDED)
+
+    def _detach_full(self) -> None:
+        """Note [detached release]: a tensor read from a parameter inside a
+        ``GatheredParameters`` block (``p.data``, and on a CPU ``p.data.cpu()``, which is the same
+        tensor) shares the unit's storage; freeing that storage would empty it. So the gathered
+        storage is left to whatever still references it (freed with the last reference; a
+        pooled buffer is not given back) and the parameters move to a new, empty ``full``."""
+        self._lent = None
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)  # untouched
+        with torch.no_grad():  # views first: a view of an empty storage cannot be taken
+            for param, offset in zip(self.params, self.layout.offsets, strict=True):
+                param.data = self.full[offset : offset + param.numel()].view(param.shape)
+        self.full.untyped_storage().resize_(0)
 
     def keep_shard_in_fp32(self) -> torch.Tensor:
         """Note [fp32 shard]: the owned chunk becomes an fp32 tensor, returned as the master."""

@@ -1,0 +1,61 @@
+"""DeepSpeed's stage-3 parameter attributes, on every parameter of a stage-3 unit.
+
+    pytest tests/unit/test_ds_params.py tests/distributed/test_dschat_save.py
+
+transformers, PEFT, TRL and DeepSpeed-Chat find ZeRO-3 parameters by ``hasattr(p, "ds_id")``,
+read sizes from ``ds_numel``/``ds_shape`` (a partitioned parameter's own shape tells nothing
+there), skip gathering what ``ds_status`` says is available, and then call
+``deepspeed.zero.GatheredParameters`` (zerorun/deepspeed/zero.py). With DeepSpeed's meanings:
+
+    ds_id       a number unique to the parameter in this process
+    ds_status   ``ZeroParamStatus``: AVAILABLE while its unit is gathered (or kept whole),
+                INFLIGHT while the all-gather is in flight, NOT_AVAILABLE when only shards exist;
+                kept current by the unit at every state change (``FlatUnit.on_state``)
+    ds_numel    the full parameter's element count
+    ds_shape    the full parameter's shape
+    ds_tensor   this rank's shard of the parameter: a 1-D view of its elements inside this
+                rank's chunk of the unit (possibly empty: a unit's chunk boundaries fall between
+                parameters, where DeepSpeed pads every parameter to a multiple of the world)
+    ds_persist  True for a unit kept whole on every rank (Note [persistent units] in unit/plan.py)
+
+Frozen parameters belong to no unit at stage 3 and stay whole on every rank, so they carry none:
+code that checks ``hasattr(p, "ds_id")`` then reads them directly, which is right.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from zerorun.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from zerorun.zero.unit.storage import FlatUnit, ParamState
+
+STATUS = {
+    ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+    ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
+    ParamState.REPLICATED: ZeroParamStatus.AVAILABLE,
+}
+_IDS = itertools.count()
+
+
+def attach(units: list[FlatUnit]) -> None:
+    """Give every parameter of ``units`` the attributes; their ``ds_status`` follows the unit."""
+    for unit in units:
+        lo, hi = unit.layout.chunk_range(unit.rank)
+        for param, offset in zip(unit.params, unit.layout.offsets, strict=True):
+            start, end = max(lo, offset), min(hi, offset + param.numel())
+            attributes = {
+                "ds_id": next(_IDS), "ds_numel": param.numel(), "ds_shape": param.shape,
+                "ds_tensor": unit.shard[start - lo : end - lo] if start < end else unit.shard[:0],
+                "ds_persist": not unit.partitioned,
+            }
+            for name, value in attributes.items():
+                setattr(param, name, value)
+        unit.on_state = publish_status
+        publish_status(unit)
+
+
+def publish_status(unit: FlatUnit) -> None:
+    status = STATUS[unit.state]
+    for param in unit.params:
+        setattr(param, "ds_status", status)  # noqa: B010  # an attribute torch's Parameter does not declare
