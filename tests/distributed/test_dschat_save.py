@@ -117,15 +117,15 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
             for name in ATTRIBUTES:
                 if hasattr(param, name):
                     delattr(param, name)
-        try:
+        try:  # only rank 0 writes, so only rank 0 can fail: no collective inside
             dschat.save_zero_three_model(engine, rank, f"{out_dir}/without", zero_stage=3)
-            dist.barrier()
             if rank == 0:
                 saved = torch.load(f"{out_dir}/without/pytorch_model.bin")
                 wrong = [k for k, v in saved.items() if not torch.equal(v, trained[k])]
                 result["without"] = f"saved, {len(wrong)} of {len(saved)} tensors differ from the trained ones"
         except Exception as err:
             result["without"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0]}"
+        dist.barrier()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -160,7 +160,10 @@ def test_partitioned_parameters_carry_deepspeeds_attributes(results):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_same_save_without_the_attributes_fails(results):
-    # Without ds_id the function takes each parameter as it is (``v.cpu()``): the empty shard
-    # placeholders of stage 3. The file is written without a word and cannot be read back.
+    # Without ds_id the function takes each parameter as it is (``v.cpu()``): a stage-3
+    # placeholder whose unit is not gathered. Pickling it reads its values, which is refused
+    # in one line naming the parameter (Note [reads outside forward] in zero/param_access.py)
+    # instead of writing empty storages that fail only when the file is loaded.
     without = results[0]["without"]
-    assert without.startswith("failed: RuntimeError") and "storage" in without, without
+    assert without.startswith("failed: UsageError: parameter 'model.decoder."), without
+    assert "is partitioned by ZeRO stage 3" in without

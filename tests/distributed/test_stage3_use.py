@@ -8,6 +8,9 @@ built from a tiny config (nothing downloaded), trained 3 steps with AdamW at sta
 ranks and compared with plain torch on the same global batch: every step's loss within 1e-4
 relative (fp32; the sharded run only sums gradients in another order, ~1e-7 per step).
 
+The "reads" model computes with children's weights in its own forward (gathered on access);
+after training, a value read between steps must be refused in one line naming the parameter.
+
 Variants: ``default`` buckets plan one unit per model root child (OPT's whole model in the unit
 of ``OPTModel``, whose forward never runs); ``small`` buckets plan several units per model.
 """
@@ -35,18 +38,42 @@ CASES = {  # name: (family, buckets); the default run takes DEFAULT_RUN, `pytest
     "opt/default": ("opt", {}),
     "bart/small": ("bart", SMALL),
     "llama+lora/small": ("llama+lora", SMALL),
+    "reads/small": ("reads", {"allgather_bucket_size": 500, "reduce_bucket_size": 500}),
     "opt/small": ("opt", SMALL),
     "bart/default": ("bart", {}),
     "llama+lora/default": ("llama+lora", {}),
 }
-DEFAULT_RUN = ["opt/default", "bart/small", "llama+lora/small"]
+DEFAULT_RUN = ["opt/default", "bart/small", "llama+lora/small", "reads/small"]
 LONG_RUN = [name for name in CASES if name not in DEFAULT_RUN]
+
+
+class ReadsWeights(torch.nn.Module):
+    """Its forward computes with a child's ``.weight`` without calling the child: the output
+    head is ``F.linear`` with the embedding's weight (as XLNet-style heads do), and a bias is
+    added from a second child's parameter (Note [reads outside forward] in zero/param_access.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 24)
+        self.mix = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
+        self.scale = torch.nn.Linear(1, VOCAB)  # only its parameters are read, never called
+
+    def forward(self, input_ids, labels):
+        from types import SimpleNamespace
+
+        h = self.embed(input_ids)
+        h = h + self.mix(h)
+        logits = torch.nn.functional.linear(h, self.embed.weight) + self.scale.bias
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss)
 
 
 def build_model(family: str) -> torch.nn.Module:
     import transformers as hf
 
     torch.manual_seed(1234)
+    if family == "reads":
+        return ReadsWeights()
     if family == "opt":
         return hf.OPTForCausalLM(hf.OPTConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,
@@ -96,7 +123,7 @@ def train_reference(family: str) -> tuple[torch.nn.Module, list[float]]:
     return model, losses
 
 
-def stage3_losses(family: str, buckets: dict, rank: int) -> list[float]:
+def stage3_losses(family: str, buckets: dict, rank: int) -> tuple[list[float], dict]:
     import torch.distributed as dist
 
     import zerorun
@@ -113,7 +140,21 @@ def stage3_losses(family: str, buckets: dict, rank: int) -> list[float]:
         mean = loss.detach().clone()  # every rank holds as many tokens: the mean of means is the batch's
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
-    return losses
+    return losses, read_between_steps(engine.module)
+
+
+def read_between_steps(model: torch.nn.Module) -> dict:
+    """Outside any forward: metadata reads work, a value read is refused in one line."""
+    from zerorun.errors import UsageError
+
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    found = {"name": name, "shape_ok": list(param.shape) == list(param.ds_shape), "dtype": str(param.dtype)}
+    try:
+        param.sum()
+        found["refusal"] = None
+    except UsageError as err:
+        found["refusal"] = str(err)
+    return found
 
 
 def worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -129,8 +170,8 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         for name in json.loads(Path(out_dir, "cases.json").read_text()):
             family, buckets = CASES[name]
             try:
-                results[name] = {"losses": stage3_losses(family, buckets, rank),
-                                 "reference": reference_losses(family)}
+                losses, read = stage3_losses(family, buckets, rank)
+                results[name] = {"losses": losses, "reference": reference_losses(family), "read": read}
             except Exception as err:  # reported by the case's own test, not as a crashed world
                 results[name] = {"error": f"{type(err).__name__}: {err}"}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -175,3 +216,17 @@ def check_parity(results: dict, case: str) -> None:
             assert got == pytest.approx(want, rel=1e-4), f"rank {rank} step {step}: {got} vs {want}"
         # Vacuous unless training moved the model: the last step's loss differs from the first's.
         assert abs(reference[-1] - reference[0]) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", DEFAULT_RUN)
+def test_a_value_read_between_steps_is_refused_in_one_line(results, case):
+    for rank in range(WORLD):
+        read = results[rank][case]["read"]
+        assert read["shape_ok"] and read["dtype"] == "torch.float32"  # metadata needs no gather
+        refusal = read["refusal"]
+        assert refusal is not None and "\n" not in refusal
+        assert f"parameter {read['name']!r} is partitioned by ZeRO stage 3" in refusal
+        module = read["name"].rsplit(".", 1)[0]
+        assert f"call {module!r}'s forward" in refusal

@@ -64,12 +64,15 @@ the recorded order keeps nothing, and a forward without autograd keeps nothing a
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from zerorun.zero.activation_checkpointing import is_recomputing
+from zerorun.errors import UsageError
+from zerorun.zero import param_access
 from zerorun.zero.gather_use import CallObserver, common_caller
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
 from zerorun.zero.unit.record import UnitRecord
@@ -109,10 +112,17 @@ class ParamGatherer:
         self._on_order = True  # this forward has followed forward_order so far
         # Note [gather follows use]: stranded uses found in this forward, per record: the module
         # that held the parameter and the call stack around it (None when not observing).
-        self._stranded: dict[UnitRecord, list[tuple[nn.Module, tuple[nn.Module, ...] | None]]] = {}
+        self._stranded: dict[UnitRecord, list[tuple[nn.Module | None, tuple[nn.Module, ...] | None]]] = {}
         self._observer = CallObserver(root)
         self._observe_next = True  # the first forward is observed
         self._hooked: set[nn.Module] = set()
+        # Note [reads outside forward] (param_access.py): units read during this forward outside
+        # any gathering module, held (``in_use``) until its backward is over.
+        self._in_forward = False
+        self._pinned: list[UnitRecord] = []
+        for record in self.records:
+            if record.unit.partitioned:
+                param_access.guard(record.unit, functools.partial(self.read, record))
         for module in list(self.module_records) + list(self.holder_records):  # hooks for the model's lifetime
             self._hook(module)
         for records in self.module_records.values():
@@ -135,6 +145,7 @@ class ParamGatherer:
     def _root_pre_forward(self, module, args) -> None:
         if self.pool is not None:
             self.pool.expect(None)  # forward keeps what it releases: the next module takes it
+        self._in_forward = True
         self._recording = []
         self._finished = []
         self._calls = []
@@ -154,13 +165,35 @@ class ParamGatherer:
         if stack is None:
             self._observe_next = True
 
+    def read(self, record: UnitRecord, param: nn.Parameter) -> UsageError | None:
+        """Note [reads outside forward]: ``param`` of ``record``'s unit is read while no module
+        call gathers it. In a forward: gather and hold it, and note the use for the plan."""
+        if not (self._in_forward or is_recomputing()):
+            name = next(n for n, p in zip(record.unit.names, record.unit.params, strict=True) if p is param)
+            return param_access.refusal(name)
+        record.in_use += 1
+        self._pinned.append(record)
+        record.unit.gather(self.group)
+        stack = self._observer.stack() if self._observer.active else None
+        self._stranded.setdefault(record, []).append((None, stack))
+        if stack is None:
+            self._observe_next = True
+        return None
+
+    def _unpin(self) -> None:
+        for record in self._pinned:
+            record.in_use -= 1
+        self._pinned = []
+
     def _undo_promotions(self) -> None:
         for record, uses in self._stranded.items():
             for module, _ in uses:
                 self._demote(module, record)
         self._stranded = {}
 
-    def _demote(self, module: nn.Module, record: UnitRecord) -> None:
+    def _demote(self, module: nn.Module | None, record: UnitRecord) -> None:
+        if module is None:  # a read, not a promotion (Note [reads outside forward])
+            return
         records = self.module_records.get(module)
         if records is not None and record in records:
             records.remove(record)
@@ -234,6 +267,9 @@ class ParamGatherer:
             self._hook_outputs(module, output)
 
     def _root_post_forward(self, module, args, output) -> None:
+        self._in_forward = False
+        if not torch.is_grad_enabled():
+            self._unpin()
         if self._observer.active:
             self._plan_stranded()
         if self._finished:
@@ -330,6 +366,7 @@ class ParamGatherer:
             record.unit.release()
 
     def finish_backward(self) -> None:
+        self._unpin()
         self._release_idle()
 
     def _release_idle(self, for_backward: bool = False) -> None:
@@ -341,6 +378,7 @@ class ParamGatherer:
     def release_all(self) -> None:
         """Release every idle unit and let the pool go (at each step, before the update; before a
         checkpoint load rewrites shards)."""
+        self._unpin()
         self._release_idle()
         if self.pool is not None:
             self.pool.clear()

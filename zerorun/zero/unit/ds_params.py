@@ -10,7 +10,7 @@ there), skip gathering what ``ds_status`` says is available, and then call
     ds_id       a number unique to the parameter in this process
     ds_status   ``ZeroParamStatus``: AVAILABLE while its unit is gathered (or kept whole),
                 INFLIGHT while the all-gather is in flight, NOT_AVAILABLE when only shards exist;
-                kept current by the unit at every state change (``FlatUnit.on_state``)
+                kept current by the unit at every state change (``FlatUnit.state_listeners``)
     ds_numel    the full parameter's element count
     ds_shape    the full parameter's shape
     ds_tensor   this rank's shard of the parameter: a 1-D view of its elements inside this
@@ -24,18 +24,26 @@ code that checks ``hasattr(p, "ds_id")`` then reads them directly, which is righ
 
 from __future__ import annotations
 
+import functools
 import itertools
 
-from zerorun.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from zerorun.zero.unit.storage import FlatUnit, ParamState
 
-STATUS = {
-    ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
-    ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
-    ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
-    ParamState.REPLICATED: ZeroParamStatus.AVAILABLE,
-}
 _IDS = itertools.count()
+
+
+@functools.cache
+def status_of() -> dict:
+    """ParamState -> DeepSpeed's ``ZeroParamStatus``. Imported on first use: the
+    ``zerorun.deepspeed`` package imports the engine, which imports this module."""
+    from zerorun.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return {
+        ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+        ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+        ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
+        ParamState.REPLICATED: ZeroParamStatus.AVAILABLE,
+    }
 
 
 def attach(units: list[FlatUnit]) -> None:
@@ -51,11 +59,11 @@ def attach(units: list[FlatUnit]) -> None:
             }
             for name, value in attributes.items():
                 setattr(param, name, value)
-        unit.on_state = publish_status
+        unit.state_listeners.append(publish_status)
         publish_status(unit)
 
 
 def publish_status(unit: FlatUnit) -> None:
-    status = STATUS[unit.state]
+    status = status_of()[unit.state]
     for param in unit.params:
         setattr(param, "ds_status", status)  # noqa: B010  # an attribute torch's Parameter does not declare

@@ -193,8 +193,9 @@ class FlatUnit:
         self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
-        # Called after every state change (DeepSpeed's ds_status: unit/ds_params.py).
-        self.on_state: Callable[[FlatUnit], None] | None = None
+        # Called after every state change (DeepSpeed's ds_status: unit/ds_params.py; the class of
+        # a partitioned parameter: zero/param_access.py).
+        self.state_listeners: list[Callable[[FlatUnit], None]] = []
 
     def _allocate_full(self) -> None:
         storage = self.full.untyped_storage()
@@ -220,8 +221,8 @@ class FlatUnit:
         if new not in _ALLOWED[self.state]:
             raise InternalError(f"unit {self.index}: parameter state {self.state.name} -> {new.name} is not a transition")
         self.state = new
-        if self.on_state is not None:
-            self.on_state(self)
+        for listener in self.state_listeners:
+            listener(self)
 
     def start_gather(self, group) -> None:
         """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
