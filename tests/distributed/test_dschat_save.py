@@ -1,7 +1,7 @@
 """pytest tests/distributed/test_dschat_save.py — DeepSpeed-Chat's stage-3 save on zerorun.
 
-DeepSpeed-Chat saves a ZeRO-3 model with its own ``save_zero_three_model`` (vendored unchanged
-under tests/data/dschat/): for each parameter, ``hasattr(p, "ds_id")`` says it is partitioned,
+DeepSpeed-Chat saves a ZeRO-3 model with its own ``save_zero_three_model`` (in its
+``dschat/utils/utils.py``, vendored under tests/data/deepspeed_chat/): for each parameter, ``hasattr(p, "ds_id")`` says it is partitioned,
 ``p.ds_status == NOT_AVAILABLE`` says it must be fetched, ``deepspeed.zero.GatheredParameters``
 gathers it and ``p.data.cpu()`` is kept. A tiny OPT (built from a config, nothing downloaded)
 trains 3 AdamW steps at stage 3 on 2 gloo ranks, then is saved that way; the file must hold
@@ -26,7 +26,7 @@ pytest.importorskip("transformers", reason="transformers is in the `test` extra"
 
 WORLD = 2
 STEPS = 3
-VENDORED = Path(__file__).resolve().parents[1] / "data" / "dschat" / "save_zero_three_model.py"
+VENDORED = Path(__file__).resolve().parents[1] / "data" / "deepspeed_chat" / "dschat" / "utils" / "utils.py"
 ATTRIBUTES = ("ds_id", "ds_status", "ds_numel", "ds_shape", "ds_tensor", "ds_persist")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_stage3_use import build_model, global_batch, optimizer_for, train_reference  # noqa: E402
@@ -39,7 +39,7 @@ def load_dschat():
     for name, module in {"deepspeed": deepspeed, "deepspeed.runtime": deepspeed.runtime,
                          "deepspeed.runtime.zero": deepspeed.runtime.zero,
                          "deepspeed.runtime.zero.partition_parameters": deepspeed.runtime.zero.partition_parameters,
-                         }.items():
+                         "deepspeed.accelerator": deepspeed.accelerator}.items():
         sys.modules.setdefault(name, module)
     spec = importlib.util.spec_from_file_location("dschat_utils", VENDORED)
     module = importlib.util.module_from_spec(spec)
