@@ -72,8 +72,11 @@ def test_hostfile_sets_the_world(tmp_path, capsys):
     assert data["job"] == {"gpus_per_node": 4, "nodes": 2, "world_size": 8}
     stage3 = next(o for o in data["options"] if (o["stage"], o["offload"]) == (3, "cpu-optimizer"))
     # host memory is per node: 4 ranks' optimizer shards (12 bytes x 7B / 8 = 10.5 GB each), each
-    # with one unit's fp32 gradient chunk staged at a time (well under 0.1 GB)
-    assert stage3["gb_per_gpu"]["host_per_node"] == pytest.approx(4 * 10.5, rel=0.01)
+    # with one unit's fp32 gradient chunk staged at a time (well under 0.1 GB), plus what the
+    # pinned arena holds beyond the 3.5 GB of fp32 masters per rank (Note [pinned arena])
+    slack = stage3["gb_per_gpu"]["pinned_slack_per_node"]
+    assert 0 < slack < 4 * 0.35
+    assert stage3["gb_per_gpu"]["host_per_node"] == pytest.approx(4 * 10.5 + slack, rel=0.01)
 
 
 def test_config_file_sets_stage_precision_and_offload(tmp_path, capsys):

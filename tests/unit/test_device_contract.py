@@ -304,13 +304,7 @@ def test_pinned_arena_carves_aligned_pieces_from_power_of_two_blocks():
     assert pinned.carve(0, 4 * mib, 300 * mib, 0) == (0, 512 * mib)  # a huge piece: its own rounded block
 
     def pinned_bytes(size, count):
-        used = capacity = reserved = handed = 0
-        for _ in range(count):
-            offset, new = pinned.carve(used, capacity, size, handed)
-            if new:
-                capacity, reserved = new, reserved + new
-            used, handed = offset + size, handed + size
-        return reserved
+        return pinned.reserved_for([size] * count)  # the arena's carving (tested against HostArena)
 
     for size, count in [(3 * mib + 1, 1000), (5 * mib, 300), (700 << 10, 2000), (40 * mib, 50)]:
         one_by_one = (1 << (size - 1).bit_length()) * count  # what per-piece pinning holds

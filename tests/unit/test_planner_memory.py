@@ -83,8 +83,16 @@ def test_cpu_optimizer_offload_moves_the_optimizer_shard_to_the_host():
     assert offloaded.params == on_gpu.params and offloaded.grads == on_gpu.grads
     # one unit's fp32 gradient chunk staged at a time (a 6.25M-element bucket over 8 ranks)
     staging = 4 * -(-Training().reduce_bucket_size // 8)
-    assert offloaded.host_per_rank == on_gpu.optimizer + staging
-    assert offloaded.host_per_node == 4 * (on_gpu.optimizer + staging)
+    # the masters are pinned from one arena (Note [pinned arena]): its slack counts, a few percent
+    slack = offloaded.pinned_slack
+    assert 0 < slack < 0.1 * on_gpu.optimizer
+    assert offloaded.host_per_rank == on_gpu.optimizer + staging + slack
+    assert offloaded.host_per_node == 4 * (on_gpu.optimizer + staging + slack)
+    # a CPU worker pins nothing, nor does a run with pin_memory off
+    for unpinned in (Training(stage=2, offload="cpu-optimizer", device="cpu"),
+                     Training(stage=2, offload="cpu-optimizer", pin_memory=False)):
+        plain = estimate(SEVEN_B, job, unpinned)
+        assert plain.pinned_slack == 0 and plain.host_per_rank == on_gpu.optimizer + staging
 
 
 def test_param_offload_moves_the_parameter_shard_and_nvme_the_optimizer_state():
@@ -96,7 +104,8 @@ def test_param_offload_moves_the_parameter_shard_and_nvme_the_optimizer_state():
     # parameters stay unless asked, as the 16-bit chunks the fp32 shard was (Note [fp32 shard])
     assert nvme.params == base.params - 2 * shard(SEVEN_B.num_params, 8) and nvme.optimizer == 0
     assert nvme.nvme_per_rank == base.optimizer + 4 * shard(SEVEN_B.num_params, 8)
-    assert nvme.host_per_rank == 4 * 10**6  # the configured buffer, whatever the model's size
+    # the configured buffer, whatever the model's size, in the arena's first 4 MiB block
+    assert nvme.host_per_rank == 4 * 10**6 + nvme.pinned_slack and nvme.pinned_slack == (4 << 20) - 4 * 10**6
     both = estimate(SEVEN_B, job, Training(stage=3, offload="nvme", nvme_buffer_count=1, nvme_buffer_size=10**6,
                                         nvme_params=True))
     # master + Adam's moments (12 bytes) and the 16-bit chunk (2) per element of the shard
@@ -109,7 +118,8 @@ def test_offloaded_fp32_master_is_counted_beside_the_adam_state():
     cpu = estimate(SEVEN_B, job, Training(stage=2, precision="fp32", offload="cpu-optimizer"))
     share = -(-SEVEN_B.num_params // 2)
     assert none.optimizer == 8 * share  # the fp32 parameter doubles as the master
-    assert cpu.host_per_rank >= 12 * share and cpu.host_per_rank - 12 * share < 0.01 * cpu.host_per_rank
+    unpinned = cpu.host_per_rank - cpu.pinned_slack
+    assert unpinned >= 12 * share and unpinned - 12 * share < 0.01 * unpinned
 
 
 @pytest.mark.parametrize("stage, offload", [(0, "cpu-optimizer"), (0, "nvme"), (2, "cpu-optimizer+params")])
@@ -290,3 +300,32 @@ def test_plan_lists_every_supported_option_once():
     assert plan.recommended is None  # no limits: no verdict
     assert plan.requested.estimate.stage == 0
     assert all(math.isfinite(o.estimate.gpu_total) for o in plan.options)
+
+
+@pytest.mark.parametrize("sizes", [[3 * 2**20 + 1] * 40, [700 << 10] * 300 + [40 << 20] * 3,
+                                   [100, 5 << 20, 513, 300 << 20, 1 << 20], []])
+def test_pinned_arena_rule_is_what_the_arena_reserves(monkeypatch, sizes):
+    """The planner's pinned bytes (reserved_for) equal what HostArena reserves for the same
+    pieces in the same order; pinning is faked (no CUDA here), the carving is the arena's."""
+    import torch
+
+    from zerorun.zero.offload import pinned
+
+    real_empty = torch.empty
+    monkeypatch.setattr(pinned.torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    arena = pinned.HostArena(pin=True)
+    for nbytes in sizes:
+        assert arena.empty(nbytes, torch.uint8).numel() == nbytes
+    assert pinned.reserved_for(sizes) == arena.reserved
+    assert arena.slack() == arena.reserved - sum(sizes) >= 0
+
+
+def test_planner_pinned_slack_is_the_arena_rule_over_the_unit_masters():
+    """cpu offload at stage 2: the masters are one fp32 shard per gradient bucket, in order."""
+    from zerorun.planner.memory import gradient_bucket_sizes
+    from zerorun.zero.offload.pinned import reserved_for
+
+    training = Training(stage=2, offload="cpu-optimizer", reduce_bucket_size=3_000_000)
+    masters = [4 * shard(b, 4) for b in gradient_bucket_sizes(SEVEN_B, training)]
+    planned = estimate(SEVEN_B, Job(4), training)
+    assert planned.pinned_slack == reserved_for(masters) - sum(masters) > 0

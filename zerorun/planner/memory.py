@@ -79,6 +79,9 @@ class Training:
     nvme_buffer_size: int = 100_000_000
     # Stage 3: parameter chunks in memory-mapped files (zero.offload_param.device: nvme).
     nvme_params: bool = False
+    # zero.offload_optimizer.pin_memory: an offloaded run on CUDA pins its host tensors from
+    # one arena per placement (Note [pinned arena]); a CPU run pins nothing whatever it says.
+    pin_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -124,6 +127,7 @@ class MemoryEstimate:
     nvme_per_rank: float
     ranks_per_host: int
     unreduced_gradients: float = 0.0
+    pinned_slack: float = 0.0  # already in host_per_rank: what the pinned arenas hold beyond their pieces
 
     @property
     def model_state(self) -> float:
@@ -188,6 +192,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
             nvme, host = offloaded, _offload_staging_bytes(model, job, training)
         else:
             host = offloaded + _offload_staging_bytes(model, job, training)
+        host += pinned_slack_bytes(model, job, training)
     # Parameters on NVMe (a config's offload_param) go with an offloaded optimizer: a row
     # labelled "none" offloads nothing, whatever the config held.
     nvme_params = training.nvme_params and training.offload != "none"
@@ -210,6 +215,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         unreduced_gradients=float(unreduced_gradient_bytes(model, job, training)),
         activations=_activations(model, training, activation_job),
         host_per_rank=float(host),
+        pinned_slack=float(pinned_slack_bytes(model, job, training)),
         nvme_per_rank=float(nvme),
         ranks_per_host=job.gpus_per_node,
     )
@@ -412,6 +418,59 @@ def _offload_staging_bytes(model: ModelSpec, job: Job, training: Training) -> in
     if training.offload == "nvme":  # a master and Adam's two moments per buffer
         return 4 * training.nvme_buffer_count * min(training.nvme_buffer_size, 3 * chunk)
     return 4 * chunk
+
+
+def pinned_slack_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """Host bytes the pinned arenas reserve beyond the pieces they hand out (Note [pinned
+    arena] in zero/offload/pinned.py), from the arena's own block rule (``reserved_for``).
+
+    Only an offloaded run on CUDA with ``pin_memory`` pins: a CPU worker never does. Each
+    placement has its own arena: ``cpu-optimizer`` carves one fp32 master of 4·⌈U/N⌉ bytes
+    per unit U, in unit order; ``cpu-optimizer+params`` also carves each stage-3 unit's
+    p·⌈U/N⌉ host chunk from the parameter placement's arena; ``nvme`` carves its buffer pool
+    (the staging buffers the host column already counts; masters go to files unpinned).
+    The pieces themselves are counted in the host column already: only the slack is added."""
+    from zerorun.zero.offload.pinned import reserved_for
+
+    if training.offload == "none" or training.device != "cuda" or not training.pin_memory:
+        return 0
+    n = job.world_size
+
+    def slack(pieces: list[int]) -> int:
+        return reserved_for(pieces) - sum(pieces)
+
+    if training.offload == "nvme":
+        buffer = _offload_staging_bytes(model, job, training) // training.nvme_buffer_count
+        return slack([buffer] * training.nvme_buffer_count)
+    units = _offload_unit_elements(model, training)
+    total = slack([4 * shard(u, n) for u in units])
+    if training.offload == "cpu-optimizer+params":
+        total += slack([training.param_bytes * shard(u, n) for u in _stage3_sharded_units(model, training)])
+    return total
+
+
+def _offload_unit_elements(model: ModelSpec, training: Training) -> list[int]:
+    """Elements of each unit whose master an offloaded optimizer holds, in the engine's
+    order: stage 1-2 buckets (``gradient_bucket_sizes``); stage 3 units (the engine's plan,
+    else layer-sized units), then the whole-kept ones in reduce_bucket_size buckets."""
+    if training.stage < 3:
+        return gradient_bucket_sizes(model, training)
+    persistent = _persistent_elements(model, training)
+    return _stage3_sharded_units(model, training) + _split(persistent, training.reduce_bucket_size)
+
+
+def _stage3_sharded_units(model: ModelSpec, training: Training) -> list[int]:
+    """Elements of each unit stage 3 partitions: the engine's plan, else layer-sized units."""
+    planned, _persistent = _stage3_plan(model, training)
+    if planned:
+        return [u.numel for u in planned]
+    _gathered, layer, _units = stage3_unit_sizes(model, training)
+    return _split(model.num_params, layer)
+
+
+def _split(elements: int, size: int) -> list[int]:
+    """``elements`` in pieces of ``size`` (the last one the remainder)."""
+    return [min(size, elements - start) for start in range(0, elements, max(1, size))]
 
 
 def _activations(model: ModelSpec, training: Training, job: ActivationJob | None) -> float | None:

@@ -117,6 +117,8 @@ def plan_to_json(plan: Plan) -> dict:
             "workspace": est.workspace,
             "activations": est.activations, "gpu_total": est.gpu_total,
             "host_per_node": est.host_per_node, "nvme_per_node": est.nvme_per_node,
+            # already in host_per_node: Note [pinned arena] in zero/offload/pinned.py
+            "pinned_slack_per_node": est.pinned_slack * est.ranks_per_host,
         }
         return {
             "stage": est.stage,

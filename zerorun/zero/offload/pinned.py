@@ -23,6 +23,7 @@ touch it): elsewhere ``empty`` is plain ``torch.empty`` and the arena holds noth
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -47,6 +48,19 @@ def carve(used: int, capacity: int, nbytes: int, handed_out: int) -> tuple[int, 
     quarter = handed_out // 4
     grown = min(LARGEST_BLOCK, max(FIRST_BLOCK, 1 << (quarter.bit_length() - 1) if quarter else 0))
     return 0, max(grown, _power_of_two_at_least(nbytes))
+
+
+def reserved_for(sizes: Iterable[int]) -> int:
+    """Pinned bytes an arena reserves for pieces of ``sizes`` bytes asked for in that order
+    (pure): the blocks ``carve`` makes, as ``HostArena.empty`` takes them. The planner's
+    host rows count the arena with it (``pinned_host_bytes`` in planner/memory.py)."""
+    used = capacity = reserved = handed_out = 0
+    for nbytes in sizes:
+        offset, new_block = carve(used, capacity, nbytes, handed_out)
+        if new_block:
+            capacity, reserved = new_block, reserved + new_block
+        used, handed_out = offset + nbytes, handed_out + nbytes
+    return reserved
 
 
 class HostArena:
