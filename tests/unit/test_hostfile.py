@@ -7,14 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerorun.errors import HostfileError
-from zerorun.launch.hostfile import (
-    expand_nodelist,
-    expand_tasks_per_node,
-    parse_filter,
-    parse_hostfile,
-    select_hosts,
-    slurm_hosts,
-)
+from zerorun.launch.hostfile import parse_filter, parse_hostfile, select_hosts, slurm_hosts
+from zerorun.worker.slurm_env import expand_nodelist, expand_tasks_per_node
 
 host_names = st.from_regex(r"[a-z][a-z0-9\-]{0,8}(\.[a-z0-9]{1,4})?", fullmatch=True)
 hostfiles = st.dictionaries(host_names, st.integers(1, 16), min_size=1, max_size=6)

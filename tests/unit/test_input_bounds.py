@@ -10,7 +10,8 @@ import pytest
 from zerorun.config import load_config
 from zerorun.config.sources import MAX_YAML_DEPTH, parse_scalar, parse_text, read_small_file
 from zerorun.errors import ConfigError, HostfileError
-from zerorun.launch.hostfile import expand_nodelist, expand_tasks_per_node, parse_hostfile, select_hosts, slurm_hosts
+from zerorun.launch.hostfile import parse_hostfile, select_hosts, slurm_hosts
+from zerorun.worker.slurm_env import expand_nodelist, expand_tasks_per_node
 
 BOMB = "".join(
     f"{name}: &{name} [{', '.join([f'*{prev}'] * 10) if prev else ', '.join(['lol'] * 10)}]\n"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerorun
-from zerorun.launch import save_on_signal
+from zerorun.worker import save_on_signal
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_in_a_slurm_job_the_first_sigterm_waits_for_the_verdict_and_is_no_save(t
 
 WAITER = """
 import os, signal, sys, time
-from zerorun.launch import save_on_signal
+from zerorun.worker import save_on_signal
 save_on_signal.TERM_WAIT_S = 0.5
 assert save_on_signal.arm({"ZERORUN_SAVE_ON_SIGNAL": "1", "SLURM_JOB_ID": "42"})
 os.kill(os.getpid(), signal.SIGTERM)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.launch import slurm
-from zerorun.launch.hostfile import expand_nodelist
+from zerorun.worker import slurm_env
+from zerorun.worker.slurm_env import expand_nodelist
 
 SRUN_TASK = {  # srun -N2 -n2, task 1
     "SLURMD_NODENAME": "n2", "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2",
@@ -62,7 +63,7 @@ def test_hostlist_fuzz_gives_names_or_a_hostfile_error(text):
 
 def test_outside_slurm_nothing_is_detected():
     assert slurm.detect({}) is None
-    assert slurm.step_world({}) is None
+    assert slurm_env.step_world({}) is None
 
 
 def test_a_step_is_detected_with_its_nodes_and_task():
@@ -92,7 +93,7 @@ def test_bad_numbers_are_one_line_errors():
 def test_ports_derive_from_job_and_step_in_the_documented_range():
     ports = {slurm.master_port(job, step) for job in range(1000, 1100) for step in (None, 0, 1, 2)}
     assert len(ports) == 400  # neighbouring jobs and steps never share a port
-    assert all(slurm.PORT_BASE <= p < slurm.PORT_BASE + slurm.PORT_SPAN for p in ports)
+    assert all(slurm_env.PORT_BASE <= p < slurm_env.PORT_BASE + slurm_env.PORT_SPAN for p in ports)
     assert slurm.master_port(7, 0) == slurm.master_port(7, 0)  # every node computes the same
 
 
@@ -118,19 +119,19 @@ def test_two_launchers_on_one_node_are_refused_with_what_to_write():
 
 
 def test_srun_python_world_comes_from_the_step():
-    world = slurm.step_world(SRUN_TASK)
+    world = slurm_env.step_world(SRUN_TASK)
     assert (world.rank, world.world_size, world.local_rank, world.master_addr) == (1, 2, 0, "n1")
     assert world.master_port == slurm.master_port(1, 0)
-    assert slurm.step_world({**SRUN_TASK, "MASTER_PORT": "4000", "MASTER_ADDR": "x"}).master_port == 4000
+    assert slurm_env.step_world({**SRUN_TASK, "MASTER_PORT": "4000", "MASTER_ADDR": "x"}).master_port == 4000
     one = {**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
-    assert slurm.step_world(one) is None
+    assert slurm_env.step_world(one) is None
 
 
 def test_never_a_silent_world_of_one():
     with pytest.raises(LaunchError, match="SLURM_PROCID"):
-        slurm.step_world({k: v for k, v in SRUN_TASK.items() if k != "SLURM_PROCID"})
+        slurm_env.step_world({k: v for k, v in SRUN_TASK.items() if k != "SLURM_PROCID"})
     with pytest.raises(LaunchError, match="not started by srun"):
-        slurm.step_world(BATCH)
+        slurm_env.step_world(BATCH)
 
 
 def test_threads_share_out_the_cpus_slurm_gave():

@@ -55,7 +55,8 @@ from typing import IO
 
 import psutil
 
-from zerorun.launch import early_signals, save_on_signal
+from zerorun.launch import early_signals
+from zerorun.worker import save_on_signal
 from zerorun.launch.processes import end_groups
 from zerorun.telemetry.events import MAX_LINE_BYTES
 
@@ -510,7 +511,7 @@ def _serve() -> int:
     verdict = threading.Event()  # the launcher's "checkpoint" or "stop" after a SIGTERM
 
     def on_slurm_term(signum, _frame):
-        # Note [a worker's SIGTERM under Slurm] (save_on_signal.py): a preemption signals this
+        # Note [a worker's SIGTERM under Slurm] (worker/save_on_signal.py): a preemption signals this
         # step, maybe not the launcher's. Tell the launcher (from a thread: emit takes a lock the
         # interrupted code may hold); with on_signal its verdict decides, else stop now.
         threading.Thread(target=emit, args=({"t": "signal", "sig": signum},), daemon=True).start()

@@ -16,29 +16,17 @@ and filters are ``@``-separated host entries, each optionally narrowed to slot i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 
 from zerorun.errors import HostfileError
+from zerorun.worker.slurm_env import MAX_HOSTS, check_host, expand_nodelist, expand_tasks_per_node
 
 # Ordered host -> list of slot ids (slot ids are local device indices, 0..slots-1).
 HostSlots = dict[str, list[int]]
 
-# Bounds that no real cluster reaches, checked before anything is expanded: a typo such as
-# n[0-99999999999] must be one error line, not a MemoryError or the OOM killer.
-MAX_HOSTS = 100_000
+# Bounds that no real cluster reaches, checked before anything is expanded (MAX_HOSTS: slurm_env.py).
 MAX_SLOTS_PER_HOST = 1024
 MAX_TOTAL_SLOTS = 1_000_000
-
-# Hostnames, IPv4 and bracket-less IPv6 literals; anything else (spaces, quotes, shell
-# metacharacters) is rejected early because the name ends up in an ssh command line.
-_HOST_RE = re.compile(r"^[A-Za-z0-9_.:\-\[\]%]+$")
-
-
-def _check_host(name: str, where: str) -> str:
-    if not name or not _HOST_RE.match(name) or name.startswith("-"):
-        raise HostfileError(f"{where}: {name!r} is not a valid host name")
-    return name
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
@@ -50,7 +38,7 @@ def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
             continue
         where = f"{source} line {number}"
         fields = line.split()
-        host = _check_host(fields[0], where)
+        host = check_host(fields[0], where)
         if len(fields) != 2 or not fields[1].startswith("slots="):
             raise HostfileError(
                 f"{where}: expected 'HOST slots=N', got {line!r}",
@@ -79,7 +67,7 @@ def parse_filter(spec: str, flag: str = "--include") -> dict[str, list[int] | No
     for entry in spec.split("@"):
         where = f"{flag} entry {entry!r}"
         host, sep, slot_text = entry.partition(":")
-        _check_host(host, where)
+        check_host(host, where)
         if host in result:
             raise HostfileError(f"{where}: host {host!r} appears twice")
         if not sep:
@@ -141,89 +129,6 @@ def _check_slots(host: str, slots: list[int] | None, count: int, flag: str) -> N
     for slot in slots or []:
         if slot >= count:
             raise HostfileError(f"{flag}: slot {slot} of {host!r} does not exist (it has slots 0..{count - 1})")
-
-
-# --- Slurm -------------------------------------------------------------------------------
-
-
-def expand_nodelist(nodelist: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
-    """Expand Slurm's compressed node list: ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1.
-
-    Zero padding is kept (``n[08-10]`` -> n08 n09 n10) and a name may hold several bracket
-    groups (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2), as in ``scontrol show hostnames``.
-    """
-    names: list[str] = []
-    for item in _split_top_level(nodelist, source):
-        for name in _expand_item(item, source, MAX_HOSTS - len(names)):
-            names.append(_check_host(name, source))
-    if not names:
-        raise HostfileError(f"{source} is empty")
-    return names
-
-
-def _expand_item(item: str, source: str, budget: int) -> list[str]:
-    """One comma-free entry, first bracket group expanded, the rest recursively."""
-    match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\](.*)", item)
-    if match is None:
-        if "[" in item or "]" in item:
-            raise HostfileError(f"{source}: cannot parse {item!r}")
-        return [item]
-    prefix, ranges, rest = match.groups()
-    heads: list[str] = []
-    for part in ranges.split(","):
-        low, dash, high = part.partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
-            raise HostfileError(f"{source}: bad range {part!r} in {item!r}")
-        width = len(low)
-        end = int(high) if dash else int(low)
-        if end < int(low):
-            raise HostfileError(f"{source}: range {part!r} runs backwards")
-        if len(heads) + end - int(low) + 1 > budget:
-            raise HostfileError(f"{source}: {item!r} names more than {MAX_HOSTS:,} nodes")
-        heads += [f"{prefix}{n:0{width}d}" for n in range(int(low), end + 1)]
-    tails = _expand_item(rest, source, max(1, budget // len(heads)))
-    if len(heads) * len(tails) > budget:
-        raise HostfileError(f"{source}: {item!r} names more than {MAX_HOSTS:,} nodes")
-    return [head + tail for head in heads for tail in tails]
-
-
-def _split_top_level(text: str, source: str = "SLURM_JOB_NODELIST") -> list[str]:
-    """Split on commas that are not inside brackets."""
-    items, depth, current = [], 0, ""
-    for char in text.strip():
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise HostfileError(f"{source}: unbalanced ']' in {text!r}")
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    if depth != 0:
-        raise HostfileError(f"{source}: unbalanced '[' in {text!r}")
-    items.append(current)
-    if any(not item for item in items):
-        raise HostfileError(f"{source}: empty entry in {text!r}")
-    return items
-
-
-def expand_tasks_per_node(value: str, node_count: int) -> list[int]:
-    """Expand SLURM_TASKS_PER_NODE (``2(x3),1``) to one count per node."""
-    counts: list[int] = []
-    for part in value.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if match is None:
-            raise HostfileError(f"SLURM_TASKS_PER_NODE: cannot parse {part!r}")
-        repeat = int(match.group(2) or 1)
-        if len(counts) + repeat > node_count:
-            raise HostfileError(f"SLURM_TASKS_PER_NODE gives more counts than the {node_count} nodes")
-        counts += [int(match.group(1))] * repeat
-    if len(counts) != node_count:
-        raise HostfileError(f"SLURM_TASKS_PER_NODE gives {len(counts)} counts for {node_count} nodes")
-    return counts
 
 
 def slurm_hosts(environ: Mapping[str, str]) -> dict[str, int] | None:

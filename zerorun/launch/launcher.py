@@ -21,7 +21,7 @@ from pathlib import Path
 
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.launch import slurm
-from zerorun.launch.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
+from zerorun.worker.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
 from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
 from zerorun.config.sources import read_small_file
 from zerorun.launch.hostfile import MAX_SLOTS_PER_HOST, HostSlots, parse_hostfile, select_hosts, slurm_hosts
@@ -472,7 +472,7 @@ class ForgivingStream:
 # SIGHUP. The launcher handles all of them: TERM, HUP and INT stop every worker (grace, then
 # KILL) and end with 128+signal; with checkpoint.on_signal, USR1/USR2 instead ask every worker
 # to save a checkpoint (agent -> SIGUSR1 to each worker; the ranks agree on the step,
-# save_on_signal.py) and stop, and with checkpoint.requeue the launcher then runs
+# worker/save_on_signal.py) and stop, and with checkpoint.requeue the launcher then runs
 # ``scontrol requeue`` so the next start resumes (``checkpoint.resume``). Without on_signal,
 # USR1/USR2 stop the job like TERM. The last message says what the signal meant, asking
 # Slurm for the job's record where SIGTERM alone cannot tell (``signal_meaning``, Note [why

@@ -174,7 +174,7 @@ class Supervisor:
 
     def judge_term(self, signum: int) -> None:
         """SIGTERM, to the launcher or reported by an agent step (Note [a worker's SIGTERM under
-        Slurm] in save_on_signal.py): a preemption becomes a checkpoint request, anything else
+        Slurm] in worker/save_on_signal.py): a preemption becomes a checkpoint request, anything else
         (scancel, the time limit) stops the job. Safe from a signal handler: Slurm is asked in a
         thread, once."""
         if self._is_preemption is None:

@@ -52,7 +52,7 @@ def _exists_everywhere(engine, directory: str) -> bool:
 def save_on_interval(engine) -> None:
     """``checkpoint.interval_steps``: save after every N-th optimizer step, keeping ``keep_last``;
     ``checkpoint.on_signal``: save and stop when the launcher passed on Slurm's signal."""
-    from zerorun.launch import save_on_signal
+    from zerorun.worker import save_on_signal
 
     cfg = engine.config.checkpoint
     saved = cfg.interval_steps > 0 and cfg.dir and engine.train_state.global_step % cfg.interval_steps == 0

@@ -4,7 +4,7 @@ Order (as the issue states): the default group if the caller initialised one; el
 initialised from the launcher's / torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT); else, under plain ``srun python train.py``, one rank per Slurm task
 (SLURM_PROCID, SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first node of SLURM_STEP_NODELIST and
-the port of Note [Slurm port] in launch/slurm.py); else world size 1 with no torch.distributed
+the port of Note [Slurm port] in worker/slurm_env.py); else world size 1 with no torch.distributed
 at all. Where Slurm says there are several tasks but no world can be formed, the error says
 so: never a silent world of 1.
 """
@@ -57,7 +57,7 @@ def resolve_process_group(model_device: torch.device | None = None) -> ProcessGr
         return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), choice.torch_device())
     if _env_int("WORLD_SIZE") is None and _env_int("RANK") is None:
         adopt_slurm_step(os.environ)  # before the device: it writes LOCAL_RANK
-    from zerorun.launch import save_on_signal
+    from zerorun.worker import save_on_signal
 
     save_on_signal.arm()  # checkpoint.on_signal: SIGUSR1 only noted, never fatal (save_on_signal.py)
     choice = device.this_worker()
@@ -84,7 +84,7 @@ def adopt_slurm_step(environ) -> None:
     script's own reads of RANK/LOCAL_RANK agree with the group formed.
     """
     from zerorun.errors import ZerorunError
-    from zerorun.launch.slurm import step_world
+    from zerorun.worker.slurm_env import step_world
 
     try:
         world = step_world(environ)

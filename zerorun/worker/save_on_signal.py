@@ -1,11 +1,11 @@
 """The worker's side of checkpoint.on_signal: save a checkpoint when Slurm's warning signal comes.
 
 The launcher (or Slurm itself, through the agent) sends each worker SIGUSR1 shortly before the
-time limit (Note [Slurm signals] in launcher.py). ``arm`` installs a handler that only records
-the request: saving from inside a signal handler would run collectives at an arbitrary point
-of a step. At every optimizer-step boundary ``due`` asks all ranks at once (one 1-element
-all-reduce, MAX) whether any rank got the signal, so every rank saves at the same step even
-though the signal reaches them at slightly different moments. The engine then saves and the
+time limit (Note [Slurm signals] in zerorun/launch/launcher.py). ``arm`` installs a handler that
+only records the request: saving from inside a signal handler would run collectives at an
+arbitrary point of a step. At every optimizer-step boundary ``due`` asks all ranks at once (one
+1-element all-reduce, MAX) whether any rank got the signal, so every rank saves at the same step
+even though the signal reaches them at slightly different moments. The engine then saves and the
 worker exits 0 (``stop``). The all-reduce runs only in workers that were armed
 (ZERORUN_SAVE_ON_SIGNAL=1, set by the launcher for checkpoint.on_signal).
 
@@ -13,10 +13,10 @@ Note [a worker's SIGTERM under Slurm]: Slurm signals every process of a step, so
 SIGTERMs the workers of each agent step directly, at the same moment as their agent; by default
 they would die at once and the checkpoint the grace time allows would be lost. So an armed
 worker inside a Slurm job does not die of its first SIGTERM: it waits ``TERM_WAIT_S`` for the
-launcher's verdict (Note [why Slurm sent SIGTERM] in slurm.py), which comes as SIGUSR1 (a
-preemption: save and stop) or as the agent's own stop (another TERM, then KILL). With no verdict
-in that time it ends as SIGTERM would have. A SIGTERM is never a save request by itself: a
-``scancel`` must not write a checkpoint.
+launcher's verdict (Note [why Slurm sent SIGTERM] in zerorun/launch/slurm.py), which comes as
+SIGUSR1 (a preemption: save and stop) or as the agent's own stop (another TERM, then KILL). With
+no verdict in that time it ends as SIGTERM would have. A SIGTERM is never a save request by
+itself: a ``scancel`` must not write a checkpoint.
 """
 
 from __future__ import annotations

@@ -1,0 +1,59 @@
+"""pytest tests/unit/test_layering.py — the training runtime never imports the launcher.
+
+What runs inside a worker (zerorun.zero, zerorun.deepspeed, zerorun.telemetry, zerorun.integrations)
+takes its worker-side pieces from zerorun.worker; zerorun.launch may import the runtime, never the
+other way round, so there is no import cycle between them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import zerorun
+
+PACKAGE = Path(zerorun.__file__).parent
+RUNTIME = ("zero", "deepspeed", "telemetry", "integrations", "worker")
+
+
+def _launch_imports(path: Path) -> list[str]:
+    """Every import of zerorun.launch in a file, also those inside functions (imported lazily)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {name}" for name in names
+                  if name == "zerorun.launch" or name.startswith("zerorun.launch.")]
+    return found
+
+
+def test_no_runtime_module_imports_the_launcher():
+    files = [path for part in RUNTIME for path in sorted((PACKAGE / part).rglob("*.py"))]
+    assert len(files) > 20  # the walk found the packages
+    offenders = [line for path in files for line in _launch_imports(path)]
+    assert offenders == []
+
+
+def test_a_worker_runs_without_loading_the_launcher():
+    """A fresh interpreter that imports the engine and the DeepSpeed surface and joins its (world
+    size 1) group, arming save-on-signal and reading the Slurm step on the way, has loaded no
+    zerorun.launch module."""
+    code = (
+        "import sys, zerorun.zero.engine, zerorun.deepspeed\n"
+        "from zerorun.zero.comm.process_group import resolve_process_group\n"
+        "resolve_process_group()\n"
+        "print(sorted(name for name in sys.modules if name.startswith('zerorun.launch')))\n"
+    )
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "ZERORUN_")) and key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({"ZERORUN_SAVE_ON_SIGNAL": "1", "CUDA_VISIBLE_DEVICES": ""})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
