@@ -4,7 +4,7 @@ Checkpoint save and load against the peer, in one run: the GPT of examples/gpt.p
 "bench": 33.7M parameters), fp32, AdamW after one training step (so Adam's moments exist),
 2 gloo ranks on CPU. In the same world, and on the same disk:
 
-  zerorun   engine.save_checkpoint / a fresh engine's load_checkpoint (zerorun/zero/checkpoint/engine_state.py:
+  zerorun   engine.save_checkpoint / a fresh engine's load_checkpoint (zerorun/zero/checkpoint/save.py, load.py:
             fsynced files, checksums, manifest, atomic commit)
   dcp       torch.distributed.checkpoint.save / load of an FSDP2 model of the same size
             (fully_shard per Block and the root, as scripts/bench_systems.py sets it up), with

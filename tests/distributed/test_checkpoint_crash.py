@@ -1,5 +1,5 @@
 """pytest tests/distributed/test_checkpoint_crash.py — a crash during a save never costs the
-previous checkpoint (zerorun/zero/checkpoint/engine_state.py Note [commit order]).
+previous checkpoint (zerorun/zero/checkpoint/save.py Note [commit order]).
 
 Two gloo ranks save ``global_step2`` at stage 3, train two more steps and start saving
 ``global_step4``; rank 1 SIGKILLs itself in the middle of writing its shard (the spawner then
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 import zerorun
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint import engine_state
+from zerorun.zero.checkpoint import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoint_harness as h
@@ -67,7 +67,7 @@ def test_an_interrupted_replacement_still_loads(tmp_path, monkeypatch):
             raise KeyboardInterrupt("crash")
         real_rename(src, dst)
 
-    monkeypatch.setattr(engine_state.os, "rename", rename_then_crash)
+    monkeypatch.setattr(save.os, "rename", rename_then_crash)
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(tmp_path, tag="best")
     monkeypatch.undo()

@@ -25,7 +25,7 @@ from torch import nn
 
 import zerorun
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint import engine_state, tensor_files
+from zerorun.zero.checkpoint import save, tensor_files
 from zerorun.zero.checkpoint.format import MANIFEST
 
 
@@ -91,7 +91,7 @@ def test_plain_client_state_round_trips(tmp_path):
 def test_a_refused_load_leaves_the_engine_untouched(tmp_path, monkeypatch):
     source = _engine()
     _train(source, 3)
-    monkeypatch.setattr(engine_state, "check_client_state", lambda state: None)  # as an old zerorun saved it
+    monkeypatch.setattr(save, "check_client_state", lambda state: None)  # as an old zerorun saved it
     source.save_checkpoint(tmp_path, client_state={"args": argparse.Namespace(lr=0.1)})
     target = _engine()
     _train(target, 1)

@@ -403,11 +403,11 @@ def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
     """A checkpoint written on GPUs carries CUDA generator states; a CPU worker on a GPU node
     restoring it called is_available()/set_rng_state_all, starting the CUDA driver there. Now
     only a process already using CUDA restores them."""
-    from zerorun.zero.checkpoint import engine_state
+    from zerorun.zero.checkpoint import rng
     from zerorun.zero.checkpoint.reshard import RNG
 
     cpu_state = torch.get_rng_state()
-    saved = {engine_state.whole_key(RNG, "torch"): cpu_state, engine_state.whole_key(RNG, "cuda0"): torch.zeros(8)}
+    saved = {rng.whole_key(RNG, "torch"): cpu_state, rng.whole_key(RNG, "cuda0"): torch.zeros(8)}
 
     class Source:
         def keys(self):
@@ -428,11 +428,11 @@ def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", untouchable)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: restored.append(states))
-    manifest = {"ranks": [{"rng": json.loads(json.dumps(engine_state._python_rng()))}]}
+    manifest = {"ranks": [{"rng": json.loads(json.dumps(rng.python_rng()))}]}
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     torch.rand(3)
-    engine_state._load_rng(Reader(), manifest, 0)
+    rng.load_rng(Reader(), manifest, 0)
     assert restored == [] and torch.equal(torch.get_rng_state(), cpu_state)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a GPU worker: restored
-    engine_state._load_rng(Reader(), manifest, 0)
+    rng.load_rng(Reader(), manifest, 0)
     assert len(restored) == 1 and torch.equal(restored[0][0], torch.zeros(8))

@@ -24,7 +24,9 @@ from torch.utils import _pytree as pytree
 from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import get_recorder
-from zerorun.zero.checkpoint import engine_state
+from zerorun.zero import full_state
+from zerorun.zero.checkpoint import load as checkpoint_load
+from zerorun.zero.checkpoint import save as checkpoint_save
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
 from zerorun.zero.comm import collectives
 from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI
@@ -415,14 +417,14 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state dict (every rank must call this); stage 3 gathers
-        one unit at a time (zero/checkpoint/engine_state.py)."""
-        return engine_state.full_state_dict(self, rank0_only)
+        one unit at a time (zero/full_state.py)."""
+        return full_state.full_state_dict(self, rank0_only)
 
-    # -- checkpoints (zero/checkpoint/engine_state.py) ---------------------------------------------------
+    # -- checkpoints (zero/checkpoint/save.py, load.py) ------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Write a sharded checkpoint to ``save_dir/tag`` (default ``global_step{N}``); every rank."""
         self._check_same_checkpoint_dir(save_dir, tag)
-        return engine_state.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+        return checkpoint_save.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -431,7 +433,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         returns (path, client_state), (None, None) when there is no checkpoint yet.
         ``load_module_strict`` (DeepSpeed's keyword, passed by Trainer) is accepted: a zerorun
         checkpoint of this model holds every parameter, so the load is always strict."""
-        return engine_state.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+        return checkpoint_load.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                           load_lr_scheduler_states=load_lr_scheduler_states,
                                           load_module_only=load_module_only)
 

@@ -1,7 +1,7 @@
 """What an exact resume restores beside the records: the step counters, where the accumulation
 window stands, the loss scaler, the LR scheduler and the param groups' hyper-parameters. The
 engine owns one (``engine.train_state``; its counters read and write it), and a checkpoint
-saves and loads it (zero/checkpoint/engine_state.py)."""
+saves and loads it (zero/checkpoint/save.py, load.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What a checkpoint's ``client_state`` may hold: only what loading can read back.
 
-Used by checkpoint/engine_state.py before a save; tests: tests/unit/test_checkpoint_safety.py.
+Used by checkpoint/save.py before a save; tests: tests/unit/test_checkpoint_safety.py.
 
 Note [client state round trip]: engine.pt is read with ``torch.load(weights_only=True)``, the
 unpickler that cannot run code from a file. It refuses arbitrary objects, so an argparse

@@ -1,8 +1,9 @@
 """The on-disk format of a checkpoint: file names, the model table, finding and reading one.
 
-Shared by zerorun/zero/checkpoint/engine_state.py (save and load into an engine) and zerorun/zero/
-checkpoint/consolidate.py (one full model, no engine); tests: tests/distributed/test_checkpoint*.py. The
-directory layout and the commit order are described in checkpoint/engine_state.py.
+Shared by zerorun/zero/checkpoint/save.py and zerorun/zero/checkpoint/load.py (save and load into
+an engine) and zerorun/zero/checkpoint/consolidate.py (one full model, no engine); tests:
+tests/distributed/test_checkpoint*.py. The directory layout and the commit order are described in
+checkpoint/save.py.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 import torch
 
 from zerorun.errors import CheckpointError
-from zerorun.zero.checkpoint.reshard import FROZEN, MASTER, Piece, bad_tag, index_pieces, whole_key
-from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, TensorFile, read_small, verify
+from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, MASTER, Piece, bad_tag, index_pieces, whole_key
+from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFile, read_small, verify
 
 FORMAT = "zerorun-checkpoint"
 # Version 2 adds the manifest's own checksum and each parameter's optimizer group; version 1
@@ -51,6 +52,12 @@ def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]
     return found
 
 
+def frozen_and_buffers(engine) -> list[tuple[str, torch.Tensor]]:
+    """What rank 0's file holds whole: each frozen parameter and each persistent buffer."""
+    frozen = [(whole_key(FROZEN, n), p) for n, p in engine.module.named_parameters() if not p.requires_grad]
+    return frozen + [(whole_key(BUFFER, n), b) for n, b in persistent_buffers(engine.module)]
+
+
 def model_table(module: torch.nn.Module) -> dict:
     """Parameters (each once, model order), their aliases (tied names) and buffers, as the
     manifest records them."""
@@ -66,6 +73,21 @@ def model_table(module: torch.nn.Module) -> dict:
     buffers = {name: {"shape": list(b.shape), "dtype": DTYPE_NAMES.get(b.dtype, str(b.dtype))}
                for name, b in persistent_buffers(module)}
     return {"parameters": params, "aliases": aliases, "buffers": buffers}
+
+
+# -- scalars as JSON (the manifest's scalar optimizer state) ------------------------------
+def encode_scalar(value):
+    if torch.is_tensor(value):
+        return {"tensor": value.item(), "dtype": DTYPE_NAMES[value.dtype]}
+    json.dumps(value)  # raises TypeError for what JSON cannot hold
+    return {"value": value}
+
+
+def decode_scalar(entry, device: torch.device):
+    if "tensor" in entry:
+        return torch.tensor(entry["tensor"], dtype=DTYPES[entry["dtype"]], device=device)
+    value = entry["value"]
+    return tuple(value) if isinstance(value, list) else value
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """One job at a time per checkpoint directory: an owner lock held while the job lives.
 
-Used by checkpoint/engine_state.py (rank 0, at its first save into a directory); tests:
+Used by checkpoint/save.py (rank 0, at its first save into a directory); tests:
 tests/unit/test_checkpoint_safety.py.
 
 Note [checkpoint owner]: two jobs saving into one directory (the realistic case: a requeued

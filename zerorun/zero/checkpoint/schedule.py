@@ -3,7 +3,7 @@
 Used by zero/engine.py: ``resume_from_config`` in ``initialize`` (``checkpoint.resume``,
 ``zerorun --resume``) and ``save_on_interval`` after every optimizer step
 (``checkpoint.interval_steps``, ``checkpoint.on_signal``). The saving and loading themselves
-are engine_state.py's.
+are checkpoint/save.py's and checkpoint/load.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import sys
 import torch
 
 from zerorun.errors import RuntimeConfigError
-from zerorun.zero.checkpoint.engine_state import load_checkpoint, save_checkpoint
+from zerorun.zero.checkpoint.load import load_checkpoint
+from zerorun.zero.checkpoint.save import save_checkpoint
 from zerorun.zero.comm import collectives
 
 

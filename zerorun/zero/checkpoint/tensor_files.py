@@ -1,6 +1,6 @@
 """Streaming safetensors files, checksums and atomic renames for checkpoints.
 
-Used by zerorun/zero/checkpoint/engine_state.py and zerorun/zero/checkpoint/consolidate.py (tests: tests/distributed/
+Used by zerorun/zero/checkpoint/save.py, zerorun/zero/checkpoint/load.py and zerorun/zero/checkpoint/consolidate.py (tests: tests/distributed/
 test_checkpoint.py); no command of its own.
 
 Note [streaming safetensors]: ``safetensors.torch.save_file`` takes a dict of every tensor and
@@ -15,7 +15,7 @@ the one tensor in hand.
 
 Note [atomic save]: every file is written under a temporary name, fsynced, then renamed into
 place, and its directory fsynced, so after a crash a name either holds the complete file or
-does not exist. checkpoint/engine_state.py builds its commit order on this. The temporary name
+does not exist. checkpoint/save.py builds its commit order on this. The temporary name
 is unique (``NAME.tmp-<pid>-<random>``) and created with O_CREAT|O_EXCL|O_NOFOLLOW: a symlink
 planted at a predictable name (``latest.tmp``) would otherwise make the save write wherever it
 points, with the job's rights, and two jobs writing ``latest`` would share one temporary.
