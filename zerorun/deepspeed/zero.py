@@ -74,8 +74,9 @@ class Init(contextlib.ContextDecorator):
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """A no-op: zerorun's stage-3 hooks already gather a unit for every module that uses it
-    (zero/unit/partition.py ``_add_outside_users``)."""
+    """A no-op: zerorun's stage-3 hooks already gather a unit for every module that holds or
+    reads one of its parameters (zero/param_gather.py, Note [gather follows use]; a read in
+    another module's forward: zero/param_access.py, Note [reads outside forward])."""
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
