@@ -1,0 +1,441 @@
+"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--out docs/zoo.md] — Hugging Face families on zerorun.
+
+Every model family in transformers' auto mappings for causal LM, masked LM, seq-to-seq LM and
+image classification is built from a tiny config on the CPU (``tiny_config``: the family's
+config defaults with the common size fields shrunk) and trained 3 steps on 2 gloo ranks at the
+given ZeRO stage, its per-step losses compared with plain torch on the same global batch (fp32,
+1e-4 relative). PEFT LoRA variants (a frozen base, trainable adapters) run as families of their
+own. All families share one 2-rank world, trained in turn (a world per family would spend most
+of its time starting processes and importing transformers); if a family takes the world down,
+a new world goes on with the next one. The table goes to ``--out`` (docs/zoo.md).
+
+Outcomes: ``passed``; ``failed`` (zerorun raised, or the losses differ: the error's first line);
+``skipped`` (the tiny config does not build, or plain torch cannot train the model on the inputs
+generated here: a family that needs audio, a package we lack, or inputs beyond token ids or
+pixels; the reason is the error's first line). Models run in eval mode: dropout, drop-path,
+layer-drop and batch statistics would otherwise differ between a rank's half batch and the
+whole batch under any data parallelism, which is not what is compared.
+
+tests/integrations/test_model_zoo.py runs a named sample of these by default and the whole zoo
+under ``-m long``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+WORLD = 2
+STEPS = 3
+GLOBAL_BATCH, SEQ = 4, 8
+VOCAB = 128
+IMAGE, CHANNELS, LABELS = 32, 3, 3
+LR = 1e-3
+TOLERANCE = 1e-4  # relative, per step
+
+TASKS = {
+    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+}
+LORA_FAMILIES = ("llama", "opt")  # causal LMs that also run as PEFT LoRA: "llama+lora", "opt+lora"
+LORA_SUFFIX = "+lora"
+
+# Size fields shrunk wherever a config has them; everything else keeps the family's default.
+SIZES = {
+    "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "word_embed_proj_dim": 32,
+    "embedding_size": 32, "projection_dim": 32, "hidden_dim": 64,
+    "intermediate_size": 64, "ffn_dim": 64, "d_ff": 64, "n_inner": 64, "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "num_decoder_layers": 2, "n_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "n_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "d_kv": 8, "rotary_dim": 8,
+    "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
+    "image_size": IMAGE, "patch_size": 8, "num_channels": CHANNELS,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 8, "num_labels": LABELS,
+}
+# Token ids at or past the vocabulary would index outside the shrunk embedding.
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+             "cls_token_id", "mask_token_id", "unk_token_id", "forced_bos_token_id", "forced_eos_token_id")
+
+
+@dataclass(frozen=True)
+class Family:
+    task: str
+    model_type: str
+    class_name: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.model_type}"
+
+
+@dataclass
+class Outcome:
+    family: str
+    stage: int
+    status: str  # passed / failed / skipped
+    detail: str = ""
+    losses: list[float] | None = None
+    reference: list[float] | None = None
+    error_type: str = ""
+    seconds: float = 0.0
+
+
+# -- which families ---------------------------------------------------------------------------
+def all_families() -> list[Family]:
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for task, mapping in TASKS.items():
+        for model_type, class_name in sorted(getattr(modeling_auto, mapping).items()):
+            if isinstance(class_name, (list, tuple)):  # several heads: the first is the plain one
+                class_name = class_name[0]
+            found.append(Family(task, model_type, class_name))
+    found += [Family("causal-lm", t + LORA_SUFFIX, by_name(found, "causal-lm", t).class_name) for t in LORA_FAMILIES]
+    return found
+
+
+def by_name(families: list[Family], task: str, model_type: str) -> Family:
+    return next(f for f in families if f.task == task and f.model_type == model_type)
+
+
+def select(families: list[Family], names: list[str]) -> list[Family]:
+    """``names`` as ``task/model_type`` or a bare ``model_type`` (every task that has it)."""
+    chosen = [f for f in families if f.name in names or f.model_type in names]
+    unknown = [n for n in names if not any(n in (f.name, f.model_type) for f in families)]
+    if unknown:
+        raise SystemExit(f"model_zoo: no family named {', '.join(unknown)} (see the table in docs/zoo.md)")
+    return chosen
+
+
+# -- tiny models ----------------------------------------------------------------------------
+# Shrinking is tried in variants, the first that plain torch can train being used: all of SIZES;
+# then layer counts left at the default (per-layer lists such as ``layer_types`` must match them);
+# then also the per-head sizes left (multi-head latent attention derives its rotary split from them).
+LAYER_KEYS = {"num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
+              "num_decoder_layers", "n_layers", "first_k_dense_replace", "depths", "block_repeats"}
+HEAD_KEYS = {"head_dim", "d_kv", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
+VARIANTS = (set(), LAYER_KEYS, LAYER_KEYS | HEAD_KEYS)
+
+
+def _shrink_values(values: dict, keep: set[str] = frozenset()) -> dict:
+    out = {}
+    for key, value in values.items():
+        if key in keep:
+            continue
+        if key in SIZES and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = min(value, SIZES[key]) if key not in ("num_labels",) else SIZES[key]
+        elif key in TOKEN_IDS and isinstance(value, int) and value >= 8:
+            out[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(key, 3)
+        elif ("dropout" in key or key.endswith("_pdrop") or key in ("drop_path_rate", "layerdrop")) \
+                and isinstance(value, float):
+            out[key] = 0.0
+        elif key in ("depths", "num_layers", "block_repeats") and isinstance(value, list) and \
+                all(isinstance(v, int) for v in value):
+            out[key] = [1] * len(value)
+    return out
+
+
+def tiny_config(model_type: str, variant: int = 0):
+    """The family's config class with its defaults, the common size fields shrunk (``SIZES``,
+    but for those ``VARIANTS[variant]`` keeps), token ids kept inside the vocabulary and every
+    dropout at 0; nested configs (a text and a vision config) shrunk the same way."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type.removesuffix(LORA_SUFFIX)]
+    defaults = cls().to_dict()
+    accepted = set(inspect.signature(cls.__init__).parameters)
+    keep = VARIANTS[variant]
+    overrides = {k: v for k, v in _shrink_values(defaults, keep).items() if k in accepted or k in defaults}
+    for key, value in defaults.items():  # sub-configs come back as dicts: shrink them too
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            overrides[key] = {**value, **_shrink_values(value, keep)}
+    config = cls(**overrides)
+    for attribute in ("use_cache", "output_router_logits"):
+        if hasattr(config, attribute):
+            setattr(config, attribute, False)
+    config.num_labels = LABELS  # classification heads: the labels generated here
+    for attribute in ("pad_token_id", "decoder_start_token_id"):  # seq-to-seq shifts labels right with them
+        if getattr(config, attribute, None) is None:
+            setattr(config, attribute, 0)
+    return config
+
+
+def build_model(family: Family, variant: int = 0):
+    """The family's model class on a tiny config, seeded, in eval mode with dropout off."""
+    import transformers
+
+    config = tiny_config(family.model_type, variant)
+    cls = getattr(transformers, family.class_name)
+    torch.manual_seed(0)
+    model = cls(config) if not hasattr(cls, "_from_config") else cls._from_config(config)
+    if family.model_type.endswith(LORA_SUFFIX):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0))
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    return model.float().eval()
+
+
+def batch(family: Family, config, step: int, rows: slice) -> dict:
+    """Step ``step``'s global batch (the same on every rank), rows ``rows`` of it."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    if family.task == "image-classification":
+        channels = getattr(config, "num_channels", CHANNELS)
+        size = getattr(config, "image_size", IMAGE)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        pixels = torch.randn(GLOBAL_BATCH, channels, size, size, generator=generator)
+        labels = torch.randint(0, LABELS, (GLOBAL_BATCH,), generator=generator)
+        return {"pixel_values": pixels[rows], "labels": labels[rows]}
+    vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", VOCAB)
+    low = min(4, vocab - 1)  # past the special ids the tiny config keeps below 4
+    ids = torch.randint(low, vocab, (GLOBAL_BATCH, SEQ), generator=generator)
+    if family.task == "seq2seq-lm":
+        labels = torch.randint(low, vocab, (GLOBAL_BATCH, SEQ), generator=generator)
+        return {"input_ids": ids[rows], "labels": labels[rows]}
+    return {"input_ids": ids[rows], "labels": ids[rows]}
+
+
+def _loss(output) -> torch.Tensor:
+    return output.loss if hasattr(output, "loss") else output[0]
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:240] if text else ''}"
+
+
+# -- one family in the world ------------------------------------------------------------------
+def reference_losses(family: Family, model) -> list[float]:
+    """Plain torch: the whole global batch per step, AdamW."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    config = model.config
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model(**batch(family, config, step, slice(None))))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def zerorun_losses(family: Family, model, stage: int, rank: int) -> list[float]:
+    """zerorun at ``stage`` on this world: each rank a half of the global batch; the logged
+    loss is the mean over ranks, which is the global batch's mean (equal rows and tokens)."""
+    import torch.distributed as dist
+
+    import zerorun
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    engine = zerorun.initialize(model, optimizer, {"zero": {"stage": stage, "param_persistence_threshold": 0}})
+    config = model.config
+    per_rank = GLOBAL_BATCH // WORLD
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(engine(**batch(family, config, step, rows)))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    mean = torch.tensor(losses)
+    dist.all_reduce(mean)
+    return (mean / WORLD).tolist()
+
+
+def _plain_torch(family: Family) -> tuple[str, object]:
+    """On one rank: the first shrink variant that builds and that plain torch trains, with its
+    losses; else why not (the first variant's reason)."""
+    reasons = []
+    for variant in range(len(VARIANTS)):
+        try:
+            model = build_model(family, variant)
+        except Exception as error:  # any family may fail to build in its own way
+            reasons.append(f"tiny config does not build: {first_line(error)}")
+            continue
+        try:
+            reference = reference_losses(family, model)
+        except Exception as error:
+            reasons.append(f"plain torch cannot train it on generated inputs: {first_line(error)}")
+            continue
+        if all(math.isfinite(v) for v in reference):
+            return "ok", (variant, reference)
+        reasons.append(f"plain torch's losses are not finite: {reference}")
+    return "skip", reasons[0]
+
+
+def run_family(family: Family, stage: int, rank: int) -> Outcome:
+    """Rank 0 finds the tiny model plain torch trains and its losses, and tells the other rank;
+    then both build that model and train it with zerorun."""
+    import torch.distributed as dist
+
+    started = time.perf_counter()
+    outcome = Outcome(family.name, stage, "skipped")
+    status: list = [_plain_torch(family) if rank == 0 else None]
+    dist.broadcast_object_list(status, src=0)
+    kind, value = status[0]
+    if kind == "skip":
+        outcome.detail = value
+    else:
+        variant, outcome.reference = value
+        try:
+            outcome.losses = zerorun_losses(family, build_model(family, variant), stage, rank)
+        except Exception as error:
+            outcome.status, outcome.error_type, outcome.detail = "failed", type(error).__name__, first_line(error)
+        else:
+            worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(outcome.losses, outcome.reference, strict=True))
+            if worst <= TOLERANCE:
+                outcome.status, outcome.detail = "passed", f"max relative difference {worst:.1e}"
+            else:
+                outcome.status, outcome.error_type = "failed", "LossMismatch"
+                outcome.detail = f"losses differ from plain torch's by up to {worst:.1e} relative"
+        if variant:
+            outcome.detail += f" (shrink variant {variant})"
+    outcome.seconds = round(time.perf_counter() - started, 2)
+    return outcome
+
+
+def _worker(rank: int, out_dir: str, jobs: list[tuple[Family, int]]) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{len(jobs)}-{jobs[0][0].name.replace('/', '_')}",
+                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=600))
+    from zerorun.zero.comm.process_group import leaving_together
+
+    with leaving_together(), open(Path(out_dir) / f"rank{rank}.jsonl", "a") as log:
+        for family, stage in jobs:
+            log.write(json.dumps({"start": family.name, "stage": stage}) + "\n")
+            log.flush()
+            outcome = run_family(family, stage, rank)
+            log.write(json.dumps(asdict(outcome)) + "\n")
+            log.flush()
+
+
+def run_zoo(jobs: list[tuple[Family, int]], out_dir: Path) -> list[Outcome]:
+    """Run ``jobs`` in 2-rank worlds, a new world after any family that ends one."""
+    import torch.multiprocessing as mp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    done: list[Outcome] = []
+    remaining = list(jobs)
+    while remaining:
+        for rank in range(WORLD):
+            (out_dir / f"rank{rank}.jsonl").unlink(missing_ok=True)
+        crash = None
+        try:
+            mp.start_processes(_worker, args=(str(out_dir), remaining), nprocs=WORLD, start_method="spawn", join=True)
+        except Exception as error:  # a rank died: what it finished is in its log
+            crash = first_line(error)
+        records = [json.loads(line) for line in (out_dir / "rank0.jsonl").read_text().splitlines()] \
+            if (out_dir / "rank0.jsonl").exists() else []
+        finished = [Outcome(**r) for r in records if "status" in r]
+        done += finished
+        remaining = remaining[len(finished):]
+        if crash is not None and remaining:
+            family, stage = remaining.pop(0)
+            done.append(Outcome(family.name, stage, "failed", f"the world ended while it ran: {crash}",
+                                error_type="WorldCrash"))
+    return done
+
+
+# -- the table -----------------------------------------------------------------------------
+def summary(outcomes: list[Outcome]) -> dict[str, int]:
+    counts = {"tried": len(outcomes)}
+    for status in ("passed", "failed", "skipped"):
+        counts[status] = sum(o.status == status for o in outcomes)
+    counts["built"] = counts["passed"] + counts["failed"]
+    return counts
+
+
+def write_table(outcomes: list[Outcome], path: Path, command: str) -> None:
+    import transformers
+
+    by_stage: dict[int, list[Outcome]] = {}
+    for outcome in outcomes:
+        by_stage.setdefault(outcome.stage, []).append(outcome)
+    lines = [
+        "# Model zoo: Hugging Face families on zerorun",
+        "",
+        f"Generated by `{command}` (scripts/model_zoo.py; transformers {transformers.__version__}, "
+        f"torch {torch.__version__}). Each family of transformers' causal-LM, masked-LM, seq-to-seq-LM "
+        "and image-classification auto mappings is built from a tiny config on the CPU and trained "
+        f"{STEPS} steps with AdamW on {WORLD} gloo ranks, each rank half of a global batch of {GLOBAL_BATCH}; "
+        f"its per-step losses are compared with plain torch on the whole batch (fp32, {TOLERANCE:g} relative). "
+        "`+lora` rows are PEFT LoRA (r=4 on q_proj and v_proj) over a frozen base. Skipped: the tiny "
+        "config does not build, or plain torch itself cannot train the model on token ids or pixels "
+        "(audio, extra inputs, missing packages); the reason is the error's first line. "
+        "Models run in eval mode (no dropout, drop-path or batch statistics, which differ between a "
+        "rank's half batch and the whole batch under any data parallelism).",
+        "",
+    ]
+    for stage, group in sorted(by_stage.items()):
+        counts = summary(group)
+        share = counts["passed"] / counts["built"] if counts["built"] else 0.0
+        lines += [f"## Stage {stage}", "",
+                  f"{counts['tried']} families tried, {counts['built']} built and trainable by plain torch, "
+                  f"**{counts['passed']} passed** ({share:.1%} of those), {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped.", "",
+                  "| family | result | detail |", "|---|---|---|"]
+        order = {"failed": 0, "passed": 1, "skipped": 2}
+        for o in sorted(group, key=lambda o: (order[o.status], o.family)):
+            detail = o.detail.replace("|", "\\|")
+            lines.append(f"| {o.family} | {o.status} | {detail} |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", type=int, action="append", help="ZeRO stage(s) to run (default 3)")
+    parser.add_argument("--only", default="", help="comma-separated families (task/model_type or model_type)")
+    parser.add_argument("--out", type=Path, default=Path("docs/zoo.md"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/zerorun-model-zoo"))
+    args = parser.parse_args(argv)
+    families = all_families()
+    if args.only:
+        families = select(families, [n.strip() for n in args.only.split(",") if n.strip()])
+    stages = args.stage or [3]
+    if any(s not in (0, 1, 2, 3) for s in stages):
+        parser.error("--stage must be 0, 1, 2 or 3")
+    jobs = [(family, stage) for stage in stages for family in families]
+    started = time.perf_counter()
+    outcomes = run_zoo(jobs, args.work / str(os.getpid()))
+    command = "python scripts/model_zoo.py" + "".join(f" --stage {s}" for s in args.stage or []) + \
+        (f" --only {args.only}" if args.only else "")
+    write_table(outcomes, args.out, command)
+    for stage in stages:
+        counts = summary([o for o in outcomes if o.stage == stage])
+        print(f"stage {stage}: {counts}")
+    print(f"{args.out}: {len(outcomes)} rows in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
