@@ -1,10 +1,10 @@
 """pytest tests/integrations/test_zero_init_pretrained.py — from_pretrained under ZeRO-3 on zerorun.
 
 A tiny Llama and a tiny OPT are saved with ``save_pretrained`` from a config (nothing is
-downloaded). On 2 gloo ranks transformers' own ZeRO-3 path loads them (``from_pretrained`` with
-``is_deepspeed_zero3_enabled()`` true: the model built under ``zerorun.deepspeed.zero.Init``,
-loaded module by module under ``GatheredParameters``; tests/integrations/hf_zero3.py says how
-the path is switched on), and ``zerorun.deepspeed.initialize`` trains it at stage 3. What must
+downloaded). On 2 gloo ranks, each set up as ``zerorun --as-deepspeed`` sets up a worker, with
+transformers' own ``HfDeepSpeedConfig`` registered (tests/integrations/hf_zero3.py),
+``from_pretrained`` takes its ZeRO-3 path: the model built under ``deepspeed.zero.Init``, loaded
+module by module under ``GatheredParameters``; ``deepspeed.initialize`` trains it at stage 3. What must
 hold: the buffers a constructor computes (Llama's rotary ``inv_freq``) are real after
 construction, the loaded weights equal the saved ones exactly, and the per-step losses equal
 plain torch's on the same global batch (fp32, 1e-4 relative).
