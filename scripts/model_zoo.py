@@ -58,7 +58,7 @@ LORA_SUFFIX = "+lora"
 # Size fields shrunk wherever a config has them; everything else keeps the family's default.
 SIZES = {
     "hidden_size": 32, "d_model": 32, "n_embd": 32, "dim": 32, "embed_dim": 32, "word_embed_proj_dim": 32,
-    "embedding_size": 32, "projection_dim": 32, "hidden_dim": 64,
+    "embedding_size": 32, "projection_dim": 32, "hidden_dim": 64, "emb_dim": 32, "n_words": VOCAB,
     "intermediate_size": 64, "ffn_dim": 64, "d_ff": 64, "n_inner": 64, "encoder_ffn_dim": 64,
     "decoder_ffn_dim": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
@@ -98,6 +98,7 @@ class Outcome:
     error_type: str = ""
     seconds: float = 0.0
     rss_mib: int = 0  # this rank's resident memory after the family: a leak shows as growth
+    trainable: tuple[int, int] = (0, 0)  # parameters (elements) that train, of all
 
 
 # -- which families ---------------------------------------------------------------------------
@@ -319,7 +320,10 @@ def run_family(family: Family, stage: int, rank: int) -> Outcome:
     else:
         variant, outcome.reference = value
         try:
-            outcome.losses = zerorun_losses(family, build_model(family, variant), stage, rank)
+            model = build_model(family, variant)
+            outcome.trainable = (sum(p.numel() for p in model.parameters() if p.requires_grad),
+                                 sum(p.numel() for p in model.parameters()))
+            outcome.losses = zerorun_losses(family, model, stage, rank)
         except Exception as error:
             outcome.status, outcome.error_type, outcome.detail = "failed", type(error).__name__, first_line(error)
         else:
@@ -331,6 +335,8 @@ def run_family(family: Family, stage: int, rank: int) -> Outcome:
                 outcome.detail = f"losses differ from plain torch's by up to {worst:.1e} relative"
         if variant:
             outcome.detail += f" (shrink variant {variant})"
+        if family.model_type.endswith(LORA_SUFFIX):
+            outcome.detail += f" (LoRA: {outcome.trainable[0]:,} of {outcome.trainable[1]:,} parameters train)"
     outcome.seconds = round(time.perf_counter() - started, 2)
     return outcome
 
@@ -384,7 +390,7 @@ def run_zoo(jobs: list[tuple[Family, int]], out_dir: Path) -> list[Outcome]:
             crash = first_line(error)
         records = [json.loads(line) for line in (out_dir / "rank0.jsonl").read_text().splitlines()] \
             if (out_dir / "rank0.jsonl").exists() else []
-        finished = [Outcome(**r) for r in records if "status" in r]
+        finished = [Outcome(**{**r, "trainable": tuple(r["trainable"])}) for r in records if "status" in r]
         done += finished
         remaining = remaining[len(finished):]
         if crash is not None and remaining:
@@ -468,5 +474,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # zerorun from this checkout, unless PYTHONPATH says
     sys.exit(main())
