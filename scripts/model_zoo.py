@@ -181,14 +181,30 @@ def tiny_config(model_type: str, variant: int = 0):
     return config
 
 
+class TooBig(Exception):
+    def __init__(self, count: int):
+        super().__init__(f"the tiny config still has {count / 1e6:.0f}M parameters (its size fields are not the "
+                         f"common ones; more than {MAX_PARAMS / 1e6:.0f}M are not trained here)")
+
+
 def build_model(family: Family, variant: int = 0):
     """The family's model class on a tiny config, seeded, in eval mode with dropout off."""
     import transformers
 
     config = tiny_config(family.model_type, variant)
     cls = getattr(transformers, family.class_name)
+    try:  # counted on the meta device first: building a model too big to train here takes minutes
+        with torch.device("meta"):
+            count = sum(p.numel() for p in cls._from_config(config).parameters())
+    except Exception:  # a model that cannot be built on meta is counted once built below
+        count = 0
+    if count > MAX_PARAMS:
+        raise TooBig(count)
     torch.manual_seed(0)
-    model = cls(config) if not hasattr(cls, "_from_config") else cls._from_config(config)
+    model = cls._from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    if count > MAX_PARAMS:
+        raise TooBig(count)
     if family.model_type.endswith(LORA_SUFFIX):
         from peft import LoraConfig, get_peft_model
 
@@ -286,13 +302,11 @@ def _plain_torch(family: Family) -> tuple[str, object]:
     for variant in range(len(VARIANTS)):
         try:
             model = build_model(family, variant)
+        except TooBig as error:
+            reasons.append(str(error))
+            continue
         except Exception as error:  # any family may fail to build in its own way
             reasons.append(f"tiny config does not build: {first_line(error)}")
-            continue
-        count = sum(p.numel() for p in model.parameters())
-        if count > MAX_PARAMS:
-            reasons.append(f"the tiny config still has {count / 1e6:.0f}M parameters (its size fields are not "
-                           f"the common ones; more than {MAX_PARAMS / 1e6:.0f}M are not trained here)")
             continue
         try:
             reference = reference_losses(family, model)
