@@ -1,4 +1,4 @@
-"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--out docs/zoo.md] — Hugging Face families on zerorun.
+"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--worlds 1] [--out docs/zoo.md] — Hugging Face families on zerorun.
 
 Every model family in transformers' auto mappings for causal LM, masked LM, seq-to-seq LM and
 image classification is built from a tiny config on the CPU (``tiny_config``: the family's
@@ -362,6 +362,12 @@ def _resident_mib() -> int:
         return 0
 
 
+def _world_tag(jobs: list[tuple[Family, int]]) -> str:
+    """Names one world's files: each world starts at a different job, and a crashed world's
+    log must survive the next one (the families it finished are read from it)."""
+    return f"{len(jobs)}-{jobs[0][0].name.replace('/', '_')}"
+
+
 def _worker(rank: int, out_dir: str, jobs: list[tuple[Family, int]]) -> None:
     import warnings
 
@@ -372,11 +378,11 @@ def _worker(rank: int, out_dir: str, jobs: list[tuple[Family, int]]) -> None:
     warnings.filterwarnings("ignore")
     from datetime import timedelta
 
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{len(jobs)}-{jobs[0][0].name.replace('/', '_')}",
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{_world_tag(jobs)}",
                             rank=rank, world_size=WORLD, timeout=timedelta(seconds=600))
     from zerorun.zero.comm.process_group import leaving_together
 
-    with leaving_together(), open(Path(out_dir) / f"rank{rank}.jsonl", "a") as log:
+    with leaving_together(), open(Path(out_dir) / f"rank{rank}-{_world_tag(jobs)}.jsonl", "a") as log:
         for family, stage in jobs:
             log.write(json.dumps({"start": family.name, "stage": stage}) + "\n")
             log.flush()
@@ -395,15 +401,14 @@ def run_zoo(jobs: list[tuple[Family, int]], out_dir: Path) -> list[Outcome]:
     done: list[Outcome] = []
     remaining = list(jobs)
     while remaining:
-        for rank in range(WORLD):
-            (out_dir / f"rank{rank}.jsonl").unlink(missing_ok=True)
+        log = out_dir / f"rank0-{_world_tag(remaining)}.jsonl"
+        log.unlink(missing_ok=True)
         crash = None
         try:
             mp.start_processes(_worker, args=(str(out_dir), remaining), nprocs=WORLD, start_method="spawn", join=True)
         except Exception as error:  # a rank died: what it finished is in its log
             crash = first_line(error)
-        records = [json.loads(line) for line in (out_dir / "rank0.jsonl").read_text().splitlines()] \
-            if (out_dir / "rank0.jsonl").exists() else []
+        records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         finished = [Outcome(**{**r, "trainable": tuple(r["trainable"])}) for r in records if "status" in r]
         done += finished
         remaining = remaining[len(finished):]
@@ -412,6 +417,19 @@ def run_zoo(jobs: list[tuple[Family, int]], out_dir: Path) -> list[Outcome]:
             done.append(Outcome(family.name, stage, "failed", f"the world ended while it ran: {crash}",
                                 error_type="WorldCrash"))
     return done
+
+
+def run_zoo_parallel(jobs: list[tuple[Family, int]], out_dir: Path, worlds: int) -> list[Outcome]:
+    """``jobs`` dealt over ``worlds`` 2-rank worlds that run at once (a family's outcome does not
+    depend on its world: each is built, seeded and trained on its own), in the jobs' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if worlds <= 1:
+        return run_zoo(jobs, out_dir)
+    with ThreadPoolExecutor(worlds) as pool:
+        parts = list(pool.map(lambda i: run_zoo(jobs[i::worlds], out_dir / f"world{i}"), range(worlds)))
+    place = {(family.name, stage): n for n, (family, stage) in enumerate(jobs)}
+    return sorted((o for part in parts for o in part), key=lambda o: place[(o.family, o.stage)])
 
 
 # -- the table -----------------------------------------------------------------------------
@@ -467,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated families (task/model_type or model_type)")
     parser.add_argument("--out", type=Path, default=Path("docs/zoo.md"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/zerorun-model-zoo"))
+    parser.add_argument("--worlds", type=int, default=1, help="2-rank worlds run at once, the families dealt over them")
     args = parser.parse_args(argv)
     families = all_families()
     if args.only:
@@ -476,9 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stage must be 0, 1, 2 or 3")
     jobs = [(family, stage) for stage in stages for family in families]
     started = time.perf_counter()
-    outcomes = run_zoo(jobs, args.work / str(os.getpid()))
+    if args.worlds < 1:
+        parser.error("--worlds must be at least 1")
+    outcomes = run_zoo_parallel(jobs, args.work / str(os.getpid()), args.worlds)
     command = "python scripts/model_zoo.py" + "".join(f" --stage {s}" for s in args.stage or []) + \
-        (f" --only {args.only}" if args.only else "")
+        (f" --only {args.only}" if args.only else "") + (f" --worlds {args.worlds}" if args.worlds > 1 else "")
     write_table(outcomes, args.out, command)
     for stage in stages:
         counts = summary([o for o in outcomes if o.stage == stage])
