@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -147,3 +148,15 @@ def kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def channel_files() -> set[str]:
+    """The host channel's names in /dev/shm now (comm/shm_names.py), of any job."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("zerorun-outbox-", "zerorun-inbox-"))}
+
+
+def channel_files_of(names: set[str], pids: list[int]) -> list[str]:
+    """Names that belong to ``pids`` (or carry no pid at all: the older naming). Other jobs may
+    run beside a test, so a test counts only its own workers' names."""
+    theirs = re.compile(r"zerorun-(?:outbox|inbox)-(?:p(?:{})-.*|(?!p[0-9]+-).*)".format("|".join(map(str, pids))))
+    return sorted(name for name in names if theirs.fullmatch(name))

@@ -11,12 +11,11 @@ the agent (or its guardian) removes what a killed worker's pid names (Note [shm 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
 import pytest
-from launch_helpers import assert_no_job_processes, run_cli, start_cli, wait_for_files
+from launch_helpers import assert_no_job_processes, channel_files, channel_files_of, run_cli, start_cli, wait_for_files
 
 pytestmark = pytest.mark.slow
 
@@ -41,21 +40,11 @@ engine.step()
 '''
 
 
-def _channel_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(("zerorun-outbox-", "zerorun-inbox-"))}
-
-
-def _files_of(names: set[str], pids: list[int]) -> list[str]:
-    """Names that belong to ``pids`` (or carry no pid at all: the older naming)."""
-    theirs = re.compile(r"zerorun-(?:outbox|inbox)-(?:p(?:{})-.*|(?!p[0-9]+-).*)".format("|".join(map(str, pids))))
-    return sorted(name for name in names if theirs.fullmatch(name))
-
-
 @pytest.mark.parametrize("ending", ["raise", "kill_rank", pytest.param("kill_launcher", marks=pytest.mark.long)])
 def test_dev_shm_holds_nothing_of_a_job_after_it_ends(tmp_path, ending):
     (tmp_path / "job.py").write_text(SCRIPT)
     run_dir = tmp_path / "run"
-    before = _channel_files()
+    before = channel_files()
     args = ["--nproc", "2", "--no-dashboard", "--hang-timeout", "300", "--run-dir", str(run_dir), "job.py", ending]
     if ending == "kill_launcher":
         launcher = start_cli(args, tmp_path)
@@ -75,4 +64,4 @@ def test_dev_shm_holds_nothing_of_a_job_after_it_ends(tmp_path, ending):
         assert "rank 1" in last, last
     pids = [int((run_dir / f"pid{rank}").read_text()) for rank in (0, 1)]
     assert_no_job_processes(run_dir, pids, within_s=120)
-    assert _files_of(_channel_files() - before, pids) == []
+    assert channel_files_of(channel_files() - before, pids) == []
