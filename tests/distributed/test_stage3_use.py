@@ -17,6 +17,8 @@ of ``OPTModel``, whose forward never runs); ``small`` buckets plan several units
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -140,10 +142,10 @@ def stage3_losses(family: str, buckets: dict, rank: int) -> tuple[list[float], d
         mean = loss.detach().clone()  # every rank holds as many tokens: the mean of means is the batch's
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
-    return losses, read_between_steps(engine.module)
+    return losses, read_between_steps(engine.module, family)
 
 
-def read_between_steps(model: torch.nn.Module) -> dict:
+def read_between_steps(model: torch.nn.Module, family: str) -> dict:
     """Outside any forward: metadata reads work, a value read is refused in one line."""
     from zerorun.errors import UsageError
 
@@ -154,7 +156,32 @@ def read_between_steps(model: torch.nn.Module) -> dict:
         found["refusal"] = None
     except UsageError as err:
         found["refusal"] = str(err)
+    found["index_refused"] = _refused(lambda: param[0])
+    # state_dict() is DeepSpeed's: zero-element placeholders, said once; loading them fails.
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        state = model.state_dict()
+        model.state_dict()
+    # Buffers and frozen parameters (LoRA's base) belong to no unit in zerorun: they stay whole.
+    params = {k for k, p in model.named_parameters() if p.requires_grad}
+    found["state_dict_numels"] = sorted({t.numel() for k, t in state.items() if k in params})
+    found["state_dict_note"] = said.getvalue()
+    try:
+        build_model(family).load_state_dict(state)
+        found["load"] = "loaded"
+    except RuntimeError as err:
+        found["load"] = str(err).splitlines()[0]
     return found
+
+
+def _refused(read) -> bool:
+    from zerorun.errors import UsageError
+
+    try:
+        read()
+    except UsageError:
+        return True
+    return False
 
 
 def worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -230,3 +257,20 @@ def test_a_value_read_between_steps_is_refused_in_one_line(results, case):
         assert f"parameter {read['name']!r} is partitioned by ZeRO stage 3" in refusal
         module = read["name"].rsplit(".", 1)[0]
         assert f"call {module!r}'s forward" in refusal
+        assert read["index_refused"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_state_dict_between_steps_holds_deepspeeds_placeholders(results):
+    # DeepSpeed's state_dict() of a stage-3 model holds zero-element tensors; DeepSpeed-Chat
+    # saves one and overwrites it with gathered weights (docs/runtime.md, "How stage 3 gathers
+    # a unit"). They must not pass for weights: loading them fails, and a note says so, once in
+    # a process (the cases run one after another in each rank's process).
+    for rank in range(WORLD):
+        reads = [results[rank][case]["read"] for case in DEFAULT_RUN]
+        for read in reads:
+            assert read["state_dict_numels"] == [0], read
+            assert read["load"].startswith("Error(s) in loading state_dict"), read["load"]
+        notes = "".join(read["state_dict_note"] for read in reads)
+        assert notes.count("\n") == 1 and "zero-element placeholders" in notes and "full_state_dict()" in notes

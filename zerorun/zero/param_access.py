@@ -9,8 +9,7 @@ parameter can still be read some other way: a parent's forward computing with a 
 between steps. While its unit is not gathered, a partitioned parameter's class is
 ``ShardedParameter``, whose ``__torch_function__`` sees every torch operation on it:
 - reading metadata (shape, dtype, device, ``.grad``, ``.data``, views) passes through: it needs
-  no values, and code reads ``self.lm_head.weight.dtype`` everywhere (``detach`` is a read: a
-  ``state_dict()`` of empty tensors would save nothing without a word);
+  no values, and code reads ``self.lm_head.weight.dtype`` everywhere;
 - any other operation during a forward of the model (or an activation-checkpoint
   recomputation) gathers the unit first and holds it to the end of that step's backward; the
   gatherer notes the use, and from the next forward the module call that enclosed it gathers
@@ -19,7 +18,13 @@ between steps. While its unit is not gathered, a partitioned parameter's class i
   module to call (a gather there would be a collective that the other ranks may never join; and
   running it on the empty storage is no option: a reduction reads a null pointer and crashes);
   only a move that stays in place (``.to()`` the device and dtype it has, so
-  ``model.to(device)`` after initialize) still runs.
+  ``model.to(device)`` after initialize) still runs, and ``detach()`` gives what DeepSpeed's
+  partitioned parameter gives, a zero-element placeholder. That is ``Module.state_dict()``:
+  DeepSpeed-Chat's ``save_hf_format`` saves one on rank 0 and then overwrites the file with
+  gathered weights. Refusing it stopped such programs at a line that is harmless under DeepSpeed;
+  a placeholder of the full shape would be worse (its storage is empty: reading it crashes).
+  Zero elements cannot pass for weights: ``load_state_dict`` of them fails on every shape, and
+  the first one in a process prints a note naming the saves that gather.
 Once its unit is gathered a parameter is an ``nn.Parameter`` again, so the common path (every
 read inside a gathering module's forward) costs nothing. A subclass of ``nn.Parameter`` (a
 user's own) is left as it is, unguarded.
@@ -27,6 +32,7 @@ user's own) is left as it is, unguarded.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -73,6 +79,8 @@ class ShardedParameter(nn.Parameter):
             # so nothing but a move that stays in place runs.
             if name in MOVES and _stays(name, args, kwargs):
                 return args[0]
+            if name == "detach" and len(args) == 1 and not kwargs:
+                return placeholder(args[0])
             raise refusal
 
     # Pickling and deep-copying read the values without a torch function that says so (``.data``
@@ -89,6 +97,21 @@ class ShardedParameter(nn.Parameter):
         refusal = _READERS[id(self)](self)
         if refusal is not None:
             raise refusal
+
+
+_PLACEHOLDER_NOTED = False
+
+
+def placeholder(param: nn.Parameter) -> torch.Tensor:
+    """What ``param.detach()`` gives outside a forward (``Module.state_dict()``): DeepSpeed's
+    zero-element placeholder, noted once per process (Note [reads outside forward])."""
+    global _PLACEHOLDER_NOTED
+    if not _PLACEHOLDER_NOTED:
+        _PLACEHOLDER_NOTED = True
+        print("zerorun: note: state_dict() of a ZeRO stage-3 model holds zero-element placeholders, as under "
+              "DeepSpeed, not weights: save with engine.full_state_dict(), "
+              "zero_gather_16bit_weights_on_model_save() or inside GatheredParameters", file=sys.stderr, flush=True)
+    return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _stays(name: str, args, kwargs) -> bool:
