@@ -11,7 +11,8 @@ the same files). DeepSpeed's side runs in its own virtual environment (never the
 
 torchrun starts DeepSpeed's ranks through a two-line wrapper that appends ``--local_rank=N`` as
 DeepSpeed's launcher does (DeepSpeed-Chat joins the process group only when it gets one).
-``--record`` writes DeepSpeed's rank-0 losses to tests/data/deepspeed_chat/ds_losses.json, which
+``--record`` writes DeepSpeed's rank-0 losses and a per-tensor summary of each saved model
+(``saved_summary``) to tests/data/deepspeed_chat/ds_losses.json, which
 tests/e2e/test_deepspeed_chat.py compares zerorun's against without DeepSpeed installed.
 """
 
@@ -56,6 +57,15 @@ def step_args(step: str, stage: int, extra: list[str], fixture: Path, out: Path)
             "--data_output_path", str(out / "cache"), "--print_loss", "--deepspeed", *extra]
 
 
+def saved_summary(out: Path) -> dict[str, list[float]]:
+    """Per tensor of the saved ``pytorch_model.bin``: [sum, L2 norm] in float64. The saved model
+    compared without keeping DeepSpeed's weights in the repository."""
+    import torch
+
+    saved = torch.load(out / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    return {key: [float(t.double().sum()), float(t.double().norm())] for key, t in sorted(saved.items())}
+
+
 def build_fixture(where: Path) -> Path:
     subprocess.run([sys.executable, str(DATA / "fixture.py"), str(where)], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -85,7 +95,8 @@ def run_zerorun(name: str, fixture: Path, workdir: Path, timeout_s: float = 600)
     return losses(output), output
 
 
-def run_deepspeed(name: str, fixture: Path, workdir: Path, ds_python: str, timeout_s: float = 900) -> list[float]:
+def run_deepspeed(name: str, fixture: Path, workdir: Path, ds_python: str,
+                  timeout_s: float = 900) -> tuple[list[float], dict[str, list[float]]]:
     step, stage, extra = RUNS[name]
     out = workdir / f"deepspeed-{name}"
     wrapper = workdir / "with_local_rank.py"
@@ -98,7 +109,7 @@ def run_deepspeed(name: str, fixture: Path, workdir: Path, ds_python: str, timeo
     done = subprocess.run(command, cwd=workdir, env=_env([]), capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"DeepSpeed {name} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}")
-    return losses(done.stdout + done.stderr)
+    return losses(done.stdout + done.stderr), saved_summary(out)
 
 
 def main() -> int:
@@ -115,20 +126,21 @@ def main() -> int:
         print(f"error: DeepSpeed does not import with {args.ds_python} (see this file's docstring)", file=sys.stderr)
         return 2
     ds_version, torch_version, transformers_version = version.stdout.split()[-3:]
-    recorded = json.loads(RECORD.read_text())["losses"] if RECORD.exists() else {}
+    previous = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    recorded, saved = previous.get("losses", {}), previous.get("saved", {})
     with tempfile.TemporaryDirectory(prefix="dschat-parity-") as scratch:
         workdir = Path(scratch)
         fixture = build_fixture(workdir / "fixture")
         for name in args.runs:
             try:
-                theirs = run_deepspeed(name, fixture, workdir, args.ds_python)
+                theirs, saved[name] = run_deepspeed(name, fixture, workdir, args.ds_python)
             except RuntimeError as err:
                 print(f"{name}: DeepSpeed failed: {str(err)[-600:]}")
                 continue
             recorded[name] = theirs
             print(f"{name}: DeepSpeed {len(theirs)} losses {theirs[:3]} ... {theirs[-2:]}", flush=True)
             if args.record:  # after each run: a later failure keeps what was measured
-                write_record(recorded, ds_version, torch_version, transformers_version)
+                write_record(recorded, saved, ds_version, torch_version, transformers_version)
             if args.no_zerorun:
                 continue
             try:
@@ -144,12 +156,15 @@ def main() -> int:
     return 0
 
 
-def write_record(recorded: dict, ds_version: str, torch_version: str, transformers_version: str) -> None:
+def write_record(recorded: dict, saved: dict, ds_version: str, torch_version: str, transformers_version: str) -> None:
     RECORD.write_text(json.dumps({
         "deepspeed": ds_version, "torch": torch_version, "transformers": transformers_version, "world_size": 2,
         "note": "rank 0's printed loss per micro-step (--print_loss) of DeepSpeed-Chat's unchanged step "
                 "under DeepSpeed on the CPU, bf16, fixture.py's tiny OPT and data",
-        "losses": recorded}, indent=1) + "\n")
+        "losses": recorded,
+        "saved_note": "per tensor of the saved pytorch_model.bin (save_hf_format, then save_zero_three_model at "
+                      "stage 3), rank 0: [sum, L2 norm] in float64",
+        "saved": saved}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ what DeepSpeed-Chat uses: ``get_accelerator`` from the top level, ``ZeroParamSta
 ``offload_param`` written at stage 2 by ``--offload``, and (DPO) a reference model given to
 ``initialize`` without an optimizer. On fixture.py's tiny OPT, bf16, 2 CPU ranks:
 
-- step 1 at stage 2, with and without ``--offload`` (accumulation 2), step 2 at stages 0 and 2,
-  run to the end and save a model that ``from_pretrained`` loads;
+- step 1 at stages 2 (with and without ``--offload``) and 3 (accumulation 2), step 2 at stages
+  0, 2 and 3, run to the end and save a model that ``from_pretrained`` loads;
 - SFT learns: the eval perplexity after the epoch is below the one before;
 - DPO at stage 2 gives the same per-step losses as at stage 0 (DDP-like), within 2e-2 relative
   per step and 5e-3 on average: the DPO losses are bf16 values near 0.69 (one bf16 step there is
@@ -27,6 +27,23 @@ what DeepSpeed-Chat uses: ``get_accelerator`` from the top level, ``ZeroParamSta
   * SFT: DeepSpeed's stage-2 runs with and without --offload agree exactly, which gives no scale;
     1e-3 relative per step is allowed, a quarter of one bf16 rounding step of a weight (2^-8).
     Observed: 5.6e-5 with and without offload.
+  * Stage 3: DeepSpeed's stage-3 runs give exactly its stage-2 losses, so the stage-3 runs get the
+    same tolerances. Observed: SFT 5.6e-5, DPO 1.2e-2 largest (as at stage 2).
+
+- the saved model (pytorch_model.bin; at stage 3 save_hf_format's state_dict() holds DeepSpeed's
+  zero-element placeholders, said in one note, and save_zero_three_model overwrites it with the
+  gathered weights):
+  * at stage 3 it equals the stage-2 save (the module's own state_dict, the trained weights) to
+    one bf16 rounding step per element, holds the tied head once as DeepSpeed's does, and no
+    tensor is the initial one. Observed: SFT 2 elements of 45k one step apart, DPO identical.
+  * per tensor, its L2 norm matches DeepSpeed's saved model's (ds_losses.json "saved", the
+    tensors' [sum, norm]; the weights are not kept in the repository). k_proj's bias is left
+    out: softmax ignores it, its exact gradient is zero and Adam turns rounding noise into
+    full-size steps. SFT: DeepSpeed's saves agree exactly across stages and offload (no scale),
+    one bf16 rounding step (2^-7) is allowed per tensor and on average; observed 2.9e-3 largest,
+    4.5e-4 mean. DPO: DeepSpeed's own stage-0 and stage-2 saves differ by up to 1.8e-1 (a small
+    bias; mean 5.7e-2), twice that is allowed as for the losses; observed 2.3e-1 largest / 6.6e-2
+    mean at stage 0, 2.5e-2 / 2.6e-3 at stages 2 and 3.
 """
 
 from __future__ import annotations
@@ -43,8 +60,12 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "deepspeed_chat"
-RUNS = ["sft-stage2", "sft-stage2-offload", "dpo-stage0", "dpo-stage2"]
+RUNS = ["sft-stage2", "sft-stage2-offload", "sft-stage3", "dpo-stage0", "dpo-stage2", "dpo-stage3"]
 RTOL, MEAN_RTOL = 2e-2, 5e-3
+BF16_STEP = 2**-7  # one rounding step of a bf16 value, relative, at its largest
+# Softmax ignores k_proj's bias, so its exact gradient is zero and Adam turns each run's rounding
+# noise into full-size steps of random sign: its values say nothing about the program.
+NOISE = "self_attn.k_proj.bias"
 
 
 def _parity_script():
@@ -83,6 +104,8 @@ def test_deepspeed_chat_step_runs_unchanged_like_deepspeed(chat, name):
     assert "hybrid_engine: disabled, so ignored" in output
     if "offload" in name:
         assert "offload_param: ignored below stage 3" in output
+    if name.endswith("stage3"):  # save_hf_format's state_dict(): DeepSpeed's placeholders, said once
+        assert output.count("state_dict() of a ZeRO stage-3 model holds zero-element placeholders") == 1
     assert len(ours) == 16 and all(math.isfinite(loss) for loss in ours)
     saved = AutoModelForCausalLM.from_pretrained(workdir / f"zerorun-{name}")
     assert sum(p.numel() for p in saved.parameters()) > 0
@@ -125,3 +148,61 @@ def test_deepspeed_chat_losses_match_real_deepspeed(chat, name):
     pairs = list(zip(ours, theirs, strict=True))
     assert max(differences) <= largest, (max(differences), largest, pairs)
     assert sum(differences) / len(differences) <= mean, (sum(differences) / len(differences), mean, pairs)
+
+
+def saved(workdir: Path, name: str) -> dict:
+    import torch
+
+    return torch.load(workdir / f"zerorun-{name}" / "pytorch_model.bin", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("step", ["sft", "dpo"])
+def test_stage3_saves_the_trained_weights(chat, step):
+    """At stage 3 the file is save_zero_three_model's gathered weights (save_hf_format's
+    placeholders overwritten); at stage 2 it is the module's state_dict(), the trained weights.
+    Both stages train alike (DeepSpeed's stage-2 and stage-3 runs give the same losses, and so
+    do zerorun's), so each saved tensor must equal the stage-2 one to one bf16 rounding step (the
+    sharded sums round in another order) and differ from the initial model's."""
+    import torch
+    from safetensors.torch import load_file
+
+    _parity, workdir, run = chat
+    (losses2, _), (losses3, _) = run(f"{step}-stage2"), run(f"{step}-stage3")
+    assert losses3 == pytest.approx(losses2, rel=1e-3)  # observed: equal
+    whole, gathered = saved(workdir, f"{step}-stage2"), saved(workdir, f"{step}-stage3")
+    initial = load_file(workdir / "fixture" / "model" / "model.safetensors")
+    # The tied head is saved once at stage 3: save_zero_three_model walks named_parameters().
+    assert set(whole) - set(gathered) == {"lm_head.weight"} and set(gathered) < set(whole)
+    for key, value in gathered.items():
+        assert value.shape == whole[key].shape and value.numel() > 0, key
+        assert torch.allclose(value.float(), whole[key].float(), rtol=BF16_STEP, atol=0), key
+        assert not torch.equal(value, initial[key].to(value.dtype)), f"{key} is the initial weight"
+
+
+def saved_tolerance(recorded: dict, step: str) -> tuple[float, float]:
+    """(largest, mean) relative difference of a saved tensor's L2 norm from DeepSpeed's (docstring)."""
+    if step == "sft":
+        return BF16_STEP, BF16_STEP
+    ours, theirs = recorded["dpo-stage0"], recorded["dpo-stage2"]
+    own = [abs(ours[k][1] - theirs[k][1]) / theirs[k][1] for k in theirs if k in ours and NOISE not in k]
+    return 2 * max(own), 2 * sum(own) / len(own)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", RUNS)
+def test_saved_model_matches_real_deepspeed(chat, name):
+    parity, workdir, run = chat
+    recorded = json.loads((DATA / "ds_losses.json").read_text())
+    run(name)
+    ours, theirs = parity.saved_summary(workdir / f"zerorun-{name}"), recorded["saved"][name]
+    assert sorted(ours) == sorted(theirs)  # the same tensors (stage 3: the tied head once, as DeepSpeed)
+    largest, mean = saved_tolerance(recorded["saved"], parity.RUNS[name][0])
+    differences = {k: abs(ours[k][1] - theirs[k][1]) / theirs[k][1] for k in theirs if NOISE not in k}
+    worst = max(differences, key=differences.__getitem__)
+    assert differences[worst] <= largest, (worst, differences[worst], largest)
+    assert sum(differences.values()) / len(differences) <= mean, (sum(differences.values()) / len(differences), mean)
