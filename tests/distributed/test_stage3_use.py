@@ -10,6 +10,9 @@ relative (fp32; the sharded run only sums gradients in another order, ~1e-7 per 
 
 The "reads" model computes with children's weights in its own forward (gathered on access);
 after training, a value read between steps must be refused in one line naming the parameter.
+The "tied-reads" model is NeoMME's masked-LM head: its forward reads, with ``@``, a weight tied
+into a unit that an earlier call kept gathered for reuse (Note [kept gathered]); the tied head's
+backward released that unit before the read's backward ran, until such reads were seen too.
 
 Variants: ``default`` buckets plan one unit per model root child (OPT's whole model in the unit
 of ``OPTModel``, whose forward never runs); ``small`` buckets plan several units per model.
@@ -41,11 +44,12 @@ CASES = {  # name: (family, buckets); the default run takes DEFAULT_RUN, `pytest
     "bart/small": ("bart", SMALL),
     "llama+lora/small": ("llama+lora", SMALL),
     "reads/small": ("reads", {"allgather_bucket_size": 500, "reduce_bucket_size": 500}),
+    "tied-reads/default": ("tied-reads", {}),
     "opt/small": ("opt", SMALL),
     "bart/default": ("bart", {}),
     "llama+lora/default": ("llama+lora", {}),
 }
-DEFAULT_RUN = ["opt/default", "bart/small", "llama+lora/small", "reads/small"]
+DEFAULT_RUN = ["opt/default", "bart/small", "llama+lora/small", "reads/small", "tied-reads/default"]
 LONG_RUN = [name for name in CASES if name not in DEFAULT_RUN]
 
 
@@ -70,12 +74,48 @@ class ReadsWeights(torch.nn.Module):
         return SimpleNamespace(loss=loss)
 
 
+class FactorizedEmbedding(torch.nn.Module):
+    def __init__(self, rank: int, hidden: int):
+        super().__init__()
+        self.words = torch.nn.Embedding(VOCAB, rank)
+        self.projection = torch.nn.Linear(rank, hidden, bias=False)
+
+    def forward(self, input_ids):
+        return self.projection(self.words(input_ids))
+
+
+class TiedReads(torch.nn.Module):
+    """NeoMME's masked-LM head: factorized embeddings, and a head that reads the tied
+    projection with ``@`` in the root's own forward and calls an output Linear tied to the word
+    embeddings; ``unembed`` (the projection's second name) is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = FactorizedEmbedding(16, 24)
+        self.body = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24))
+        self.unembed = torch.nn.Linear(16, 24, bias=False)
+        self.head = torch.nn.Linear(16, VOCAB, bias=False)
+        self.unembed.weight = self.embed.projection.weight
+        self.head.weight = self.embed.words.weight
+
+    def forward(self, input_ids, labels):
+        from types import SimpleNamespace
+
+        h = self.embed(input_ids)
+        h = h + self.body(h)
+        logits = self.head(h @ self.unembed.weight)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss)
+
+
 def build_model(family: str) -> torch.nn.Module:
     import transformers as hf
 
     torch.manual_seed(1234)
     if family == "reads":
         return ReadsWeights()
+    if family == "tied-reads":
+        return TiedReads()
     if family == "opt":
         return hf.OPTForCausalLM(hf.OPTConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,

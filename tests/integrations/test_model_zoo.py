@@ -7,7 +7,7 @@ steps on 2 gloo ranks and compared per step with plain torch on the same global 
 Llama + PEFT LoRA and ViT at stage 3, and a sample at stages 1 and 2. Under ``-m long`` the
 whole zoo runs at stage 3: at least 95% of the families that build must pass, and every failure
 must be zerorun's own one-line error, never a crash inside torch or a silent loss difference
-(one known exception, listed with its cause in ``KNOWN_UNCLEAR``).
+(a known exception would be listed with its cause in ``KNOWN_UNCLEAR``; none is now).
 """
 
 from __future__ import annotations
@@ -26,12 +26,7 @@ SAMPLE = ["causal-lm/opt", "seq2seq-lm/bart", "seq2seq-lm/t5", "causal-lm/llama"
           "image-classification/vit"]
 # Failures found by the zoo and not fixed yet, each with its cause; listed so that the test
 # fails on any other unclear failure and tells whoever fixes one of these to take it off.
-KNOWN_UNCLEAR = {
-    # NeoMMEForMaskedLM.forward computes `hidden_states @ self.unembedding_projection.weight`:
-    # a weight tied to model.embed_tokens.embedding_projection.weight, read outside both
-    # modules' forward; the gather-on-access of a stage-3 parameter does not reach it yet.
-    "masked-lm/neomme": "setStorage",
-}
+KNOWN_UNCLEAR: dict[str, str] = {}
 LOWER_STAGES = {1: ["causal-lm/llama", "seq2seq-lm/bart"], 2: ["causal-lm/opt+lora", "image-classification/vit"]}
 
 

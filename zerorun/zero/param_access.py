@@ -26,7 +26,13 @@ between steps. While its unit is not gathered, a partitioned parameter's class i
   Zero elements cannot pass for weights: ``load_state_dict`` of them fails on every shape, and
   the first one in a process prints a note naming the saves that gather.
 Once its unit is gathered a parameter is an ``nn.Parameter`` again, so the common path (every
-read inside a gathering module's forward) costs nothing. A subclass of ``nn.Parameter`` (a
+read inside a gathering module's forward) costs nothing. A unit that a module's forward leaves
+gathered for a later use (Note [kept gathered] in param_gather.py) keeps the sharded class until
+the next module call that gathers it, or the end of the forward: a read in between (NeoMME's
+head computes ``h @ self.unembedding_projection.weight`` with a weight tied into the kept
+embedding unit) is a read like any other and holds the unit to the end of backward, which
+would otherwise release it before the read's backward (the holder's backward, Note [shared
+units]). A subclass of ``nn.Parameter`` (a
 user's own) is left as it is, unguarded.
 """
 
@@ -123,20 +129,29 @@ def _stays(name: str, args, kwargs) -> bool:
     return (device is None or torch.device(device) == param.device) and (dtype is None or dtype == param.dtype)
 
 
-def guard(unit: FlatUnit, reader: Reader) -> None:
+def guard(unit: FlatUnit, reader: Reader) -> Callable[[bool], None]:
     """Give ``unit``'s plain ``nn.Parameter``s the sharded class whenever the unit is not
-    gathered; ``reader`` decides what a read does (the gatherer's ``read``)."""
+    gathered; ``reader`` decides what a read does (the gatherer's ``read``). Returns
+    ``watch(on)``: while the unit stays gathered, ``watch(True)`` gives its parameters the
+    sharded class too, so that reads are seen (a unit kept gathered for reuse, Note [kept
+    gathered] in param_gather.py), and ``watch(False)`` gives them back their plain class."""
     params = [p for p in unit.params if type(p) is nn.Parameter]
     for param in params:
         _READERS[id(param)] = reader
 
-    def follow(unit: FlatUnit) -> None:
-        sharded = unit.state in (ParamState.SHARDED, ParamState.GATHERING)
+    def classify(sharded: bool) -> None:
         for param in params:
             param.__class__ = ShardedParameter if sharded else nn.Parameter
 
+    def follow(unit: FlatUnit) -> None:
+        classify(unit.state in (ParamState.SHARDED, ParamState.GATHERING))
+
+    def watch(on: bool) -> None:
+        classify(on or unit.state in (ParamState.SHARDED, ParamState.GATHERING))
+
     unit.state_listeners.append(follow)
     follow(unit)
+    return watch
 
 
 def refusal(name: str) -> UsageError:

@@ -120,9 +120,13 @@ class ParamGatherer:
         # any gathering module, held (``in_use``) until its backward is over.
         self._in_forward = False
         self._pinned: list[UnitRecord] = []
-        for record in self.records:
-            if record.unit.partitioned:
-                param_access.guard(record.unit, functools.partial(self.read, record))
+        # Note [reads outside forward]: per partitioned record, whether its parameters are
+        # watched while gathered (units kept gathered between uses in a forward).
+        self._watch = {
+            record: param_access.guard(record.unit, functools.partial(self.read, record))
+            for record in self.records if record.unit.partitioned
+        }
+        self._watched: set[UnitRecord] = set()
         for module in list(self.module_records) + list(self.holder_records):  # hooks for the model's lifetime
             self._hook(module)
         for records in self.module_records.values():
@@ -174,11 +178,33 @@ class ParamGatherer:
         record.in_use += 1
         self._pinned.append(record)
         record.unit.gather(self.group)
+        self._unwatch(record)
         stack = self._observer.stack() if self._observer.active else None
         self._stranded.setdefault(record, []).append((None, stack))
         if stack is None:
             self._observe_next = True
         return None
+
+    def _watch_kept(self, record: UnitRecord) -> None:
+        """``record``'s unit stays gathered after a module's forward for a later use, while no
+        running call holds it: its parameters get the sharded class again, so that a read by a
+        module that does not gather it (a parent's forward reading a tied weight) gathers and
+        holds it like a read of a released unit (Note [reads outside forward])."""
+        watch = self._watch.get(record)
+        if watch is not None and self._in_forward:
+            watch(True)
+            self._watched.add(record)
+
+    def _unwatch(self, record: UnitRecord) -> None:
+        if record in self._watched:
+            self._watched.discard(record)
+            self._watch[record](False)
+
+    def _unwatch_all(self) -> None:
+        """End of forward: a unit still gathered is held into backward, where reads are
+        autograd's (Note [kept gathered]); its parameters are plain again."""
+        for record in list(self._watched):
+            self._unwatch(record)
 
     def _unpin(self) -> None:
         for record in self._pinned:
@@ -241,6 +267,7 @@ class ParamGatherer:
         for record in records:
             record.in_use += 1
             record.unit.gather(self.group)
+            self._unwatch(record)
         if recomputing:
             return None
         self._prefetch_forward(module)
@@ -260,14 +287,18 @@ class ParamGatherer:
         for record in records:
             record.in_use -= 1
             kept = self._on_order and position in record.keep_after  # Note [kept gathered]
-            if record.in_use == 0 and not recomputing and not kept:
-                record.unit.release()
+            if record.in_use == 0 and not recomputing:
+                if kept:
+                    self._watch_kept(record)
+                else:
+                    record.unit.release()
         if torch.is_grad_enabled() and not recomputing:
             self._finished.append(module)
             self._hook_outputs(module, output)
 
     def _root_post_forward(self, module, args, output) -> None:
         self._in_forward = False
+        self._unwatch_all()
         if not torch.is_grad_enabled():
             self._unpin()
         if self._observer.active:
