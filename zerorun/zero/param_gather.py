@@ -120,8 +120,9 @@ class ParamGatherer:
         # any gathering module, held (``in_use``) until its backward is over.
         self._in_forward = False
         self._pinned: list[UnitRecord] = []
-        # Note [reads outside forward]: per partitioned record, whether its parameters are
-        # watched while gathered (units kept gathered between uses in a forward).
+        # Note [reads outside forward]: per partitioned record, the switch that keeps its
+        # parameters' reads seen while the unit stays gathered between uses in a forward
+        # (``_watch_kept``), and the records so switched now.
         self._watch = {
             record: param_access.guard(record.unit, functools.partial(self.read, record))
             for record in self.records if record.unit.partitioned
