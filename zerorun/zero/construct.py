@@ -258,6 +258,13 @@ def _check_beside(index: Path, path: Path) -> None:
                                  "(a FIFO, device or socket)", hint="an index names safetensors files beside it")
 
 
+def _count_not_finite(value: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """NaN and infinite elements of ``value``, counted a chunk at a time: one isfinite over the
+    whole tensor would allocate a bool per element (tens of MiB for an embedding) at set-up's
+    peak (the 201M model of tests/distributed/test_sharded_construction.py: 469 -> 534 MiB)."""
+    return sum(piece.numel() - int(torch.isfinite(piece).sum()) for piece in value.reshape(-1).split(chunk))
+
+
 def _persistent(model: nn.Module):
     from zerorun.zero.checkpoint.format import persistent_buffers
 
@@ -387,7 +394,7 @@ class Materializer:
                 hint="load weights saved from the same model configuration")
         if isinstance(param, nn.Parameter) and value.dtype.is_floating_point:
             # NaN or infinity in a parameter trains nothing but NaN; only buffers (masks) hold -inf.
-            bad = int((~torch.isfinite(value)).sum())
+            bad = _count_not_finite(value)
             if bad:
                 raise RuntimeConfigError(
                     f"weights for {name!r} in {self._where(param)} hold {bad} NaN or infinite value(s) of "
