@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,13 @@ def run_script(workdir: Path, name: str, *args: str, as_deepspeed: bool = False,
                *(["--as-deepspeed"] if as_deepspeed else []), str(script), "--out", str(out), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and (out / "result.json").exists() and "signal SIG" in done.stderr:
+        # Known, not fixed: a rank can abort at interpreter shutdown after its work is done
+        # ("terminate called without an active exception", Note [clean exit] in
+        # zerorun/zero/comm/process_group.py); seen once in three long runs of this file. One
+        # relaunch keeps that race from deciding the comparison; a second abort still fails.
+        shutil.rmtree(out)
+        done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     result = json.loads((out / "result.json").read_text())
     result["stderr"] = done.stderr
