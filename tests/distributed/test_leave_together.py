@@ -60,3 +60,31 @@ def test_gloo_threads_drop_their_work_and_leave_together_ends_the_group(tmp_path
         assert result["leave_s"] < 2.0, f"rank {rank}: leave_together waited {result['leave_s']:.2f} s"
     # The signal exists at all: at least once the count was still raised when the call returned.
     assert any(result["raised_once"] for result in results.values())
+
+
+def script_group_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """A script that starts the group itself (as Trainer and Accelerate do), then an engine on it."""
+    import atexit
+
+    import torch.distributed as dist
+
+    import zerorun
+
+    def after_zeroruns_exit_handler() -> None:  # atexit runs last-registered first: this runs after
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"initialized_at_exit": dist.is_initialized()}))
+
+    atexit.register(after_zeroruns_exit_handler)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 3}})
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+
+
+@pytest.mark.slow
+def test_a_group_the_script_started_is_also_left_together_at_exit(tmp_path):
+    """Note [clean exit] holds for a group the script started: the engine registers the same exit
+    handler, so by the time later handlers run, the group has met at the barrier and is gone."""
+    results = spawn_and_collect(script_group_worker, tmp_path, WORLD)
+    assert all(not result["initialized_at_exit"] for result in results.values()), results

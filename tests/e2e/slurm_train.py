@@ -1,11 +1,13 @@
-"""zerorun slurm_train.py STEPS OUT_DIR [SECONDS_PER_STEP]   (or srun python slurm_train.py ...)
+"""zerorun slurm_train.py STEPS OUT_DIR [SECONDS_PER_STEP [first-start]]   (or srun python slurm_train.py ...)
 
 The tiny training job of the Slurm tests (test_slurm_jobs.py): ZeRO-2 on a 7->15->3 MLP, the same
 initial weights on every rank and each rank's batch a function of (rank, step) only, so a run
 resumed from a checkpoint sees exactly the batches the uninterrupted run saw. Rank 0 writes
 OUT_DIR/losses.json (the global mean loss of every step it ran) and OUT_DIR/world.json (what
 world it found itself in, on which node each rank ran, and a digest of the final parameters'
-bytes); every rank writes OUT_DIR/pid.RANK first, so a test can watch the workers.
+bytes); every rank writes OUT_DIR/pid.RANK first, so a test can watch the workers. With
+``first-start`` the pause after each step applies only to a job's first start (SLURM_RESTART_COUNT
+unset or 0): a start is slow enough for Slurm's timer to reach it, a requeued one quick.
 """
 
 import hashlib
@@ -24,6 +26,8 @@ import zerorun
 def main() -> None:
     steps, out = int(sys.argv[1]), sys.argv[2]
     pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    if sys.argv[4:] == ["first-start"] and os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        pause = 0.0
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(7, 15), torch.nn.Tanh(), torch.nn.Linear(15, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -370,11 +370,15 @@ def test_a_time_limit_signal_in_the_first_seconds_requeues_without_a_kill_then_c
     signal up to a minute early), before or while the launcher plans; the launcher has handled
     USR1 from its first line (Note [signals from the first instant]), so the batch step is not
     killed by it: the save waits for the first step, the job requeues, and in the end completes
-    with the losses of an uninterrupted run."""
+    with the losses of an uninterrupted run.
+
+    slurmctld checks time limits on its periodic sweep, so the signal may come tens of seconds in:
+    the first start pauses 20 s a step (3 steps, about a minute, under the 2-minute limit), and a
+    requeued start does not pause, so one start soon finishes before its own signal."""
     (tmp_path / "zerorun.yaml").write_text(CHECKPOINT_CONFIG)
     (tmp_path / "ckpt").mkdir()
     job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("--config", "zerorun.yaml", str(TRAIN), str(STEPS),
-                                                          str(tmp_path), "3.0"),
+                                                          str(tmp_path), "20.0", "first-start"),
                  "-N2", "--time=2", "--signal=B:USR1@110", "--requeue", "--open-mode=append")
     log = tmp_path / f"slurm-{job}.out"
     requeues = {"seen": 0, "at": time.monotonic()}

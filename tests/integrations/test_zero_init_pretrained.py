@@ -69,7 +69,14 @@ FAMILIES = ("llama", "opt")
 
 
 def _worker(rank: int, out_dir: str) -> None:
+    from zerorun.zero.comm.process_group import leaving_together
+
     hf_world.join_world(rank, out_dir)
+    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
+        _train_families(rank, out_dir)
+
+
+def _train_families(rank: int, out_dir: str) -> None:
     from hf_zero3 import enable_transformers_zero3
     from transformers import AutoModelForCausalLM
 

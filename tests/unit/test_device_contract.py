@@ -177,8 +177,9 @@ def test_init_distributed_picks_nccl_only_with_the_engines_gpu(gpu_node, monkeyp
     started = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: started.append(backend))
-    monkeypatch.setattr(comm.atexit, "register", lambda fn: None)
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # _watch_for_uncaught_exceptions chains onto it
+    from zerorun.zero.comm import process_group
+
+    monkeypatch.setattr(process_group, "leave_at_exit", lambda: None)
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("ZERORUN_DEVICE", "cpu")  # zerorun --nproc on a GPU node
@@ -205,6 +206,7 @@ def test_an_existing_nccl_group_still_gets_this_workers_gpu_made_current(gpu_nod
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(process_group, "leave_at_exit", lambda: None)  # no exit handler in pytest
     monkeypatch.setenv("LOCAL_RANK", "1")
     info = process_group.resolve_process_group()
     assert info.device == torch.device("cuda", 1) and gpu_node == [1]

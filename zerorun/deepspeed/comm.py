@@ -16,7 +16,6 @@ script's collectives are its own business; the engine's go through zero/comm/col
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 from datetime import timedelta
@@ -88,8 +87,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     # Leave at exit the way the engine leaves a group it started (Note [clean exit]).
     from zerorun.zero.comm import process_group
 
-    atexit.register(process_group.leave_process_group)
-    process_group._watch_for_uncaught_exceptions()
+    process_group.leave_at_exit()
 
 
 def _require_group(name: str) -> None:

@@ -54,6 +54,7 @@ def resolve_process_group(model_device: torch.device | None = None) -> ProcessGr
     if dist.is_available() and dist.is_initialized():
         choice = device.this_worker(built_on=None if model_device is None else str(model_device))
         device.bind(choice)
+        leave_at_exit()  # a group the script (Trainer, Accelerate) started aborts at exit the same way
         return ProcessGroupInfo(None, dist.get_rank(), dist.get_world_size(), choice.torch_device())
     if _env_int("WORLD_SIZE") is None and _env_int("RANK") is None:
         adopt_slurm_step(os.environ)  # before the device: it writes LOCAL_RANK
@@ -72,8 +73,7 @@ def resolve_process_group(model_device: torch.device | None = None) -> ProcessGr
         if not os.environ.get(needed):
             raise RuntimeConfigError(f"WORLD_SIZE={world_size} but {needed} is not set")
     dist.init_process_group(choice.backend, init_method="env://", rank=rank, world_size=world_size)
-    atexit.register(leave_process_group)
-    _watch_for_uncaught_exceptions()
+    leave_at_exit()
     return ProcessGroupInfo(None, rank, world_size, choice.torch_device())
 
 
@@ -153,6 +153,17 @@ def leaving_together(group=None):
 GLOO_THREADS = 2
 
 
+def leave_at_exit() -> None:
+    """Once per process: ``leave_process_group`` at exit (Note [clean exit]), and the watch that
+    keeps a rank dying of an exception from waiting there for peers."""
+    global _leaving_at_exit
+    if _leaving_at_exit:
+        return
+    _leaving_at_exit = True
+    atexit.register(leave_process_group)
+    _watch_for_uncaught_exceptions()
+
+
 def leave_process_group() -> None:
     """At exit: ``leave_together`` on the group zerorun created (Note [clean exit]).
 
@@ -185,6 +196,7 @@ def leave_process_group() -> None:
 
 
 EXIT_BARRIER_TIMEOUT_S = 30.0
+_leaving_at_exit = False
 _uncaught_exception = False
 _watching = False
 _failing_exit = False
