@@ -99,6 +99,8 @@ def test_preempted_with_a_grace_time_saves_requeues_and_resumes_bit_exactly(tmp_
     finally:
         cluster.stop()
     first_run = log[:log.index("resumed from")]
+    # Note [preemption grace]: the start says how long a save on preemption may take.
+    assert "Slurm: partition low preempts with a 30 s grace time" in first_run, first_run[-3000:]
     closing = [line for line in first_run.splitlines() if line.startswith("zerorun: preempted")]
     assert closing and closing[-1].startswith("zerorun: preempted (SIGTERM): every rank saved a checkpoint and stopped"), \
         first_run[-3000:]
@@ -121,6 +123,7 @@ def test_preempted_without_a_grace_time_resumes_from_the_interval_checkpoint(tmp
     finally:
         cluster.stop()
     first_run = log[:log.index("resumed from")]
+    assert "grace time" not in first_run  # GraceTime=0: no grace to fit a save in, so none is named
     assert "zerorun: preempted or requeued (SIGTERM; Slurm requeued the job)" in first_run, first_run[-3000:]
     resumed = log[log.index("resumed from"):].splitlines()[0]
     assert "/global_step5 " in resumed or "/global_step10 " in resumed or "/global_step15 " in resumed, resumed

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.launch import slurm
+from zerorun.worker import preemption_grace
 from zerorun.worker.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
 from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
 from zerorun.config.sources import read_small_file
@@ -351,6 +352,11 @@ def _worker_env_for_options(plan: LaunchPlan, options: LaunchOptions, config, en
     if config.checkpoint.on_signal:
         for worker in plan.workers:
             worker.env[SAVE_ON_SIGNAL_ENV] = "1"
+        grace = slurm.read_partition_grace(environ)  # Note [preemption grace]
+        if grace is not None:
+            for worker in plan.workers:
+                worker.env[preemption_grace.GRACE_ENV] = str(grace[1])
+            notes.append(slurm.grace_note(*grace))
     return notes
 
 

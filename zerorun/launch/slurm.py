@@ -19,6 +19,7 @@ itself in (Note [three Slurm places]):
 from __future__ import annotations
 
 import re
+import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -196,3 +197,34 @@ def stop_cause(record: Mapping[str, str] | None, restarts_at_start: int = 0, *, 
     if state in ("CANCELLED", "COMPLETING", "COMPLETED", "FAILED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"):
         return "cancelled"
     return None
+
+
+def partition_grace(record: Mapping[str, str]) -> int | None:
+    """A partition's preemption grace time in seconds (Note [preemption grace] in
+    zerorun/worker/preemption_grace.py) from its ``scontrol -o show partition`` record (pure):
+    None when it does not preempt by requeue or cancel, or gives no grace."""
+    if record.get("PreemptMode", "OFF").upper().split(",")[0] not in ("REQUEUE", "CANCEL"):
+        return None
+    grace = record.get("GraceTime", "")
+    return int(grace) if grace.isdigit() and int(grace) > 0 else None
+
+
+def read_partition_grace(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """(partition, grace seconds) of this job's partition, asking scontrol once; None outside
+    Slurm, without a grace time, or when scontrol cannot answer (the run goes on without)."""
+    partition = environ.get("SLURM_JOB_PARTITION", "")
+    if not environ.get("SLURM_JOB_ID") or not partition or "," in partition:
+        return None
+    try:
+        done = subprocess.run(["scontrol", "-o", "show", "partition", partition], capture_output=True,
+                              text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    grace = partition_grace(parse_job_record(done.stdout)) if done.returncode == 0 else None
+    return None if grace is None else (partition, grace)
+
+
+def grace_note(partition: str, grace_s: int) -> str:
+    """The start-up line naming the grace time a save on preemption must fit in (pure)."""
+    return (f"Slurm: partition {partition} preempts with a {grace_s} s grace time; a save on preemption must "
+            "finish within it (each checkpoint's save time is printed, and one that takes longer is named)")

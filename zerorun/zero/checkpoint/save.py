@@ -54,6 +54,7 @@ import torch
 
 import zerorun
 from zerorun.errors import CheckpointError
+from zerorun.worker import preemption_grace
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint import owner
 from zerorun.zero.checkpoint.agreement import together
@@ -189,8 +190,12 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
                 _delete_old(root, keep_last, tag)
             _delete_leftovers(root)
             total = sum(f["bytes"] for f in manifest["files"].values())
-            print(f"zerorun: checkpoint {tag} saved to {final} in {time.perf_counter() - started:.2f} s "
+            took = time.perf_counter() - started
+            print(f"zerorun: checkpoint {tag} saved to {final} in {took:.2f} s "
                   f"({total / 2**20:.1f} MiB from {engine.pg.world_size} rank(s))", file=sys.stderr, flush=True)
+            slow = preemption_grace.note_save_time(took)  # Note [preemption grace]
+            if slow:
+                print(slow, file=sys.stderr, flush=True)
 
         together(engine, commit if engine.pg.rank == 0 else None, f"committing checkpoint {tag}")
     finally:
