@@ -1,4 +1,5 @@
-"""pytest tests/unit/test_layering.py — the training runtime never imports the launcher.
+"""pytest tests/unit/test_layering.py — the training runtime never imports the launcher, and
+the record never imports its placements back.
 
 What runs inside a worker (zerorun.zero, zerorun.deepspeed, zerorun.telemetry, zerorun.integrations)
 takes its worker-side pieces from zerorun.worker; zerorun.launch may import the runtime, never the
@@ -12,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import zerorun
 
@@ -57,3 +60,51 @@ def test_a_worker_runs_without_loading_the_launcher():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The zerorun modules a file imports in any way: at the top, under TYPE_CHECKING (a cycle
+    for the type checker and the reader), or inside a function."""
+    here = _module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: ``from . import x`` is the file's package, each dot one up
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            # ``from package import module`` names a module; ``from module import name`` the module
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names}
+    return found & known
+
+
+def _cycle_through(module: str) -> list[str]:
+    """The modules that ``module`` reaches by imports and that reach it back (empty: no cycle)."""
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    imports = {name: _imported_modules(path, set(files)) for name, path in files.items()}
+
+    def reached_from(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in imports[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    return sorted(name for name in reached_from(module) if module in reached_from(name))
+
+
+@pytest.mark.parametrize("module", ["zerorun.zero.unit.record", "zerorun.zero.offload.placements",
+                                    "zerorun.zero.unit.placement"])
+def test_no_import_cycle_between_the_record_and_its_placements(module):
+    """The record holds placements and the placements take records: the protocol they share
+    (unit/placement.py) imports no record, so neither side imports the other back, not even for
+    the type checker."""
+    assert _cycle_through(module) == []

@@ -31,7 +31,7 @@ class FakeRecord:
     def __init__(self, unit, home):
         self.unit, self.index, self.state_home, self.state_slot = unit, unit.index, home, None
         self.master = home.make_master(unit)
-        self.grad = torch.linspace(-1, 1, unit.layout.chunk_numel)
+        self.gradient = SimpleNamespace(chunk=torch.linspace(-1, 1, unit.layout.chunk_numel))
 
     @property
     def master_is_model_storage(self) -> bool:
@@ -64,7 +64,7 @@ def test_a_placement_steps_a_fake_record_like_a_plain_optimizer(where, tmp_path)
     reference = torch.optim.AdamW([plain], lr=0.1)
     for _ in range(3):
         update(home, record, optimizer)
-        plain.grad = record.grad.clone()
+        plain.grad = record.gradient.chunk.clone()
         reference.step()
     assert torch.equal(record.unit.shard, plain.detach())
     home.settle([record])

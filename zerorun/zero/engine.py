@@ -38,9 +38,9 @@ from zerorun.zero.param_gather import ParamGatherer, tensors_in
 from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.comm.process_group import ProcessGroupInfo, resolve_process_group
-from zerorun.zero.offload.placements import Placement, placement_from_config
+from zerorun.zero.offload.placements import placement_from_config
 from zerorun.zero.unit import ds_params
-from zerorun.zero.unit.record import UnitRecord, by_state_home
+from zerorun.zero.unit.record import Home, UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
 from zerorun.zero.update import UnitUpdater
@@ -54,7 +54,7 @@ BROADCAST_BUCKET_NUMEL = 4_000_000
 
 
 def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, param_init_fn=None,
-               model_parameters=None, state_home_for: Callable[[FlatUnit], Placement] | None = None) -> Engine:
+               model_parameters=None, state_home_for: Callable[[FlatUnit], Home] | None = None) -> Engine:
     """Build the engine; ``config`` is None (the launcher's ZERORUN_CONFIG, else defaults), a dict,
     a YAML/JSON path or a ZerorunConfig.
 
@@ -186,7 +186,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
 
     def __init__(self, model: nn.Module, optimizer, cfg: ZerorunConfig, pg: ProcessGroupInfo, *, weights=None,
                  param_init_fn=None, model_parameters=None,
-                 state_home_for: Callable[[FlatUnit], Placement] | None = None):
+                 state_home_for: Callable[[FlatUnit], Home] | None = None):
         self.config = cfg
         self.pg = pg
         first = next(model.parameters())

@@ -41,7 +41,8 @@ import torch
 from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives
 from zerorun.zero.host_memory import host_buffer
-from zerorun.zero.unit.record import GradState, UnitRecord
+from zerorun.zero.unit.parts import GradState
+from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
 
 
@@ -117,7 +118,7 @@ class BucketPool:
 
 
 class GradReducer:
-    """Writes each record's gradient fields and tells two listeners about a record:
+    """Writes each record's gradient part (``record.gradient``, unit/parts.py) and tells two listeners about a record:
     ``on_unit_complete`` when all its gradients arrived (stage 3 may release the unit) and
     ``on_unit_reduced`` when its chunk is final for this backward, so an update can start
     while backward goes on (update.py, Note [update while backward runs])."""
@@ -175,8 +176,9 @@ class GradReducer:
         grad = param.grad
         if grad is None:
             raise InternalError(f"unit {record.index}: a gradient hook fired for a parameter without .grad")
+        gradient = record.gradient
         if self.policy is ReducePolicy.ALL_REDUCE:
-            full = record.grad_full
+            full = gradient.full
             if full is None:  # Note [lazy gradient shards]: the window's first arrival
                 full = self._create_full(record, arriving=position)
             view = full[offset : offset + numel]
@@ -187,64 +189,50 @@ class GradReducer:
             if not self.communicate:
                 return
         else:
-            bucket = record.bucket
+            bucket = gradient.bucket
             if bucket is None and self._reduces_in_place(unit):
-                record.bucket = grad.reshape(-1)
-                record.written = [True]
+                gradient.hold_bucket(grad.reshape(-1), None, [True])
                 param.grad = None
             elif bucket is None:
                 # Not zeroed: each parameter's slot is written once per backward (autograd
                 # fires the hook once per parameter); _launch zeroes the slots never written.
-                bucket = self._take_bucket(record)
-                record.written = [False] * len(unit.params)
+                buffer, bucket = self._pool_of(unit).take(unit.layout.padded_numel)
+                gradient.hold_bucket(bucket, buffer, [False] * len(unit.params))
             if bucket is not None:
                 bucket[offset : offset + numel].copy_(grad.reshape(-1))
-                if record.written is None:
-                    raise InternalError(f"unit {record.index}: a gradient bucket without its written slots")
-                record.written[position] = True
+                gradient.mark_written(position)
                 param.grad = None
-        if record.grad_state is GradState.IDLE:
-            record.grad_state = GradState.FILLING
-        record.arrived += 1
-        if record.arrived == len(unit.params):
-            record.grad_state = GradState.READY
+        if gradient.arrive(len(unit.params)):
             if self.on_unit_complete is not None:
                 self.on_unit_complete(record)
             self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
-        while self._next < len(self.order) and self.records[self.order[self._next]].grad_state is GradState.READY:
+        while self._next < len(self.order) and self.records[self.order[self._next]].gradient.state is GradState.READY:
             self._launch(self.records[self.order[self._next]])
             self._next += 1
 
     def _launch(self, record: UnitRecord) -> None:
-        if record.grad_state is not GradState.READY:
-            raise InternalError(f"unit {record.index}: gradient launched while {record.grad_state.name}")
-        record.grad_state = GradState.REDUCING
+        gradient = record.gradient
+        into = gradient.start_reduce(record.unit.dtype)  # READY -> REDUCING, or InternalError
         unit = record.unit
         if self.policy is ReducePolicy.ALL_REDUCE:
-            full = record.grad_full
+            full = gradient.full
             if full is None:  # nothing arrived on this rank; other ranks may contribute
                 full = self._create_full(record)
             handle = collectives.all_reduce(full, group=self.group, async_op=True)
             self._in_flight.append((record, handle, None))
             return
-        bucket = record.bucket
+        bucket, written, buffer = gradient.hand_over_bucket()
         if bucket is None:  # nothing arrived on this rank; other ranks may still contribute
-            bucket = self._take_bucket(record)
+            buffer, bucket = self._pool_of(unit).take(unit.layout.padded_numel)
             bucket.zero_()
-        elif record.written is not None:
-            self._zero_unwritten(unit, bucket, record.written)
-        record.bucket, record.written = None, None
-        chunk = record.grad
-        if chunk is not None and record.grad_clean and chunk.dtype == unit.dtype:
-            out = chunk  # first contribution of the window: reduce straight into the accumulator
-        else:
-            out = torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
-        record.grad_clean = False
+        elif written is not None:
+            self._zero_unwritten(unit, bucket, written)
+        # The window's first contribution reduces straight into the accumulator.
+        out = into if into is not None else torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
         handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True)
-        self._in_flight.append((record, handle, (out, bucket, record.bucket_buffer)))
-        record.bucket_buffer = None
+        self._in_flight.append((record, handle, (out, bucket, buffer)))
         # Note [in flight by events]
         while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0][1].finished_on_device()):
             self._complete_oldest()
@@ -252,16 +240,13 @@ class GradReducer:
     def _complete_oldest(self) -> None:
         record, handle, buffers = self._in_flight.popleft()
         handle.wait()
+        out, pooled = None, None
         if buffers is not None:
             out, _bucket, pooled = buffers  # an unpooled bucket dies with this tuple
-            if record.grad is None:  # Note [lazy gradient shards]: the window's first contribution
-                record.grad = out if out.dtype == torch.float32 else out.float()
-            elif out.data_ptr() != record.grad.data_ptr():
-                record.grad.add_(out)
-            if pooled is not None:
-                self._pools[(record.unit.dtype, record.unit.device)].give_back(pooled)
-        record.grad_state = GradState.IDLE
-        record.arrived = 0
+        # Note [lazy gradient shards]: the window's first contribution becomes the chunk.
+        record.gradient.finish_reduce(out)
+        if pooled is not None:
+            self._pool_of(record.unit).give_back(pooled)
         if self.on_unit_reduced is not None and self.communicate:
             self.on_unit_reduced(record)
 
@@ -271,10 +256,11 @@ class GradReducer:
             return
         for index in self.order[self._next :]:
             record = self.records[index]
-            if record.grad_state is not GradState.READY:
-                if self.on_unit_complete is not None and record.grad_state is GradState.FILLING:
+            state = record.gradient.state
+            if state is not GradState.READY:
+                if self.on_unit_complete is not None and state is GradState.FILLING:
                     self.on_unit_complete(record)
-                record.grad_state = GradState.READY
+                record.gradient.close_arrivals()
         self._launch_ready_prefix()
         while self._in_flight:
             self._complete_oldest()
@@ -287,18 +273,15 @@ class GradReducer:
         """ALL_REDUCE: the unit's zeroed full gradient buffer (returned); every parameter's
         ``.grad`` but the ``arriving`` one's (added in by the caller) becomes a view into it."""
         unit = record.unit
-        full = record.grad_full = torch.zeros_like(unit.full)
-        record.grad = full[slice(*unit.layout.chunk_range(unit.rank))]
+        full = torch.zeros_like(unit.full)
+        record.gradient.hold_full(full, full[slice(*unit.layout.chunk_range(unit.rank))])
         for position, (param, offset) in enumerate(zip(unit.params, unit.layout.offsets, strict=True)):
             if position != arriving:
                 param.grad = full[offset : offset + param.numel()].view(param.shape)
         return full
 
-    def _take_bucket(self, record: UnitRecord) -> torch.Tensor:
-        unit = record.unit
-        buffer, bucket = self._pools[(unit.dtype, unit.device)].take(unit.layout.padded_numel)
-        record.bucket, record.bucket_buffer = bucket, buffer
-        return bucket
+    def _pool_of(self, unit: FlatUnit) -> BucketPool:
+        return self._pools[(unit.dtype, unit.device)]
 
     @staticmethod
     def _reduces_in_place(unit: FlatUnit) -> bool:
@@ -318,12 +301,13 @@ class GradReducer:
     # -- around the optimizer step ---------------------------------------------------------
     def zero(self) -> None:
         for record in self.records:
-            if record.grad_full is None:
+            full = record.gradient.full
+            if full is None:
                 continue
             if not self.lazy_gradients:
-                record.grad_full.zero_()
+                full.zero_()
                 continue
-            record.grad_full = record.grad = None  # Note [lazy gradient shards]
+            record.gradient.drop()  # Note [lazy gradient shards]
             for param in record.unit.params:
                 param.grad = None
         if self.policy is ReducePolicy.REDUCE_SCATTER:
@@ -332,18 +316,19 @@ class GradReducer:
     def _create_chunks(self) -> None:
         """REDUCE_SCATTER: fresh all-zero fp32 accumulators, or none (Note [lazy gradient shards])."""
         for record in self.records:
-            record.grad_clean = True
+            chunk = record.gradient.chunk
             if self.lazy_gradients:
-                record.grad = None
-            elif record.grad is None:
-                record.grad = torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32, device=record.unit.device)
+                chunk = None
+            elif chunk is None:
+                chunk = torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32, device=record.unit.device)
             else:
-                record.grad.zero_()
+                chunk.zero_()
+            record.gradient.start_window(chunk)
 
     def nbytes(self) -> tuple[int, int]:
         """(gradient accumulator bytes, transient bucket bytes) held right now."""
-        persistent = sum(r.grad_nbytes() for r in self.records)
-        transient = sum(r.bucket.numel() * r.bucket.element_size() for r in self.records
-                        if r.bucket is not None and r.bucket_buffer is None)
+        persistent = sum(r.gradient.nbytes() for r in self.records)
+        transient = sum(r.gradient.bucket.numel() * r.gradient.bucket.element_size() for r in self.records
+                        if r.gradient.bucket is not None and r.gradient.buffer is None)
         transient += sum(pool.nbytes() for pool in self._pools.values())
         return persistent, transient

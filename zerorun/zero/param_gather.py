@@ -80,8 +80,8 @@ from zerorun.zero.unit.storage import GatherPool, ParamState
 
 
 class ParamGatherer:
-    """Gathers and releases records' units; each record carries its own counts and plan
-    (``in_use``, ``users``, ``keep_after``, ``keep_for_backward``)."""
+    """Gathers and releases records' units; each record carries its own counts and plan in
+    ``record.gathering`` (unit/parts.py), which only this class writes."""
 
     def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
                  *, max_reuse_distance: int = 0, holder_records: dict[nn.Module, list[UnitRecord]] | None = None):
@@ -132,7 +132,7 @@ class ParamGatherer:
             self._hook(module)
         for records in self.module_records.values():
             for record in records:
-                record.users += 1
+                record.gathering.add_user()
         self.root = root
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         root.register_forward_hook(self._root_post_forward)
@@ -176,7 +176,7 @@ class ParamGatherer:
         if not (self._in_forward or is_recomputing()):
             name = next(n for n, p in zip(record.unit.names, record.unit.params, strict=True) if p is param)
             return param_access.refusal(name)
-        record.in_use += 1
+        record.gathering.hold()
         self._pinned.append(record)
         record.unit.gather(self.group)
         self._unwatch(record)
@@ -209,7 +209,7 @@ class ParamGatherer:
 
     def _unpin(self) -> None:
         for record in self._pinned:
-            record.in_use -= 1
+            record.gathering.let_go()
         self._pinned = []
 
     def _undo_promotions(self) -> None:
@@ -244,15 +244,15 @@ class ParamGatherer:
                 self._demote(module, record)
             if record not in self._records_of(caller):
                 self.module_records.setdefault(caller, []).append(record)
-                record.users += 1
+                record.gathering.add_user()
                 self._hook(caller)
         self._stranded = {}
 
     def _pre_forward(self, module, args, kwargs):
         holds = self.holder_records.get(module)
         if holds:
-            gathering = self._records_of(module)
-            stranded = [r for r in holds if r.in_use == 0 and r not in gathering]
+            own = self._records_of(module)
+            stranded = [r for r in holds if r.gathering.in_use == 0 and r not in own]
             if stranded:
                 self._promote(module, stranded)
         records = self.module_records.get(module)
@@ -266,13 +266,13 @@ class ParamGatherer:
             self._calls.append(position)
             self._recording.append(module)
         for record in records:
-            record.in_use += 1
+            record.gathering.hold()
             record.unit.gather(self.group)
             self._unwatch(record)
         if recomputing:
             return None
         self._prefetch_forward(module)
-        if torch.is_grad_enabled() and any(r.users > 1 for r in records):
+        if torch.is_grad_enabled() and any(r.gathering.users > 1 for r in records):
             return self._hook_inputs(module, args, kwargs)
         return None
 
@@ -286,9 +286,9 @@ class ParamGatherer:
         recomputing = is_recomputing()
         position = self._calls.pop() if not recomputing and self._calls else -1  # in forward_order
         for record in records:
-            record.in_use -= 1
-            kept = self._on_order and position in record.keep_after  # Note [kept gathered]
-            if record.in_use == 0 and not recomputing:
+            record.gathering.let_go()
+            kept = self._on_order and position in record.gathering.keep_after  # Note [kept gathered]
+            if record.gathering.in_use == 0 and not recomputing:
                 if kept:
                     self._watch_kept(record)
                 else:
@@ -320,8 +320,8 @@ class ParamGatherer:
                 {r.index: r.unit.layout.numel for r in self.records}, self.max_reuse_distance,
             )
             for record in self.records:
-                record.keep_after = frozenset(p for p, kept in keep_after.items() if record.index in kept)
-                record.keep_for_backward = record.index in keep_for_backward
+                record.gathering.plan(frozenset(p for p, kept in keep_after.items() if record.index in kept),
+                                      record.index in keep_for_backward)
         self._release_idle(for_backward=torch.is_grad_enabled())
 
     def _prefetch_forward(self, module: nn.Module) -> None:
@@ -375,12 +375,12 @@ class ParamGatherer:
         its inputs pass through ``_AfterBackward``, whose backward runs when the module's whole
         backward has produced their gradients, and so before the backward hook of the module
         that made them (a tensor hook on the same input would run after that hook's gather)."""
-        records = [r for r in self._records_of(module) if r.users > 1]
+        records = [r for r in self._records_of(module) if r.gathering.users > 1]
 
         def after_backward() -> None:
             if not is_recomputing():
                 for record in records:
-                    if record.in_use == 0:
+                    if record.gathering.in_use == 0:
                         record.unit.release()
 
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -394,7 +394,7 @@ class ParamGatherer:
 
     def unit_grads_done(self, record: UnitRecord) -> None:
         """All of ``record``'s gradients arrived: its values are not needed any more."""
-        if record.unit.partitioned and record.in_use == 0:
+        if record.unit.partitioned and record.gathering.in_use == 0:
             record.unit.release()
 
     def finish_backward(self) -> None:
@@ -403,8 +403,8 @@ class ParamGatherer:
 
     def _release_idle(self, for_backward: bool = False) -> None:
         for record in self.records:
-            held = for_backward and record.keep_for_backward
-            if record.in_use == 0 and record.unit.state is not ParamState.SHARDED and not held:
+            held = for_backward and record.gathering.keep_for_backward
+            if record.gathering.in_use == 0 and record.unit.state is not ParamState.SHARDED and not held:
                 record.unit.release()
 
     def release_all(self) -> None:

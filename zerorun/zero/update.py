@@ -12,7 +12,8 @@ at most ``zero.update_bucket_size`` elements, one call each (the multi-tensor pa
 Per unit: its state home (``record.state_home``, offload/placements.py) makes master and state
 resident and stages the fp32 gradient chunk beside them; the gradient is unscaled by
 1 / (data-parallel world x loss scale); clipped when asked; the optimizer steps; the master is
-published into the model's chunk; and the home puts master and state away.
+published into the model's chunk; and the home puts master and state away. This module alone
+writes a record's ``update`` part (unit/parts.py): the norm piece, the update done, the pending work.
 
 Note [update while backward runs]: with an offloaded optimizer the host would sit idle through
 backward and the device through the update. So at an accumulation boundary each unit's work is
@@ -144,7 +145,7 @@ class UnitUpdater:
             return
         if not self._window.needs_norm:
             record.state_home.prefetch(record)  # NVMe: read-ahead while the gradient is staged
-        record.pending = self._worker.submit(self._early_work, record, self._window)
+        record.update.submit(self._worker.submit(self._early_work, record, self._window))
 
     def _early_work(self, record: UnitRecord, window: _Window) -> None:
         if window.needs_norm:
@@ -159,7 +160,7 @@ class UnitUpdater:
         self._wait_for_worker()
         if window.needs_norm:
             for record in self.records:
-                if record.grad_square is None:
+                if record.update.square is None:
                     self._norm_piece(record, window)
         norm: float | None = None
         overflow = False
@@ -169,34 +170,33 @@ class UnitUpdater:
         applied = loss_scaler.update(overflow)
         if applied:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm is not None and norm > clip else 1.0
-            for batch in update_batches([r for r in self.records if not r.updated], self.update_bucket_size):
+            for batch in update_batches([r for r in self.records if not r.update.updated], self.update_bucket_size):
                 self._apply(batch, window, coefficient)
             refresh_replicas(self.records, self.group)
         for record in self.records:
-            record.grad_square, record.updated = None, False
+            record.update.close_window()
         self._window = None
         return applied, norm
 
     def _wait_for_worker(self) -> None:
         for record in self.records:
-            if record.pending is not None:
-                record.pending.result()  # re-raises what failed on the worker
-                record.pending = None
+            record.update.collect()  # re-raises what failed on the worker
 
     def _norm_piece(self, record: UnitRecord, window: _Window) -> None:
         """This unit's share of the squared norm, computed where the gradient already is (a
         unit-sized temporary, never a staged copy: Note [unit-sized gradient staging])."""
         unscaled = device_gradient(record) * window.inverse
-        record.grad_square = unscaled.pow(2).sum()
+        record.update.set_square(unscaled.pow(2).sum())
 
     def _global_norm(self) -> float:
         """L2 norm over every rank's chunks; padding is zero, tied weights are counted once."""
         device = self.records[0].unit.device if self.records else torch.device("cpu")
         squares = torch.zeros(1, dtype=torch.float32, device=device)
         for record in self.records:  # unit order, whichever thread computed each piece
-            if record.grad_square is None:
+            square = record.update.square
+            if square is None:
                 raise InternalError(f"unit {record.index}: the global norm was asked for before its piece")
-            squares += record.grad_square.to(device)
+            squares += square.to(device)
         if self.shard_world > 1:
             collectives.all_reduce(squares, group=self.group)
         return float(squares.sqrt())
@@ -218,7 +218,7 @@ class UnitUpdater:
                 for record in records:
                     record.master.grad = None
                     record.state_home.publish(record)
-                    record.updated = True
+                    record.update.mark_updated()
 
 
     # -- inspection ----------------------------------------------------------------------

@@ -63,7 +63,7 @@ def make_master(unit: FlatUnit, location: str, memory: HostMemory | None = None)
 def device_gradient(record: UnitRecord) -> torch.Tensor:
     """The unit's fp32 gradient chunk where the reduction left it (the accumulator itself when
     it is fp32); zeros for a lazy shard that no backward created this window."""
-    grad = record.grad
+    grad = record.gradient.chunk
     if grad is None:
         return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32, device=record.unit.device)
     return grad if grad.dtype == torch.float32 else grad.float()
@@ -72,7 +72,7 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
 def host_gradient(record: UnitRecord) -> torch.Tensor:
     """The unit's fp32 gradient chunk copied to the host (Note [unit-sized gradient staging]
     in offload/placements.py); zeros for a lazy shard that no backward created this window."""
-    grad = record.grad
+    grad = record.gradient.chunk
     if grad is None:
         return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32)
     return grad.to(HOST, dtype=torch.float32)

@@ -5,11 +5,11 @@ thread that writes behind (Note [file buffers]).
 
     pytest tests/unit/test_placements.py tests/unit/test_offload_io.py tests/e2e/test_nvme_faults.py
 
-``OnFile`` is one of the placements of offload/placements.py (the ``Placement`` protocol); it
-composes the pieces it shares with the others (offload/master.py: the master, host staging,
-publishing; offload/pinned.py: its host memory) instead of inheriting them. Every read and
-write checks its byte count (offload/file_io.py); the files are this process's scratch
-(offload/scratch.py).
+``OnFile`` is one of the placements of offload/placements.py (the ``Placement`` protocol of
+unit/placement.py); it composes the pieces it shares with the others (offload/master.py: the
+master, host staging, publishing; offload/pinned.py: its host memory) instead of inheriting
+them. Every read and write checks its byte count (offload/file_io.py); the files are this
+process's scratch (offload/scratch.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Placements: where a unit's tensors live between uses, behind one protocol (``Placement``).
+"""Placements: where a unit's tensors live between uses, behind one protocol (``Placement``,
+unit/placement.py, which imports no record; so this module imports the record with no cycle).
 
 Each record holds two: ``record.state_home`` (its fp32 master and optimizer state) and
 ``record.param_home`` (its stage-3 model-dtype chunk). Everything that depends on offload is
@@ -28,38 +29,18 @@ files) on CPU, which is what the CPU test suite exercises.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
-from typing import Protocol
+from contextlib import contextmanager
 
 import torch
 
 from zerorun.zero.offload.master import device_gradient, host_gradient, make_master, master_source, memory_nbytes, publish
 from zerorun.zero.offload.nvme import OnFile
 from zerorun.zero.offload.pinned import HostMemory
-from zerorun.zero.unit.record import UnitRecord
+from zerorun.zero.unit.record import Home, UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
 
 # Placements and the helpers callers of this module import from it (master.py, nvme.py).
-__all__ = ["Placement", "OnDevice", "OnHost", "OnFile", "placement_from_config", "device_gradient", "master_source"]
-
-
-class Placement(Protocol):
-    """Where one role's tensors of a unit live; each method's comment says what it does."""
-
-    location: str  # the memory_breakdown key its bytes count under: device, host, nvme
-    overlaps_backward: bool  # updates run on a worker thread during the boundary backward
-    updates_alone: bool  # one unit per optimizer call (else groups of units: Note [bounded update])
-    host_kernels: bool  # Note [host optimizer kernels]
-
-    def make_master(self, unit: FlatUnit) -> torch.Tensor: ...  # created once, where the state lives
-    def place_shard(self, chunk: torch.Tensor, index: int) -> torch.Tensor: ...  # Note [host shards]
-    def stage_gradient(self, record: UnitRecord) -> torch.Tensor: ...  # the fp32 chunk, beside the master
-    def publish(self, record: UnitRecord) -> None: ...  # the updated master into the model's chunk
-    # Master and state are in memory inside (NVMe: the file read in, written back on leaving).
-    def resident(self, record: UnitRecord, optimizer) -> AbstractContextManager[None]: ...
-    def prefetch(self, record: UnitRecord) -> None: ...  # start making it resident early
-    def settle(self, records: list[UnitRecord]) -> None: ...  # wait for every write behind
-    def nbytes(self, records: list[UnitRecord], optimizer) -> dict[str, int]: ...  # masters + state by location
+__all__ = ["OnDevice", "OnHost", "OnFile", "placement_from_config", "device_gradient", "master_source"]
 
 
 class OnDevice:
@@ -149,7 +130,7 @@ class OnHost:
         return found
 
 
-def placement_from_config(offload, *, rank: int, role: str = "optimizer") -> Placement:
+def placement_from_config(offload, *, rank: int, role: str = "optimizer") -> Home:
     """The placement ``zero.offload_{role}`` (an OffloadConfig) names: role "optimizer" for
     master and state, "param" for stage-3 chunks."""
     if offload.device == "cpu":
