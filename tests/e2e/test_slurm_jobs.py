@@ -132,6 +132,48 @@ def test_srun_one_launcher_per_node_and_srun_python_train_the_same(cluster, refe
     assert_same_training(plain, reference)
 
 
+def summary_rows(text: str) -> dict[int, list[str]]:
+    """Rank -> the cells of its row in the end-of-run summary table printed in ``text``."""
+    rows = {}
+    for line in text.split("zerorun summary", 1)[1].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+        if len(cells) > 3 and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    return rows
+
+
+def test_srun_ntasks_per_node_1_node_0_shows_and_records_every_rank(cluster, tmp_path):
+    """Note [one view under srun]: node 0's launcher prints the one summary, with every rank
+    of every node, and its metrics.jsonl and ``zerorun report`` cover them; node 1's launcher
+    prints its workers' lines and one line pointing at node 0's summary."""
+    steps = 5
+    done = cluster.run(["srun", "-N2", "--ntasks-per-node=1", *zerorun_cmd(str(TRAIN), str(steps), str(tmp_path)).split()],
+                       cwd=tmp_path, env=job_env(cluster), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert out.count("zerorun summary") == 1, out  # node 0's only: node 1's would repeat it
+    rows = summary_rows(out)
+    assert sorted(rows) == [0, 1], out
+    assert rows[0][1:3] == ["n1", str(steps)] and rows[1][1:3] == ["n2", str(steps)], rows
+    assert not any("?" in cell or cell == "-" for row in rows.values() for cell in row), rows  # real figures
+    assert out.count("job throughput:") == 1
+    assert "zerorun: node 1: its rank 1 is in the job-wide summary in node 0's output (n1)" in out
+    assert "no job-wide view" not in out and "may be missing" not in out
+    run = tmp_path / "zerorun-runs"
+    node0 = next(run.glob("slurm-*/node0"))
+    records = [json.loads(line) for line in (node0 / "metrics.jsonl").read_text().splitlines()]
+    assert sorted((r["rank"], r["host"], r["step"]) for r in records if r["kind"] == "step") == [
+        (rank, host, step) for rank, host in ((0, "n1"), (1, "n2")) for step in range(1, steps + 1)]
+    assert not (node0 / "job-view.json").exists()  # removed at the end
+    report = subprocess.run([str(BIN / "zerorun"), "report", "--format", "terminal", str(node0)], capture_output=True,
+                            text=True, timeout=60, env={**job_env(cluster), "COLUMNS": "120"})
+    assert report.returncode == 0, report.stderr
+    table = {int(words[0]): words[1:3] for words in map(str.split, report.stdout.splitlines())
+             if len(words) > 3 and words[0].isdigit() and words[2].isdigit()}
+    assert table == {0: ["n1", str(steps)], 1: ["n2", str(steps)]} and "2 ranks," in report.stdout, report.stdout
+    assert live_workers(tmp_path) == []
+
+
 def test_two_launchers_on_one_node_are_refused_at_once(cluster, tmp_path):
     started = time.monotonic()
     done = cluster.run(["srun", "-N1", "-n2", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],

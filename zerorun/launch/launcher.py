@@ -21,6 +21,7 @@ from pathlib import Path
 
 from zerorun.errors import HostfileError, LaunchError
 from zerorun.launch import slurm
+from zerorun.launch.slurm import StepRole
 from zerorun.worker import preemption_grace
 from zerorun.worker.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
 from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
@@ -79,6 +80,8 @@ class PreparedJob:
     # checkpoint.on_signal / checkpoint.requeue (Note [Slurm signals]).
     save_on_signal: bool = False
     requeue: bool = False
+    # This launcher's node of an ``srun ... zerorun`` step (mode "step"), else None.
+    step_role: StepRole | None = None
 
     def node_commands(self) -> dict[str, list[str]]:
         """The agent command each host runs (what --dry-run shows; the supervisor builds the same)."""
@@ -263,7 +266,7 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
                        hang_warn_s=hang_warning_after(environ, config.telemetry.hang_after_s),
                        slurm=context, mode=mode, save_on_signal=config.checkpoint.on_signal,
                        requeue=config.checkpoint.requeue,
-                       startup_timeout_s=config.telemetry.startup_timeout_s)
+                       startup_timeout_s=config.telemetry.startup_timeout_s, step_role=role)
 
 
 def _job_hosts(options: LaunchOptions, environ: Mapping[str, str], context, mode: str, gpu_counter):
@@ -562,6 +565,21 @@ def requeue_slurm_job(job_id: int) -> str | None:
     return None
 
 
+def step_view(job: PreparedJob, default, extra: dict):
+    """Under ``srun ... zerorun`` on several nodes: node 0's view shows every node's ranks and
+    the others forward theirs to it (Note [one view under srun] in job_view.py)."""
+    role = job.step_role
+    if role is None or len(role.nodes) < 2:
+        return default
+    from zerorun.launch import job_view
+
+    extra.update(nodes=role.nodes, per_node=len(job.plan.nodes[0].workers))
+    if role.node_rank == 0:
+        return job_view.JobWideView
+    extra["node_rank"] = role.node_rank
+    return job_view.NodeView
+
+
 def execute(job: PreparedJob, view_factory=None):
     """Pre-flight, write the run dir, start and supervise; returns a JobResult."""
     from zerorun.launch import early_signals
@@ -590,6 +608,7 @@ def execute(job: PreparedJob, view_factory=None):
         from zerorun.ui.live import JobView as view_factory
 
         extra["stream"] = ForgivingStream(sys.stdout)
+        view_factory = step_view(job, view_factory, extra)
     view = view_factory(
         run_dir=Path(job.plan.run_dir), token=job.token, world_size=job.plan.world_size,
         dashboard=job.options.dashboard, **extra,

@@ -104,11 +104,22 @@ class JobView:
         if self._console is None:  # stop() without start(): still report
             self._console = Console(file=self._stream, width=140, no_color=True, highlight=False)
         with self._lock:
-            if self._live is None and snapshot.accepted:
+            if self._live is None and snapshot.accepted and self.shows_status():
                 # The plain mode's last status line: the figures at the end, as the summary has them.
                 print(draw.render_plain(snapshot), file=self._stream, flush=True)
-            self._console.print(draw.render_summary(snapshot, failed=failed, interrupted=interrupted))
+            words = self.closing_words(snapshot, failed=failed, interrupted=interrupted)
+            if words is not None:
+                self._console.print(words)
         self.collector.close()
+
+    # Two hooks for a node whose ranks are shown by another launcher (launch/job_view.py).
+    def shows_status(self) -> bool:
+        """Whether the plain mode prints status lines (the job's figures) besides worker lines."""
+        return True
+
+    def closing_words(self, snapshot, *, failed: bool, interrupted: bool):
+        """What ``stop`` prints last: the end-of-run summary (None: nothing)."""
+        return draw.render_summary(snapshot, failed=failed, interrupted=interrupted)
 
     def _plain_loop(self) -> None:
         ticks_per_status = max(1, round(self.status_interval_s / _TICK_S))
@@ -120,7 +131,7 @@ class JobView:
             if hang is not None and hang.seq not in self._reported_hangs:
                 self._reported_hangs.add(hang.seq)
                 self._print("[zerorun] " + draw.hang_message(snapshot))
-            if tick % ticks_per_status == 0 and snapshot.accepted:
+            if tick % ticks_per_status == 0 and snapshot.accepted and self.shows_status():
                 self._print(draw.render_plain(snapshot))
 
     def _print(self, text: str) -> None:
