@@ -151,22 +151,27 @@ class GradReducer:
                     self._create_full(record)
         else:
             self._create_chunks()
-            largest: dict[tuple, int] = {}
-            users: dict[tuple, int] = {}
-            for record in records:
-                unit = record.unit
-                key = (unit.dtype, unit.device)
-                largest.setdefault(key, 0)
-                users.setdefault(key, 0)
-                if not self._reduces_in_place(unit):
-                    largest[key] = max(largest[key], unit.layout.padded_numel)
-                    users[key] += 1
-            for (dtype, device), numel in largest.items():
-                self._pools[(dtype, device)] = BucketPool(numel, dtype, device, keep=MAX_IN_FLIGHT + 1,
-                                                          users=users[(dtype, device)])
+            self._pools = self._bucket_pools(records)
         for record in records:  # the hooks live as long as the parameters
             for position, param in enumerate(record.unit.params):
                 param.register_post_accumulate_grad_hook(functools.partial(self._arrive, record, position))
+
+    @classmethod
+    def _bucket_pools(cls, records: list[UnitRecord]) -> dict[tuple, BucketPool]:
+        """REDUCE_SCATTER: one pool per (dtype, device), its buffers the size of the largest
+        unit that needs a bucket (Note [bucket reuse])."""
+        largest: dict[tuple, int] = {}
+        users: dict[tuple, int] = {}
+        for record in records:
+            unit = record.unit
+            key = (unit.dtype, unit.device)
+            largest.setdefault(key, 0)
+            users.setdefault(key, 0)
+            if not cls._reduces_in_place(unit):
+                largest[key] = max(largest[key], unit.layout.padded_numel)
+                users[key] += 1
+        return {(dtype, device): BucketPool(numel, dtype, device, keep=MAX_IN_FLIGHT + 1, users=users[(dtype, device)])
+                for (dtype, device), numel in largest.items()}
 
     # -- during backward -------------------------------------------------------------------
     def _arrive(self, record: UnitRecord, position: int, param: torch.Tensor) -> None:
