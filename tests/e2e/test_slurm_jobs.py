@@ -174,6 +174,28 @@ def test_srun_ntasks_per_node_1_node_0_shows_and_records_every_rank(cluster, tmp
     assert live_workers(tmp_path) == []
 
 
+def test_srun_ntasks_per_node_1_without_node_0_in_reach_keeps_the_per_node_views(cluster, tmp_path):
+    """A node that cannot reach node 0's view (here: each node's run directory elsewhere, as on
+    a filesystem the nodes do not share) trains on, prints one line saying so and its own
+    summary; node 0's summary names the node it lacks. Nothing waits longer than a few seconds."""
+    runs = tmp_path / "runs"
+    command = zerorun_cmd("--run-dir", f"{runs}/base-$SLURM_NODEID", str(TRAIN), str(STEPS), str(tmp_path))
+    started = time.monotonic()
+    done = cluster.run(["srun", "-N2", "--ntasks-per-node=1", "bash", "-c", f"exec {command}"], cwd=tmp_path,
+                       env=job_env(cluster), timeout=120)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert len(json.loads((tmp_path / "losses.json").read_text())) == STEPS
+    assert out.count("node 1: no job-wide view on node 0 (") == 1, out
+    assert "base-1/node0/job-view.json did not appear" in out and "this node shows its own rank 1" in out
+    assert "node 1 (n2): it did not connect, so its rank 1 may be missing here" in out
+    assert out.count("zerorun summary") == 2 and "job-wide summary" not in out  # each node its own, as before
+    assert not list(runs.glob("*/node0/job-view.json"))
+    assert elapsed < 60, elapsed  # the connect window (120 s) is not waited out at the end
+    assert live_workers(tmp_path) == []
+
+
 def test_two_launchers_on_one_node_are_refused_at_once(cluster, tmp_path):
     started = time.monotonic()
     done = cluster.run(["srun", "-N1", "-n2", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],

@@ -162,6 +162,17 @@ def test_no_file_fails_once_within_the_window_and_drops_later_events(tmp_path):
     assert sender.state == "failed" and not sender.finish(timeout_s=1.0) and len(failures) == 1
 
 
+def test_a_node_ending_before_it_reached_node_0_says_why_it_did_not(tmp_path):
+    failures: list = []
+    sender = forwarder(tmp_path, failures, window_s=60.0)
+    sender.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert not sender.finish(timeout_s=30.0)
+    assert time.monotonic() - started < job_view.DRAIN_UNCONNECTED_S + 2  # a short wait, not the window
+    assert len(failures) == 1 and "did not appear" in failures[0], failures
+
+
 def test_node_0_gone_mid_run_is_one_line_and_never_blocks_the_sender(tmp_path):
     view, server, sender, failures = connected(tmp_path)
     sender.telemetry(step(1, "node1", 1))

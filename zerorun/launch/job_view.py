@@ -324,6 +324,7 @@ class ViewForwarder:
         self.connect_window_s = CONNECT_WINDOW_S if connect_window_s is None else connect_window_s
         self.state = "connecting"  # -> "live" -> "done", or -> "failed"
         self.dropped = 0
+        self.last_error = "node 0 was not reached"  # why the last try to connect failed
         self._buffer: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._cond = threading.Condition()
@@ -361,7 +362,8 @@ class ViewForwarder:
         # Still connecting at the end (node 0 not yet up, or never): a short wait only.
         self._thread.join(timeout=timeout_s if self.state == "live" else min(timeout_s, DRAIN_UNCONNECTED_S))
         if self._thread.is_alive():
-            self._fail("node 0 did not take this node's last records in time")
+            connecting = self.state == "connecting"
+            self._fail(self.last_error if connecting else "node 0 did not take this node's last records in time")
         sock = self._sock
         if sock is not None:
             sock.close()
@@ -401,25 +403,24 @@ class ViewForwarder:
         """Read node 0's file and connect, again until it works or the window closes (a file
         of an earlier run of the step can be there before node 0 writes its own)."""
         deadline = time.monotonic() + self.connect_window_s
-        last = "no attempt"
         while True:
             try:
                 port, token = read_view_file(self.path)
             except FileNotFoundError:
-                last = (f"{self.path} did not appear (node 0 not started, or the run directory is not on a "
-                        "filesystem every node sees)")
+                self.last_error = (f"{self.path} did not appear (node 0 not started, or the run directory is "
+                                   "not on a filesystem every node sees)")
             except (OSError, ValueError) as err:
-                last = f"cannot read {self.path}: {err}"
+                self.last_error = f"cannot read {self.path}: {err}"
             else:
                 try:
                     return self._hello(port, token)
                 except OSError as err:
-                    last = f"cannot reach node 0 at {self.host}:{port}: {err}"
+                    self.last_error = f"cannot reach node 0 at {self.host}:{port}: {err}"
             with self._cond:
                 if self.state == "failed":
-                    raise OSError(last)
+                    raise OSError(self.last_error)
             if time.monotonic() >= deadline:
-                raise OSError(f"{last} (tried for {self.connect_window_s:g} s)")
+                raise OSError(f"{self.last_error} (tried for {self.connect_window_s:g} s)")
             time.sleep(0.2)
 
     def _hello(self, port: int, token: str) -> socket.socket:
