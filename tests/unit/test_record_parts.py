@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerorun
-from zerorun.errors import InternalError
+from zerorun.errors import InternalError, UsageError
 from zerorun.zero.unit.parts import GatheringPart, GradientPart, GradState, UpdatePart
 
 PACKAGE = Path(zerorun.__file__).parent
@@ -123,6 +123,40 @@ def test_pending_work_is_collected_before_the_window_closes():
     healthy.submit(done)
     healthy.collect()
     healthy.close_window()
+
+
+INPUTS = torch.randn(4, 7, generator=torch.Generator().manual_seed(1))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+
+
+def _two_backwards_then_step(offload: str) -> list[torch.Tensor]:
+    from zerorun.zero.engine import initialize
+
+    model = _model()
+    engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        {"zero": {"stage": 2, "offload_optimizer": {"device": offload}}})
+    for _ in range(2):
+        engine.backward(engine(INPUTS).sum())
+    engine.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_a_second_boundary_backward_is_refused_where_the_first_already_updated():
+    """With an offloaded optimizer a unit updates as soon as its gradient is final in the
+    boundary backward (Note [update while backward runs] in update.py), so a second backward
+    before step() would step it twice: one clear line instead. Beside the model nothing
+    updates before step(), and two backwards simply add up."""
+    reference = _model()
+    (2 * reference(INPUTS).sum()).backward()  # the two backwards' gradients, summed
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    for got, expected in zip(_two_backwards_then_step("none"), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-6)
+    with pytest.raises(UsageError, match=r"engine.backward\(\) ran twice at one accumulation boundary"):
+        _two_backwards_then_step("cpu")
 
 
 # -- ownership -----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerorun.errors import InternalError
+from zerorun.errors import InternalError, UsageError
 from zerorun.zero.comm import collectives
 from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
@@ -133,6 +133,13 @@ class UnitUpdater:
     def open_window(self, loss_scaler: LossScaler, clip: float) -> _Window:
         """Before the boundary micro-step's backward: fix the unscale factor and whether the
         global norm is needed (Note [update while backward runs])."""
+        if self._window is not None and any(r.update.pending is not None for r in self.records):
+            # The first boundary backward's gradients already went into updates (or norm
+            # pieces) on the worker; a second would step those units twice, so it is refused.
+            raise UsageError(
+                "engine.backward() ran twice at one accumulation boundary with an offloaded optimizer, which "
+                "updates during the boundary backward: call engine.step() after each boundary backward, or "
+                "raise gradient_accumulation_steps to accumulate the micro-batches")
         self._window = _Window(
             inverse=1.0 / (self.data_parallel_world * loss_scaler.scale),
             needs_norm=clip > 0 or loss_scaler.dynamic or loss_scaler.scale != 1.0,
