@@ -174,6 +174,29 @@ def test_why_slurm_sent_sigterm_comes_from_the_job_record(state, reason, restart
     assert slurm.stop_cause(record, at_start) == cause
 
 
+# ``scontrol -o show node n1,n2`` (slurm-wlm 22.05) 48 s after n2's slurmd was frozen, shortened; at
+# 24 s n2 read State=IDLE+NOT_RESPONDING.
+NODES = ("NodeName=n1 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=4 State=IDLE ThreadsPerCore=1 Partitions=debug\n"
+         "NodeName=n2 Arch=x86_64 CoresPerSocket=1 CPUAlloc=0 CPUTot=4 State=DOWN+NOT_RESPONDING Partitions=debug "
+         "Reason=Not responding [slurm@2026-11-26T07:40:02]\n")
+
+
+def test_the_down_nodes_are_read_from_scontrol():
+    assert slurm.down_nodes(NODES) == ["n2"]
+    assert slurm.down_nodes(NODES.replace("DOWN+NOT_RESPONDING", "IDLE+NOT_RESPONDING")) == ["n2"]  # before DOWN
+    assert slurm.down_nodes(NODES.replace("DOWN+NOT_RESPONDING", "ALLOCATED")) == []
+    assert slurm.down_nodes("") == []
+
+
+def test_a_job_requeued_while_its_node_is_down_ended_of_a_node_failure():
+    """Batch jobs are requeued after NODE_FAIL by default: the record then says only "requeued"."""
+    requeued = slurm.parse_job_record(RECORD.format(state="PENDING", reason="BeginTime", restarts=1, preempt="None"))
+    assert slurm.stop_cause(requeued, 0) == "requeued"
+    assert slurm.stop_cause(requeued, 0, down=["n2"]) == "node failure"
+    running = slurm.parse_job_record(RECORD.format(state="RUNNING", reason="None", restarts=0, preempt="None"))
+    assert slurm.stop_cause(running, 0, down=["n2"]) is None  # Slurm is not ending this job (yet)
+
+
 def test_without_a_record_only_the_time_limit_can_be_told():
     assert slurm.stop_cause(None, end_time=1000, now=995.0) == "time limit"
     assert slurm.stop_cause(None, end_time=1000, now=900.0) is None

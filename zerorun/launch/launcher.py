@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -548,7 +548,25 @@ def slurm_stop_cause(ctx: slurm.SlurmContext | None) -> str | None:
 
     if ctx is None:
         return None
-    return slurm.stop_cause(slurm_job_record(ctx.job_id), ctx.restart_count, end_time=ctx.end_time, now=time.time())
+    record = slurm_job_record(ctx.job_id)
+    ending = record is not None and record.get("JobState", "").upper() not in ("RUNNING", "")
+    down = slurm_down_nodes(ctx.job_nodes) if ending else []
+    return slurm.stop_cause(record, ctx.restart_count, end_time=ctx.end_time, now=time.time(), down=down)
+
+
+def slurm_down_nodes(nodes: Iterable[str], timeout_s: float = 3.0) -> list[str]:
+    """Which of ``nodes`` Slurm has marked down or not responding ([] when it cannot be asked)."""
+    import subprocess
+
+    names = ",".join(nodes)
+    if not names:
+        return []
+    try:
+        done = subprocess.run(["scontrol", "-o", "show", "node", names], capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return slurm.down_nodes(done.stdout) if done.returncode == 0 else []
 
 
 def requeue_slurm_job(job_id: int) -> str | None:

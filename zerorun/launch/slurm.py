@@ -157,7 +157,12 @@ def describe(ctx: SlurmContext | None, reach: Mapping[str, str] | None = None,
 #                                the batch script does not; the kill comes at PreemptTime+grace)
 #   preemption, GraceTime 0      JobState=COMPLETING, Restarts one more than at our start
 #                                (PreemptMode=REQUEUE: already requeued)
-#   a node failure               JobState=NODE_FAIL (or Reason NodeDown/NodeFail)
+#   a node failure               JobState=NODE_FAIL (or Reason NodeDown/NodeFail); batch jobs
+#                                are requeued by default, and then the record says only that
+#                                (PENDING, Restarts one more), while ``scontrol show node``
+#                                still lists the node DOWN (not responding): a job ended or
+#                                requeued with one of its nodes down ended of a node failure
+#                                (tests/e2e/test_slurm_node_failure.py freezes n2's slurmd)
 #
 # A SIGTERM while the record shows none of these (RUNNING, no PreemptTime) is a user's
 # ``scancel --signal=TERM`` or a plain kill: the job is not being ended by Slurm.
@@ -175,11 +180,25 @@ def parse_job_record(text: str) -> dict[str, str]:
     return fields
 
 
+def down_nodes(text: str) -> list[str]:
+    """The nodes ``scontrol -o show node`` lists as down, failing or not responding (pure)."""
+    found = []
+    for line in text.splitlines():
+        record = parse_job_record(line)
+        state = record.get("State", "").upper()
+        if record.get("NodeName") and (state.endswith("*") or any(
+                word in state for word in ("DOWN", "FAIL", "NOT_RESPONDING"))):
+            found.append(record["NodeName"])
+    return found
+
+
 def stop_cause(record: Mapping[str, str] | None, restarts_at_start: int = 0, *, end_time: int | None = None,
-               now: float | None = None) -> str | None:
+               now: float | None = None, down: Iterable[str] = ()) -> str | None:
     """Why Slurm is ending the job, from its record (Note [why Slurm sent SIGTERM]), pure: one of
     STOP_CAUSES, or None when the record says Slurm is not ending it (or there is no record and
-    the time limit is not near)."""
+    the time limit is not near). ``down``: the job's nodes Slurm has marked down; a job Slurm
+    ends or requeues while one of its nodes is down ended because of it (a requeued job's record
+    says only that it was requeued)."""
     if record is None:
         near_limit = end_time is not None and now is not None and now >= end_time - 10
         return "time limit" if near_limit else None
@@ -189,7 +208,8 @@ def stop_cause(record: Mapping[str, str] | None, restarts_at_start: int = 0, *, 
         return "preempted"
     if "TIMEOUT" in state or reason == "TimeLimit":
         return "time limit"
-    if "NODE_FAIL" in state or reason in ("NodeDown", "NodeFail", "Node_Fail"):
+    if "NODE_FAIL" in state or reason in ("NodeDown", "NodeFail", "Node_Fail") or (
+            any(down) and state not in ("RUNNING", "")):
         return "node failure"
     restarts = record.get("Restarts", "")
     if restarts.isdigit() and int(restarts) > restarts_at_start:
