@@ -196,6 +196,34 @@ def test_srun_ntasks_per_node_1_without_node_0_in_reach_keeps_the_per_node_views
     assert live_workers(tmp_path) == []
 
 
+RAISES_ON_N2 = r"""
+import time, zerorun, torch, torch.distributed as dist
+model = torch.nn.Linear(3, 2)
+engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 1}})
+if engine.rank == 1:
+    time.sleep(2)
+    raise ValueError("bad batch on rank 1")
+dist.all_reduce(torch.ones(1))  # rank 0 fails of rank 1's exit, a moment after it
+"""
+
+
+def test_srun_ntasks_per_node_1_node_0_names_the_rank_of_node_1_that_failed_first(cluster, tmp_path):
+    """Note [one cause under srun]: rank 1 raises on n2, rank 0 on n1 fails of it a moment
+    later; node 0's launcher, which supervises rank 0 only, names rank 1 on n2 with its traceback."""
+    (tmp_path / "fail.py").write_text(RAISES_ON_N2)
+    done = cluster.run(["srun", "-l", "-N2", "--ntasks-per-node=1", *zerorun_cmd("fail.py").split()],
+                       cwd=tmp_path, env=job_env(cluster), timeout=120)
+    assert done.returncode != 0
+    node0 = [line[3:] for line in done.stderr.splitlines() if line.startswith("0: ")]
+    closing = [line for line in node0 if line.startswith("zerorun: error:")]
+    assert len(closing) == 1 and "rank 1 on host n2 failed: exit code 1 (its log: " in closing[0], done.stderr[-3000:]
+    assert "/node1/logs/rank1.log" in closing[0]
+    panel = "\n".join(node0)
+    assert "first failure: rank 1 on host n2: exit code 1 (its log: " in panel, panel
+    assert "ValueError: bad batch on rank 1" in panel and "rank 0 on host n1" not in panel
+    assert "zerorun summary (failed" in done.stdout
+
+
 def test_two_launchers_on_one_node_are_refused_at_once(cluster, tmp_path):
     started = time.monotonic()
     done = cluster.run(["srun", "-N1", "-n2", *zerorun_cmd(str(TRAIN), str(STEPS), str(tmp_path)).split()],

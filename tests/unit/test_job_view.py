@@ -72,11 +72,16 @@ def test_forwarded_lines_become_node_0s_events_for_the_senders_ranks_only():
     kind, line = merge_event(job_view.encode({"t": "tel", "line": step(3, "node1", 5).decode()}), ranks, "node0")
     record = json.loads(line)
     assert kind == "tel" and record["token"] == "node0" and record["rank"] == 3 and record["step"] == 5
-    assert merge_event(job_view.encode({"t": "exit", "rank": 2, "rc": -9}), ranks, "node0") == ("exit", 2, -9)
+    assert merge_event(job_view.encode({"t": "exit", "rank": 2, "rc": -9}), ranks, "node0") == ("exit", 2, -9, 0.0, ())
+    failed = {"t": "exit", "rank": 3, "rc": 1, "at": 12.5, "tail": ["Traceback", "ValueError: x"]}
+    assert merge_event(job_view.encode(failed), ranks, "node0") == ("exit", 3, 1, 12.5, ("Traceback", "ValueError: x"))
     assert merge_event(job_view.encode({"t": "done"}), ranks, "node0") == ("done",)
     for event in ({"t": "tel", "line": step(0, "node1", 5).decode()},  # rank 0 is node 0's
                   {"t": "tel", "line": "not json"}, {"t": "tel", "line": 5}, {"t": "exit", "rank": 4, "rc": 0},
-                  {"t": "exit", "rank": 2, "rc": "0"}, {"t": "exit", "rank": True, "rc": 0}, {"t": "out", "line": "x"}):
+                  {"t": "exit", "rank": 2, "rc": "0"}, {"t": "exit", "rank": True, "rc": 0}, {"t": "out", "line": "x"},
+                  {"t": "exit", "rank": 2, "rc": 1, "at": "now"}, {"t": "exit", "rank": 2, "rc": 1, "tail": "x"},
+                  {"t": "exit", "rank": 2, "rc": 1, "tail": [1]},
+                  {"t": "exit", "rank": 2, "rc": 1, "tail": ["x"] * (job_view.FORWARDED_TAIL_LINES + 1)}):
         assert merge_event(job_view.encode(event), ranks, "node0") is None, event
     assert merge_event(b"\xff\xfe\n", ranks, "node0") is None
 
@@ -255,3 +260,91 @@ def test_the_launcher_picks_the_view_by_its_node_of_the_step():
         got: dict = {}
         assert step_view(SimpleNamespace(step_role=role, plan=plan), JobView, got) is expected
         assert got == extra
+
+
+# --- the job's root cause (Note [one cause under srun] in job_cause.py) ----------------------
+
+RAISED = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>',
+          "ValueError: bad batch on rank 1"]
+
+
+def test_the_job_root_cause_is_the_first_failure_of_any_node(tmp_path):
+    from zerorun.launch.job_cause import RemoteExit, job_root_cause
+    from zerorun.launch.supervisor import Failure, format_failure
+
+    # Node 0's rank 0 failed of rank 1's exit (a collective's peer gone) a moment after rank 1 raised.
+    local = (100.4, Failure("n1", 0, "exit code 1", 1, ["RuntimeError: Connection closed by peer"]))
+    remote = [RemoteExit(1, "n2", 1, 1, 100.0, tuple(RAISED))]
+    cause = job_root_cause(local, remote, tmp_path / "slurm-7.0")
+    assert (cause.host, cause.rank, cause.returncode) == ("n2", 1, 1)
+    assert cause.reason == f"exit code 1 (its log: {tmp_path}/slurm-7.0/node1/logs/rank1.log, and node 1's output)"
+    assert cause.traceback == RAISED and "ValueError: bad batch on rank 1" in format_failure(cause)
+    # Node 0's failure first: it stays the cause, and so it does on a tie; no failure at all: None.
+    assert job_root_cause(local, [RemoteExit(1, "n2", 1, 1, 100.5)], tmp_path) is local[1]
+    assert job_root_cause(local, [RemoteExit(1, "n2", 1, 1, 100.4)], tmp_path) is local[1]
+    assert job_root_cause(local, [], tmp_path) is local[1]
+    assert job_root_cause(None, [], tmp_path) is None
+    # Node 0 ended well but a rank of node 1 failed: that is the job's cause.
+    assert job_root_cause(None, remote, tmp_path).rank == 1
+
+
+def test_a_first_failure_that_names_another_nodes_rank_gives_way_to_it(tmp_path):
+    """As the supervisor among local ranks (watchdog.cause_named): the first failure's own
+    error names rank 3, on node 1, which failed later; a rank ended by its launcher's stop does not count."""
+    from zerorun.launch.job_cause import RemoteExit, job_root_cause
+    from zerorun.launch.supervisor import Failure
+
+    named = ["[rank0]: zerorun: error: rank 0: saving the checkpoint failed on rank 3 (its error says why)"]
+    local = (50.0, Failure("n1", 0, "exit code 1", 1, named))
+    later = RemoteExit(1, "n2", 3, 1, 50.2, tuple(RAISED))
+    assert job_root_cause(local, [RemoteExit(1, "n2", 2, 1, 50.1), later], tmp_path).rank == 3
+    assert job_root_cause(local, [RemoteExit(1, "n2", 3, -15, 50.2)], tmp_path) is local[1]  # our own stop
+
+
+def test_node_0_names_the_rank_of_node_1_that_failed_first(tmp_path):
+    """Over the real socket: node 1's failed rank 1 reaches node 0 with its last lines; node 0's
+    view, whose own rank 0 failed after it, names rank 1 on n2 with its traceback and fails."""
+    from zerorun.launch.supervisor import Failure
+
+    nodes = ("127.0.0.1", "127.0.0.1")
+    (tmp_path / "slurm-1.0" / "node1").mkdir(parents=True)
+    (tmp_path / "slurm-1.0" / "node0").mkdir(parents=True)
+    node0_out, node1_out = io.StringIO(), io.StringIO()
+    node0 = JobWideView(run_dir=tmp_path / "slurm-1.0" / "node0", token="node0", world_size=2, dashboard=False,
+                        stream=node0_out, nodes=nodes, per_node=1)
+    node1 = NodeView(run_dir=tmp_path / "slurm-1.0" / "node1", token="node1", world_size=2, dashboard=False,
+                     stream=node1_out, nodes=nodes, per_node=1, node_rank=1)
+    node0.start()
+    node1.start()
+    for line in ["step 1", *RAISED]:
+        node1.on_output("n2", 1, line)
+    node1.on_worker_exit("n2", 1, 1)
+    time.sleep(0.05)
+    node0.on_worker_exit("n1", 0, 1)
+    local = (time.time(), Failure("n1", 0, "exit code 1", 1, ["RuntimeError: Connection closed by peer"]))
+    node1.stop(True)
+    node0.stop(True)
+    cause = node0.job_root_cause(local)
+    assert (cause.host, cause.rank) == ("127.0.0.1", 1) and cause.traceback == RAISED, cause
+    assert "slurm-1.0/node1/logs/rank1.log" in cause.reason
+    assert "zerorun summary (failed" in node0_out.getvalue()
+
+
+def test_node_0_whose_ranks_ended_well_fails_when_a_rank_of_node_1_failed(tmp_path):
+    nodes = ("127.0.0.1", "127.0.0.1")
+    for node in ("node0", "node1"):
+        (tmp_path / "slurm-1.0" / node).mkdir(parents=True)
+    node0_out = io.StringIO()
+    node0 = JobWideView(run_dir=tmp_path / "slurm-1.0" / "node0", token="node0", world_size=2, dashboard=False,
+                        stream=node0_out, nodes=nodes, per_node=1)
+    node1 = NodeView(run_dir=tmp_path / "slurm-1.0" / "node1", token="node1", world_size=2, dashboard=False,
+                     stream=io.StringIO(), nodes=nodes, per_node=1, node_rank=1)
+    node0.start()
+    node1.start()
+    node1.on_worker_exit("n2", 1, -9)
+    node0.on_worker_exit("n1", 0, 0)
+    node1.stop(True)
+    node0.stop(False)
+    cause = node0.job_root_cause(None)
+    assert cause is not None and cause.rank == 1 and cause.reason.startswith("signal SIGKILL"), cause
+    assert "zerorun summary (failed" in node0_out.getvalue()

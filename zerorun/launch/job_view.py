@@ -28,7 +28,9 @@ closed in ``stop``; node 0 removes its file.
 Protocol, node N -> node 0, one JSON object per line:
     {"t": "hello", "token", "node"}   answered with "ok" (or the connection is closed)
     {"t": "tel", "line"}              one raw telemetry line of a worker (its launcher's token)
-    {"t": "exit", "rank", "rc"}       a worker ended
+    {"t": "exit", "rank", "rc", "at", "tail"}   a worker ended; when its launcher saw it (wall
+                                      clock) and, when it failed, its last output lines
+                                      (Note [one cause under srun] in job_cause.py)
     {"t": "done"}                     the node's launcher has seen every worker end
 """
 
@@ -45,6 +47,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from zerorun.launch.job_cause import RemoteExit, job_root_cause
+from zerorun.launch.supervisor import Failure
 from zerorun.ui.live import JobView
 
 VIEW_FILE = "job-view.json"
@@ -59,6 +63,9 @@ SEND_TIMEOUT_S = 30.0
 # At the end, node 0 waits this long for a connected node's "done", a never-connected one's less.
 DRAIN_CONNECTED_S = 10.0
 DRAIN_UNCONNECTED_S = 3.0
+# The output lines a failed rank's exit carries to node 0 (each cut to channel.SHOWN_LINE_CHARS):
+# enough for a traceback, and far below MAX_FORWARD_LINE.
+FORWARDED_TAIL_LINES = 60
 
 
 # --- the protocol (pure) ------------------------------------------------------------------
@@ -107,10 +114,20 @@ def _is_rank(value, ranks: range) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value in ranks
 
 
+def _exit_details(event: dict) -> tuple[float, tuple[str, ...]] | None:
+    """An exit event's time and output tail (both optional: 0.0 and ()), None when malformed."""
+    at, tail = event.get("at", 0.0), event.get("tail", [])
+    if not isinstance(at, (int, float)) or isinstance(at, bool) or not isinstance(tail, list):
+        return None
+    if len(tail) > FORWARDED_TAIL_LINES or not all(isinstance(line, str) for line in tail):
+        return None
+    return float(at), tuple(tail)
+
+
 def merge_event(raw: bytes, ranks: range, token: str) -> tuple | None:
     """A line forwarded by a node whose workers are ``ranks``, as node 0's own event:
-    ("tel", line stamped with node 0's collector token), ("exit", rank, rc), ("done",), or
-    None for anything else (not JSON, another node's rank, an unknown kind)."""
+    ("tel", line stamped with node 0's collector token), ("exit", rank, rc, at, tail),
+    ("done",), or None for anything else (not JSON, another node's rank, an unknown kind)."""
     event = _json_object(raw)
     if event is None:
         return None
@@ -122,8 +139,10 @@ def merge_event(raw: bytes, ranks: range, token: str) -> tuple | None:
         record["token"] = token  # the forwarding node's token is its collector's, not ours
         return ("tel", json.dumps(record, separators=(",", ":")).encode("utf-8", "surrogateescape"))
     if kind == "exit" and _is_rank(event.get("rank"), ranks):
-        rc = event.get("rc")
-        return ("exit", event["rank"], rc) if isinstance(rc, int) and not isinstance(rc, bool) else None
+        rc, details = event.get("rc"), _exit_details(event)
+        if not isinstance(rc, int) or isinstance(rc, bool) or details is None:
+            return None
+        return ("exit", event["rank"], rc, *details)
     if kind == "done":
         return ("done",)
     return None
@@ -176,6 +195,7 @@ class ViewServer:
         self.joined: set[int] = set()
         self.done: set[int] = set()
         self.lost: dict[int, str] = {}
+        self.failed: list[RemoteExit] = []  # the other nodes' failed workers, as they came
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
 
@@ -258,6 +278,9 @@ class ViewServer:
                 self.view.on_telemetry(host, event[1])
             elif event[0] == "exit":
                 self.view.on_worker_exit(host, event[1], event[2])
+                if event[2] != 0:
+                    with self._changed:
+                        self.failed.append(RemoteExit(node, host, *event[1:]))
             else:
                 with self._changed:
                     self.done.add(node)
@@ -338,8 +361,8 @@ class ViewForwarder:
     def telemetry(self, raw_line: bytes) -> None:
         self._put({"t": "tel", "line": raw_line.decode("utf-8", "surrogateescape")})
 
-    def worker_exited(self, rank: int, rc: int) -> None:
-        self._put({"t": "exit", "rank": rank, "rc": rc})
+    def worker_exited(self, rank: int, rc: int, tail: list[str] | None = None) -> None:
+        self._put({"t": "exit", "rank": rank, "rc": rc, "at": time.time(), "tail": tail or []})
 
     def _put(self, event: dict) -> None:
         line = encode(event)
@@ -496,7 +519,15 @@ class JobWideView(JobView):
                 ranks = rank_label(node_ranks(node, server.per_node))
                 self._note(f"node {node} ({server.nodes[node]}): {why}, so its {ranks} may be missing "
                            "here; that node's own output and run directory have them")
+            # A rank of another node that failed fails the job, whatever node 0's own ranks did.
+            failed = failed or bool(server.failed) and not interrupted
         super().stop(failed, interrupted=interrupted)
+
+    def job_root_cause(self, local: tuple[float, Failure] | None) -> Failure | None:
+        """The job's root cause among every node's failures (Note [one cause under srun]), once
+        ``stop`` has taken the other nodes' last events in; ``local``: this node's (when, what)."""
+        failed = [] if self.server is None else list(self.server.failed)
+        return job_root_cause(local, failed, self.run_dir.parent)
 
     def _note(self, text: str) -> None:
         self.on_output("launcher", -1, text)
@@ -513,6 +544,9 @@ class NodeView(JobView):
         self.forwarder = ViewForwarder(path=view_file(self.run_dir), host=nodes[0], node_rank=node_rank,
                                        on_failure=self._forwarding_failed)
         self._delivered = False
+        # Each rank's last output lines: a failed rank's go to node 0 with its exit.
+        self._tails: dict[int, collections.deque[str]] = {
+            rank: collections.deque(maxlen=FORWARDED_TAIL_LINES) for rank in self.ranks}
 
     def start(self) -> None:
         super().start()
@@ -522,9 +556,16 @@ class NodeView(JobView):
         super().on_telemetry(host, raw_line)
         self.forwarder.telemetry(raw_line)
 
+    def on_output(self, host: str, rank: int, line: str) -> None:
+        super().on_output(host, rank, line)
+        tail = self._tails.get(rank)
+        if tail is not None:
+            tail.append(line)
+
     def on_worker_exit(self, host: str, rank: int, returncode: int) -> None:
         super().on_worker_exit(host, rank, returncode)
-        self.forwarder.worker_exited(rank, returncode)
+        tail = self._tails.get(rank, ()) if returncode != 0 else ()
+        self.forwarder.worker_exited(rank, returncode, list(tail))
 
     def shows_status(self) -> bool:
         return self.forwarder.state == "failed"

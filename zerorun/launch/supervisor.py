@@ -209,6 +209,7 @@ class Supervisor:
         }
         self._sink = OutputSink(self.view, logs, self._tails)
         self._failure: Failure | None = None
+        self._failed_at = 0.0  # wall clock: when the first failure came (Note [one cause under srun])
         self._exit_codes: dict[int, int] = {}
         self._running = set(self._tails)
         self._stopping_since: float | None = None
@@ -242,6 +243,9 @@ class Supervisor:
             leftovers = self._confirm_ended()
             self._sink.close()
             self.view.stop(self._failure is not None, interrupted=self._interrupt.is_set())
+        job_root_cause = getattr(self.view, "job_root_cause", None)
+        if job_root_cause is not None:  # one node of several (job_view.JobWideView)
+            self._failure = job_root_cause(None if self._failure is None else (self._failed_at, self._failure))
         # A checkpoint signal that was never passed on (the job ended before every rank made a
         # step) saved nothing: the job ended on its own, and says nothing of a save.
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
@@ -312,6 +316,7 @@ class Supervisor:
     def _fail(self, failure: Failure) -> None:
         if self._failure is None and self._stopping_since is None:
             self._failure = failure
+            self._failed_at = time.time()
             self._stop_all()
 
     def _drain(self) -> None:
