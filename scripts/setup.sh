@@ -9,7 +9,11 @@
 # passes --index-url for torch alone (e.g. PyTorch's CPU wheel index). --test also installs the
 # test extras and, when run as root with apt, the OpenSSH server the multi-node tests use and
 # Debian's slurm-wlm and munge for the Slurm tests (tests/e2e/test_slurm_jobs.py starts its own
-# private cluster with its own config, key and ports; it never uses the system's services).
+# private cluster with its own config, key and ports; it never uses the system's services), and
+# slurmdbd and mariadb-server so that cluster keeps accounting for sacct (it runs a mariadbd and
+# a slurmdbd of its own, on its own ports and sockets: it neither uses nor disturbs the system's
+# services, where apt starts them); these two add about 20 s (apt-get update included; measured
+# on a Debian bookworm container) and 180 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -25,6 +29,9 @@ if [ "${1:-}" = "--test" ]; then
     fi
     if ! command -v slurmctld >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmctld ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge) >/dev/null
+    fi
+    if ! command -v slurmdbd >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmdbd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmdbd mariadb-server) >/dev/null
     fi
 else
     .venv/bin/python -m pip install -q -e .

@@ -1,7 +1,8 @@
 """pytest -m slurm tests/e2e/test_slurm_jobs.py (long: not in the default run) — zerorun on a real (private) Slurm cluster, no SSH.
 
 A module fixture starts munged, slurmctld and two slurmd daemons (nodes n1 and n2, both this
-host; slurm_cluster.py). No sshd is started: every node is reached by srun. The training job is
+host; slurm_cluster.py), and where slurmdbd and mariadb-server are installed a private mariadbd
+and slurmdbd, so ``sacct`` works (the accounting test skips with the reason otherwise). No sshd is started: every node is reached by srun. The training job is
 slurm_train.py (ZeRO-2, 2 ranks); its losses are compared with a local ``zerorun --nproc 2``
 run of the same script, which sees the same batches.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 from launch_helpers import REPO, channel_files, channel_files_of
-from slurm_cluster import SlurmCluster, slurm_available
+from slurm_cluster import NODES, SlurmCluster, slurm_available
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm, pytest.mark.long]  # a real Slurm
 
@@ -290,7 +291,7 @@ def test_scancel_ends_every_worker_within_10_s(cluster, tmp_path, how):
         assert len(pids) == 2
         if how == "salloc":
             # Both nodes' workers run inside srun steps, so Slurm accounts their CPU time there
-            # (sstat: this cluster has no slurmdbd for sacct).
+            # (sstat, which needs no slurmdbd: the cluster may run without accounting).
             wait_for(lambda: len(busy_agent_steps(cluster, job)) == 2, 60, "CPU time in both agent steps")
         cancelled = time.monotonic()
         assert cluster.run(["scancel", job]).returncode == 0
@@ -371,6 +372,8 @@ def test_time_limit_signal_saves_requeues_and_resumes_bit_exactly(cluster, tmp_p
     assert losses == json.loads((reference / "losses.json").read_text())
     assert json.loads((tmp_path / "world.json").read_text())["params"] == \
         json.loads((reference / "world.json").read_text())["params"]
+    # Both starts wrote to one run directory (with accounting on, as on a site with slurmdbd).
+    assert [run.name for run in (tmp_path / "zerorun-runs").iterdir()] == [f"slurm-{job}"]
 
 
 def test_a_real_time_limit_signal_reaches_zerorun_which_saves_and_requeues(cluster, tmp_path):
@@ -423,6 +426,51 @@ def test_a_rank_that_raises_ends_the_job_within_10_s_with_the_root_cause(cluster
     ended_after = time.time() - float((tmp_path / "failed_at").read_text())
     assert ended_after < 10, ended_after
     assert time.monotonic() - started < 90
+
+
+SACCT_FIELDS = ("JobID", "JobName", "NodeList", "State", "ExitCode")
+
+
+def sacct_rows(cluster: SlurmCluster, job: str) -> list[dict[str, str]]:
+    """The job's and its steps' records in accounting, once all of them have ended (slurmctld
+    sends them to slurmdbd a moment after the job ends); else []."""
+    done = cluster.run(["sacct", "-j", job, f"--format={','.join(SACCT_FIELDS)}", "-P", "-n"])
+    rows = [dict(zip(SACCT_FIELDS, line.split("|"), strict=True)) for line in done.stdout.splitlines() if line]
+    # "CANCELLED by 0" and the like: the first word is the state.
+    ended = rows and all(row["State"].split()[0] in FINAL_STATES for row in rows)
+    return rows if ended else []
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_sacct_names_the_failing_nodes_step_as_failed(cluster, tmp_path, failing_rank):
+    """One rank raises under sbatch -N2: the launcher (the batch step, n1, with its own agent)
+    and an agent step on n2 (``srun python -m zerorun.launch.agent``). The agent exits with the
+    status of a worker that failed on its own, so the failing node's record is FAILED with that
+    exit code; an agent the launcher stopped because of another node's failure ends 0."""
+    if cluster.accounting is not None:
+        pytest.skip(cluster.accounting)
+    (tmp_path / "fail.py").write_text(FAILER.replace("engine.rank == 1", f"engine.rank == {failing_rank}"))
+    job = sbatch(cluster, tmp_path, "exec " + zerorun_cmd("fail.py"), "-N2")
+    state = wait_job(cluster, job)
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    node = NODES[failing_rank]
+    assert state == "FAILED", log[-2000:]
+    assert f"rank {failing_rank} on host {node} failed: exit code 1" in log, log[-2000:]
+    rows = wait_for(lambda: sacct_rows(cluster, job), 60, f"job {job}'s records in sacct")
+    by_id = {row["JobID"]: row for row in rows}
+    agent_steps = [row for row in rows if row["JobName"] == "zerorun-agent"]
+    summary = "\n".join("|".join(row.values()) for row in rows)
+    assert by_id[job]["State"] == "FAILED" and by_id[job]["ExitCode"] == "1:0", summary
+    # The launcher's step: the batch script on n1, which exits 1 whichever rank failed.
+    assert by_id[f"{job}.batch"]["NodeList"] == "n1" and by_id[f"{job}.batch"]["State"] == "FAILED", summary
+    # One step runs n2's workers; the pre-flight check before it is a step of its own.
+    assert [row["NodeList"] for row in agent_steps] == ["n2"], summary
+    checks = [row for row in rows if row["JobName"] == "zerorun-check"]
+    assert checks and all(row["State"] == "COMPLETED" for row in checks), summary
+    if failing_rank == 1:
+        assert agent_steps[0]["State"] == "FAILED" and agent_steps[0]["ExitCode"] == "1:0", summary
+    else:  # n1's worker failed; n2's agent was stopped by the launcher, and says so
+        assert agent_steps[0]["State"] == "COMPLETED" and agent_steps[0]["ExitCode"] == "0:0", summary
 
 
 def test_two_jobs_on_one_node_at_once_do_not_collide_on_ports(cluster, tmp_path):

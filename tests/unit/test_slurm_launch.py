@@ -14,6 +14,7 @@ from test_slurm import BATCH, SALLOC, SRUN_TASK
 
 from zerorun.errors import LaunchError
 from zerorun.launch import launcher, slurm
+from zerorun.launch.commands import on_host
 from zerorun.launch.launcher import LaunchOptions, choose_launcher, dry_run_text, prepare, signal_meaning
 from zerorun.launch.plan import Target
 
@@ -66,6 +67,10 @@ def test_salloc_reaches_every_node_by_srun_with_more_workers_than_tasks(job_dir)
     assert command[:1] == ["srun"] and "-w" in command and command[command.index("-w") + 1] == "n2"
     assert {"--export=ALL", "--kill-on-bad-exit=1", "--nodes=1", "--ntasks=1", "--whole"} <= set(command)
     assert command[-3:] == [job.plan.python, "-m", "zerorun.launch.agent"]
+    # In sacct the workers' step and the checks beside it (pre-flight, sweep) are told apart by name.
+    check = on_host("srun", "n2", "/", ["true"])
+    assert "--job-name=zerorun-agent" in command and "--whole" not in check
+    assert "--job-name=zerorun-check" in check and "--overlap" in check
 
 
 def test_the_batch_script_runs_its_own_node_locally(job_dir):

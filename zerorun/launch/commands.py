@@ -120,10 +120,12 @@ def srun_argv(host: str, cwd: str, argv: Iterable[str], *, srun_binary: str = "s
     ``--whole``: the step gets every CPU (and GPU) the job holds on the node, since the agent
     starts all of the node's workers (a plain one-task step gets one CPU). ``--kill-on-bad-exit``
     ends the step when the agent fails. ``overlap``: share the node with running steps (the
-    check that no worker is left after a failed agent).
+    pre-flight, and the check that no worker is left after a failed agent). The step's name tells
+    the two apart in ``sacct``: ``zerorun-agent`` is a node's workers, ``zerorun-check`` one of these.
     """
+    name = "zerorun-check" if overlap else "zerorun-agent"
     head = [srun_binary, "--nodes=1", "--ntasks=1", "-w", host, "--export=ALL", "--kill-on-bad-exit=1",
-            f"--chdir={cwd}", "--job-name=zerorun-agent", "--quiet"]
+            f"--chdir={cwd}", f"--job-name={name}", "--quiet"]
     head.append("--overlap" if overlap else "--whole")
     return [*head, "--", *argv]
 
