@@ -84,7 +84,7 @@ def test_worker_env_puts_the_shim_first_and_keeps_the_users_path():
 
 
 def test_the_launcher_gives_every_worker_the_shim(tmp_path):
-    from zerorun.launch.launcher import LaunchOptions, prepare
+    from zerorun.launch.prepare import LaunchOptions, prepare
     from zerorun.launch.plan import Target
 
     (tmp_path / "train.py").write_text("")

@@ -247,7 +247,7 @@ def test_a_node_whose_forwarding_fails_shows_its_own_view(tmp_path, monkeypatch)
 def test_the_launcher_picks_the_view_by_its_node_of_the_step():
     from types import SimpleNamespace
 
-    from zerorun.launch.launcher import step_view
+    from zerorun.launch.run_job import step_view
     from zerorun.launch.slurm import StepRole
 
     plan = SimpleNamespace(nodes=[SimpleNamespace(workers=[object(), object()])])

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerorun.errors import HostfileError, LaunchError
-from zerorun.launch.launcher import LaunchOptions, prepare, resolve_hosts
+from zerorun.launch.job_hosts import resolve_hosts
+from zerorun.launch.prepare import LaunchOptions, prepare
 from zerorun.launch.plan import Target, build_plan, describe_plan
 
 TOKEN = "deadbeef" * 4

@@ -12,7 +12,7 @@ from test_slurm_launch import job_dir  # noqa: F401  (the fixture)
 
 from zerorun.errors import LaunchError
 from zerorun.launch import slurm
-from zerorun.launch.launcher import LaunchOptions, prepare
+from zerorun.launch.prepare import LaunchOptions, prepare
 from zerorun.launch.plan import Target
 
 

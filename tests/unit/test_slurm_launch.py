@@ -13,18 +13,20 @@ import pytest
 from test_slurm import BATCH, SALLOC, SRUN_TASK
 
 from zerorun.errors import LaunchError
-from zerorun.launch import launcher, slurm
+from zerorun.launch import job_hosts, prepare as prepare_module, slurm
 from zerorun.launch.commands import on_host
-from zerorun.launch.launcher import LaunchOptions, choose_launcher, dry_run_text, prepare, signal_meaning
+from zerorun.launch.job_hosts import choose_launcher
+from zerorun.launch.prepare import LaunchOptions, dry_run_text, prepare
+from zerorun.launch.signals import signal_meaning
 from zerorun.launch.plan import Target
 
 
 @pytest.fixture
 def job_dir(tmp_path, monkeypatch):
     (tmp_path / "train.py").write_text("print('hi')\n")
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(launcher.socket, "gethostname", lambda: "login1")
-    monkeypatch.setattr(launcher.socket, "getfqdn", lambda: "login1.cluster")
+    monkeypatch.setattr(job_hosts.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(job_hosts.socket, "gethostname", lambda: "login1")
+    monkeypatch.setattr(job_hosts.socket, "getfqdn", lambda: "login1.cluster")
     return tmp_path
 
 
@@ -112,7 +114,7 @@ def test_local_ignores_the_allocation_and_ssh_still_works(job_dir):
 
 
 def test_no_srun_on_path_is_a_clear_error(job_dir, monkeypatch):
-    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    monkeypatch.setattr(job_hosts.shutil, "which", lambda name: None)
     with pytest.raises(LaunchError, match="srun is not on PATH"):
         prep(job_dir, SALLOC)
 
@@ -128,7 +130,7 @@ def test_checkpoint_on_signal_arms_every_worker(job_dir):
     (job_dir / "z.yaml").write_text("checkpoint: {dir: ckpt, on_signal: true, requeue: true}\n")
     job = prep(job_dir, SALLOC, config="z.yaml")
     assert job.save_on_signal and job.requeue
-    assert all(w.env[launcher.SAVE_ON_SIGNAL_ENV] == "1" for w in job.plan.workers)
+    assert all(w.env[prepare_module.SAVE_ON_SIGNAL_ENV] == "1" for w in job.plan.workers)
     assert "saves a checkpoint at the next step, then stops; then scontrol requeue" in dry_run_text(job)
     assert "SIGTERM of a preemption (the job's record says so) saves like SIGUSR1" in dry_run_text(job)
 
@@ -163,7 +165,7 @@ def test_zerorun_env_reports_the_allocation_and_how_nodes_are_reached():
 
 def test_a_slurm_run_directory_is_named_by_the_job_and_a_requeued_start_continues_it(tmp_path):
     from zerorun.launch import slurm
-    from zerorun.launch.launcher import default_run_dir
+    from zerorun.launch.prepare import default_run_dir
 
     first = slurm.detect({"SLURM_JOB_ID": "4242"})
     path = default_run_dir(str(tmp_path), first)
@@ -183,11 +185,11 @@ def test_a_preemption_that_killed_the_workers_says_what_the_requeued_job_resumes
     from types import SimpleNamespace
 
     from zerorun.cli import run
-    from zerorun.launch import launcher, slurm
+    from zerorun.launch import signals, slurm
 
     ctx = slurm.detect({"SLURM_JOB_ID": "77"})
     asked = []
-    monkeypatch.setattr(launcher, "requeue_slurm_job", lambda job_id: asked.append(job_id))
+    monkeypatch.setattr(signals, "requeue_slurm_job", lambda job_id: asked.append(job_id))
     job = SimpleNamespace(slurm=ctx, requeue=True, save_on_signal=False)
     # Ended within the grace time: Slurm counts the job as ended, so the launcher requeues it.
     assert run.after_preemption(job, "preempted") == (
@@ -198,7 +200,7 @@ def test_a_preemption_that_killed_the_workers_says_what_the_requeued_job_resumes
     assert run.after_preemption(SimpleNamespace(slurm=ctx, requeue=False), "preempted").endswith(
         "not requeued (checkpoint.requeue is off)")
     assert run.after_preemption(job, "cancelled") == ""
-    monkeypatch.setattr(launcher, "slurm_stop_cause", lambda ctx: "preempted")
+    monkeypatch.setattr(signals, "slurm_stop_cause", lambda ctx: "preempted")
     assert run.stop_reason(job, signal.SIGTERM).startswith("preempted (SIGTERM); nothing was saved on the signal")
 
 

@@ -81,7 +81,7 @@ def slurm_facts(environ, hostname: str | None = None, fqdn: str | None = None) -
     """The Slurm allocation as the launcher would see it: lines for the report, and srun's path."""
     from zerorun.errors import ZerorunError
     from zerorun.launch import slurm
-    from zerorun.launch.launcher import signal_plan
+    from zerorun.launch.signals import signal_plan
 
     facts: dict[str, Any] = {"srun": shutil.which("srun"), "lines": []}
     try:

@@ -133,7 +133,7 @@ def route_run_argv(argv: list[str], gpu_counter=None) -> list[str]:
         ours = [*ours, "--local-rank-arg"]
     if any(w == "--nproc-per-node" or w.startswith("--nproc-per-node=") for w in ours):
         if gpu_counter is None:
-            from zerorun.launch.launcher import count_gpus as gpu_counter
+            from zerorun.launch.job_hosts import count_gpus as gpu_counter
         ours = resolve_nproc_per_node(ours, gpu_counter)
     return [*ours, "--", *theirs] if theirs else ours
 
@@ -188,7 +188,8 @@ def register(app: typer.Typer) -> None:
                  "ssh, or local (this machine only, ignoring Slurm).",
         ),
     ) -> None:
-        from zerorun.launch.launcher import LaunchOptions, dry_run_text, execute, prepare
+        from zerorun.launch.prepare import LaunchOptions, dry_run_text, prepare
+        from zerorun.launch.run_job import execute
         from zerorun.launch.plan import Target
         from zerorun.launch.supervisor import format_failure
         from zerorun.config import parse_settings
@@ -269,8 +270,8 @@ def stopped_clause(leftovers: dict[str, str]) -> str:
 
 
 def stop_reason(job, signum: int, cause: str | None = None) -> str:
-    """What the signal that stopped the job meant (Note [Slurm signals] in launch/launcher.py)."""
-    from zerorun.launch.launcher import signal_meaning, slurm_stop_cause
+    """What the signal that stopped the job meant (Note [Slurm signals] in launch/signals.py)."""
+    from zerorun.launch.signals import signal_meaning, slurm_stop_cause
 
     if cause is None and signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         cause = slurm_stop_cause(job.slurm)
@@ -283,7 +284,7 @@ def stop_reason(job, signum: int, cause: str | None = None) -> str:
 
 def slurm_ended(job) -> tuple[str | None, str | None]:
     """Why Slurm is ending the job (slurm.stop_cause) and that in words, or (None, None)."""
-    from zerorun.launch.launcher import signal_meaning, slurm_stop_cause
+    from zerorun.launch.signals import signal_meaning, slurm_stop_cause
 
     cause = slurm_stop_cause(job.slurm)
     if cause is None:
@@ -297,7 +298,7 @@ def after_preemption(job, cause: str | None) -> str:
     on the signal, so the requeued job resumes from the last interval checkpoint. A preempted job
     that ends within its grace time counts as ended and Slurm does not requeue it: with
     checkpoint.requeue the launcher does."""
-    from zerorun.launch.launcher import requeue_slurm_job
+    from zerorun.launch.signals import requeue_slurm_job
 
     if cause not in ("preempted", "requeued") or job.slurm is None:
         return ""
@@ -313,7 +314,7 @@ def after_preemption(job, cause: str | None) -> str:
 def finish_after_checkpoint(job, result, logs: str) -> None:
     """Every rank saved a checkpoint on SIGUSR1/2 and stopped: say so, requeue when asked, and
     exit 128+signal (the job did not finish; Slurm must not count it as completed)."""
-    from zerorun.launch.launcher import requeue_slurm_job
+    from zerorun.launch.signals import requeue_slurm_job
 
     reason = stop_reason(job, result.checkpoint_signal)
     message = f"zerorun: {reason}: every rank saved a checkpoint and stopped (logs in {logs})"

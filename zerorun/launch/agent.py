@@ -10,7 +10,7 @@ Protocol (JSON lines). stdin: first line is the node's job ``{"host", "cwd", "en
 every worker, ``dump`` makes every worker print its Python stacks and end (SIGABRT with
 faulthandler on: the hang report) and ``checkpoint`` sends every worker SIGUSR1, on which a
 worker started with checkpoint.on_signal saves a checkpoint and stops (Note [Slurm signals] in
-launcher.py). The agent itself takes SIGUSR1/SIGUSR2 (Slurm's ``--signal`` without ``B:``
+signals.py). The agent itself takes SIGUSR1/SIGUSR2 (Slurm's ``--signal`` without ``B:``
 reaches the steps) as ``checkpoint`` when its workers save on signals, else as ``stop``. EOF on stdin (the ssh session is gone) also ends every
 worker, so a launcher that dies cannot leave workers behind. stdout: events
     {"t": "joined", "rank"}              it has opened or reached the rendezvous (MASTER_PORT):

@@ -6,7 +6,7 @@ time. Until the launcher installs its handlers the default actions apply: SIGUSR
 process (the batch step then ends FAILED 0:10, no message, no requeue) and SIGTERM ends it with
 nothing said. So the first thing ``zerorun`` does (cli/main.py, before typer is even imported)
 is ``install()``: the handler here only records the signal. The launcher takes the record over
-when it starts the job (``launcher.execute``): a stopping signal (TERM, HUP; USR1/USR2 without
+when it starts the job (``run_job.execute``): a stopping signal (TERM, HUP; USR1/USR2 without
 checkpoint.on_signal) that came before any worker started ends the run there, with its meaning
 and nothing started; a checkpoint signal is handed to the supervisor, which asks for the save
 as soon as every rank has made a step (Note [save request waits for training]). Commands other

@@ -77,7 +77,7 @@ def view_file(run_dir: str | Path) -> Path:
 
 
 def node_ranks(node_rank: int, per_node: int) -> range:
-    """The ranks of a node of the step: every node runs ``per_node`` workers (launcher.step_hosts)."""
+    """The ranks of a node of the step: every node runs ``per_node`` workers (job_hosts.step_hosts)."""
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 

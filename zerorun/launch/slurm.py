@@ -31,7 +31,7 @@ from zerorun.worker.slurm_env import SlurmContext, detect, master_port
 __all__ = ["SlurmContext", "detect", "master_port"]
 
 # The signals Slurm sends a job, and what each one means to the launcher (Note [Slurm signals]
-# in launcher.py): SIGTERM on scancel, at the time limit and on preemption; the one chosen with
+# in signals.py): SIGTERM on scancel, at the time limit and on preemption; the one chosen with
 # --signal=[B:]SIG@SECONDS (USR1 by convention) shortly before the time limit.
 SIGNAL_MEANINGS = {
     "SIGTERM": "cancelled (scancel), time limit or preemption",

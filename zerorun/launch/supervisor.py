@@ -160,7 +160,7 @@ class Supervisor:
         self._checkpoint_asked = False
         self._checkpoint_deferred = False
         # Under Slurm with checkpoint.on_signal: asks Slurm whether a SIGTERM is a preemption
-        # (launcher.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
+        # (signals.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
         self._is_preemption = is_preemption
         self._term_judged = False
         # The rank the first failure's own error says it failed because of (None: itself).
@@ -202,7 +202,7 @@ class Supervisor:
         log_dir = Path(self.plan.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         # Line-buffered, so `tail -f` on a log follows the rank as it runs. Appended: a requeued
-        # Slurm job continues its run directory (launcher.default_run_dir).
+        # Slurm job continues its run directory (prepare.default_run_dir).
         logs = {
             rank: open(log_dir / f"rank{rank}.log", "a", encoding="utf-8", errors="surrogateescape", buffering=1)
             for rank in self._tails

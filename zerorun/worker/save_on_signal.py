@@ -1,7 +1,7 @@
 """The worker's side of checkpoint.on_signal: save a checkpoint when Slurm's warning signal comes.
 
 The launcher (or Slurm itself, through the agent) sends each worker SIGUSR1 shortly before the
-time limit (Note [Slurm signals] in zerorun/launch/launcher.py). ``arm`` installs a handler that
+time limit (Note [Slurm signals] in zerorun/launch/signals.py). ``arm`` installs a handler that
 only records the request: saving from inside a signal handler would run collectives at an
 arbitrary point of a step. At every optimizer-step boundary ``due`` asks all ranks at once (one
 1-element all-reduce, MAX) whether any rank got the signal, so every rank saves at the same step
