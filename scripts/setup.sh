@@ -31,7 +31,9 @@ if [ "${1:-}" = "--test" ]; then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge) >/dev/null
     fi
     if ! command -v slurmdbd >/dev/null 2>&1 && [ ! -x /usr/sbin/slurmdbd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmdbd mariadb-server) >/dev/null
+        # Not fatal: without them the cluster runs without accounting and the sacct test says why it skips.
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmdbd mariadb-server) >/dev/null \
+            || echo "setup.sh: slurmdbd/mariadb-server not installed; the Slurm accounting test will skip" >&2
     fi
 else
     .venv/bin/python -m pip install -q -e .
