@@ -172,7 +172,8 @@ InactiveLimit=0
     # private to this cluster: its data directory, socket, pid and log file lie in the cluster's
     # directory and it listens on 127.0.0.1 on a free port, so it never meets a system service
     # or another cluster's server. Its only account is slurmdbd's, with a password made for this
-    # cluster (slurmdbd.conf, mode 600 as slurmdbd demands); root logs in through the socket only.
+    # cluster (in sql-init.sql, which mariadbd runs at its start, and slurmdbd.conf, both mode
+    # 600, as slurmdbd demands for its file); root logs in through the socket only.
     # Small InnoDB files and no binary log keep the start short (about 0.5 s to create the data
     # directory) and the directory about 20 MB. slurmctld then sends every job and step to
     # slurmdbd (AccountingStorageType=accounting_storage/slurmdbd), where sacct reads them.
@@ -184,10 +185,10 @@ InactiveLimit=0
         d = self.dir
         self._sql_port = sql_port
         password = os.urandom(12).hex()
-        (d / "sql-init.sql").write_text(
-            f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';\n"
-            "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';\n")
-        (d / "sql-init.sql").chmod(0o600)
+        init = d / "sql-init.sql"
+        init.touch(mode=0o600)  # before the password is in it
+        init.write_text(f"CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';\n"
+                        "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';\n")
         dbd_conf = d / "slurmdbd.conf"  # found beside slurm.conf (SLURM_CONF)
         dbd_conf.touch(mode=0o600)
         dbd_conf.write_text(f"""AuthType=auth/munge
