@@ -236,9 +236,9 @@ def _rank_entry(rank: int, body, world: int, tmp: str) -> None:
 
 def spawn(body, world: int, tmp: str) -> dict[int, dict]:
     """Run ``body(rank, world, tmp)`` on ``world`` gloo ranks; every rank's result."""
-    import torch.multiprocessing as mp
+    from gloo_world import start_processes
 
-    mp.start_processes(_rank_entry, args=(body, world, tmp), nprocs=world, start_method="spawn", join=True)
+    start_processes(_rank_entry, (body, world, tmp), world)
     return {r: torch.load(Path(tmp) / f"{body.__name__}-rank{r}.pt", weights_only=False) for r in range(world)}
 
 

@@ -1,18 +1,82 @@
-"""Imported by tests/distributed/*: spawn one small gloo world and collect every rank's result.
+"""Imported by tests/distributed/* and tests/integrations/hf_world.py: start small gloo worlds
+quickly, and spawn one and collect every rank's result.
 
-The worker is ``worker(rank, rendezvous_file, out_dir)``: it joins with a ``file://`` init
-method (no ports to race for) and writes ``out_dir/rank{R}.json``.
+The worker of ``spawn_and_collect`` is ``worker(rank, rendezvous_file, out_dir)``: it joins with
+a ``file://`` init method (no ports to race for) and writes ``out_dir/rank{R}.json``.
+
+Note [forked ranks]: a rank started with multiprocessing's "spawn" is a fresh interpreter that
+imports torch and zerorun again, 2-3 s of CPU per rank; the default run starts some 40 worlds,
+so that import was the largest single cost of tests/distributed. ``start_processes`` starts
+ranks with "forkserver" instead: one server process per pytest run imports ``PRELOAD`` once and
+forks each rank from that, so a rank starts in a tenth of a second. What a rank sees is what a
+spawned one saw: the server has only imported modules (no test ran in it, no thread pool or
+process group was started, no module state was patched), the worker and its arguments are
+pickled as with "spawn", and each rank first takes the starting process's environment, which
+"forkserver" alone would not pass (the server's is the one it was started with), and runs the
+exit handlers at its end, as a spawned rank's interpreter did.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 from pathlib import Path
 
+# Imported by the fork server before its first rank: what nearly every rank imports anyway.
+PRELOAD = ("torch", "torch.distributed", "numpy", "zerorun", "zerorun.zero.engine")
+# Worlds of transformers models add these (4-8 s of imports per rank); the server is then
+# restarted once with them, and the worlds after it start from the larger image.
+HF_PRELOAD = ("transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.trainer", "accelerate")
+# The environment this module was imported with (collection time, before any test's monkeypatch):
+# the server is started with it, so no test's temporary variables stay in the server for good.
+_SESSION_ENVIRON = dict(os.environ)
 
-def spawn_and_collect(worker, out_dir: Path, world: int) -> dict[int, dict]:
+
+def start_processes(entry, args: tuple, nprocs: int, join: bool = True, preload: tuple[str, ...] = PRELOAD):
+    """torch.multiprocessing.start_processes(entry, args, nprocs) with forked ranks (Note [forked ranks]);
+    ``preload``: the modules the server should have imported (a module it lacks, the rank imports)."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(worker, args=(str(out_dir / "rendezvous"), str(out_dir)), nprocs=world,
-                       start_method="spawn", join=True)
+    _ensure_server(preload)
+    return mp.start_processes(_in_environ, args=(entry, dict(os.environ), args), nprocs=nprocs,
+                              start_method="forkserver", join=join)
+
+
+_preloaded: set[str] = set()  # what the running server imported
+
+
+def _ensure_server(preload: tuple[str, ...]) -> None:
+    from multiprocessing import forkserver
+
+    if not set(preload) <= _preloaded:
+        # The server imports its list once, when it starts: restart it with the union. Every
+        # world before this one has been joined (start_processes with join=False is not
+        # followed by another world before it ends), so no rank still needs the old server.
+        forkserver._forkserver._stop()
+        _preloaded.update(PRELOAD, preload)
+        forkserver.set_forkserver_preload(sorted(_preloaded))
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENVIRON)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
+
+
+def _in_environ(rank: int, entry, environ: dict, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        entry(rank, *args)
+    finally:
+        # A forked rank ends with os._exit, a spawned one with the interpreter's exit, which
+        # runs the exit handlers (zerorun's Note [clean exit] registers one): run them here too.
+        atexit._run_exitfuncs()
+
+
+def spawn_and_collect(worker, out_dir: Path, world: int, preload: tuple[str, ...] = PRELOAD) -> dict[int, dict]:
+    start_processes(worker, (str(out_dir / "rendezvous"), str(out_dir)), world, preload=preload)
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import spawn_and_collect, start_processes
 
 from zerorun.zero.comm.host_channel import PEER_CHECK_S, SLOT_BYTES
 
@@ -173,10 +173,7 @@ def early_exit_worker(rank: int, init_file: str, out_dir: str) -> None:
 def test_a_rank_that_fails_before_the_first_collective_leaves_nothing_in_dev_shm(tmp_path):
     """The survivor's outbox and FIFO were made before the agreement and not
     unlinked when it raised; now nothing is made until every rank is there (Note [shm cleanup])."""
-    import torch.multiprocessing as mp
-
-    procs = mp.start_processes(early_exit_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
-                               start_method="spawn", join=False)
+    procs = start_processes(early_exit_worker, (str(tmp_path / "rendezvous"), str(tmp_path)), 2, join=False)
     for process in procs.processes:
         process.join(timeout=300)
     result = json.loads((tmp_path / "rank0.json").read_text())

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_parity_harness as harness
+from gloo_world import start_processes
 
 TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-1), "fp16": (2e-3, 1e-2)}
 # Mixed precision, stage s versus stage 0 in the same world: the same rounding everywhere
@@ -55,7 +55,7 @@ def _train_world(world: int) -> dict:
         return {case.name: harness.train_engine(case, 0, 1) for case in harness.cases()}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.pt"
-        mp.spawn(harness.run_world, args=(world, str(Path(tmp) / "init"), str(out)), nprocs=world)
+        start_processes(harness.run_world, (world, str(Path(tmp) / "init"), str(out)), world)
         return torch.load(out, weights_only=False)
 
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from gloo_world import HF_PRELOAD, start_processes
 
 WORLD = 2
 VOCAB = 61
@@ -20,9 +24,7 @@ SEQ = 12
 
 
 def spawn(worker, out_dir: Path, *extra) -> dict[int, dict]:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(worker, args=(str(out_dir), *extra), nprocs=WORLD, start_method="spawn", join=True)
+    start_processes(worker, (str(out_dir), *extra), WORLD, preload=HF_PRELOAD)
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)}
 
 
