@@ -8,7 +8,8 @@ Note [forked ranks]: a rank started with multiprocessing's "spawn" is a fresh in
 imports torch and zerorun again, 2-3 s of CPU per rank; the default run starts some 40 worlds,
 so that import was the largest single cost of tests/distributed. ``start_processes`` starts
 ranks with "forkserver" instead: one server process per pytest run imports ``PRELOAD`` once and
-forks each rank from that, so a rank starts in a tenth of a second. What a rank sees is what a
+forks each rank from that, so a rank starts in a tenth of a second (what it imports beyond
+that, transformers for one, it imports itself, as before). What a rank sees is what a
 spawned one saw: the server has only imported modules (no test ran in it, no thread pool or
 process group was started, no module state was patched), the worker and its arguments are
 pickled as with "spawn", and each rank first takes the starting process's environment, which
@@ -23,39 +24,29 @@ import json
 import os
 from pathlib import Path
 
-# Imported by the fork server before its first rank: what nearly every rank imports anyway.
-PRELOAD = ("torch", "torch.distributed", "numpy", "zerorun", "zerorun.zero.engine")
-# Worlds of transformers models add these (4-8 s of imports per rank); the server is then
-# restarted once with them, and the worlds after it start from the larger image.
-HF_PRELOAD = ("transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.trainer", "accelerate")
+# Imported by the fork server before its first rank: what nearly every rank imports anyway, and
+# nothing that decides something at import from what a rank sets up first. transformers is left
+# out for that reason: its DeepSpeed integration decides at import whether DeepSpeed is there,
+# and tests/integrations/hf_zero3.py puts zerorun's shim on the path before that import.
+PRELOAD = ["torch", "torch.distributed", "numpy", "zerorun", "zerorun.zero.engine"]
 # The environment this module was imported with (collection time, before any test's monkeypatch):
 # the server is started with it, so no test's temporary variables stay in the server for good.
 _SESSION_ENVIRON = dict(os.environ)
 
 
-def start_processes(entry, args: tuple, nprocs: int, join: bool = True, preload: tuple[str, ...] = PRELOAD):
-    """torch.multiprocessing.start_processes(entry, args, nprocs) with forked ranks (Note [forked ranks]);
-    ``preload``: the modules the server should have imported (a module it lacks, the rank imports)."""
+def start_processes(entry, args: tuple, nprocs: int, join: bool = True):
+    """torch.multiprocessing.start_processes(entry, args, nprocs) with forked ranks (Note [forked ranks])."""
     import torch.multiprocessing as mp
 
-    _ensure_server(preload)
+    _ensure_server()
     return mp.start_processes(_in_environ, args=(entry, dict(os.environ), args), nprocs=nprocs,
                               start_method="forkserver", join=join)
 
 
-_preloaded: set[str] = set()  # what the running server imported
-
-
-def _ensure_server(preload: tuple[str, ...]) -> None:
+def _ensure_server() -> None:
     from multiprocessing import forkserver
 
-    if not set(preload) <= _preloaded:
-        # The server imports its list once, when it starts: restart it with the union. Every
-        # world before this one has been joined (start_processes with join=False is not
-        # followed by another world before it ends), so no rank still needs the old server.
-        forkserver._forkserver._stop()
-        _preloaded.update(PRELOAD, preload)
-        forkserver.set_forkserver_preload(sorted(_preloaded))
+    forkserver.set_forkserver_preload(PRELOAD)  # read when the server starts (the first world)
     current = dict(os.environ)
     os.environ.clear()
     os.environ.update(_SESSION_ENVIRON)
@@ -77,6 +68,6 @@ def _in_environ(rank: int, entry, environ: dict, args: tuple) -> None:
         atexit._run_exitfuncs()
 
 
-def spawn_and_collect(worker, out_dir: Path, world: int, preload: tuple[str, ...] = PRELOAD) -> dict[int, dict]:
-    start_processes(worker, (str(out_dir / "rendezvous"), str(out_dir)), world, preload=preload)
+def spawn_and_collect(worker, out_dir: Path, world: int) -> dict[int, dict]:
+    start_processes(worker, (str(out_dir / "rendezvous"), str(out_dir)), world)
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)}

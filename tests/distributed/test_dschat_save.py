@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import HF_PRELOAD, spawn_and_collect
+from gloo_world import spawn_and_collect
 
 pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -131,7 +131,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return spawn_and_collect(worker, tmp_path_factory.mktemp("dschat_save"), WORLD, preload=HF_PRELOAD)
+    return spawn_and_collect(worker, tmp_path_factory.mktemp("dschat_save"), WORLD)
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import HF_PRELOAD, spawn_and_collect
+from gloo_world import spawn_and_collect
 
 pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -247,7 +247,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
 def run_cases(out_dir: Path, cases: list[str]) -> dict:
     pytest.importorskip("peft", reason="peft is in the `test` extra")
     Path(out_dir, "cases.json").write_text(json.dumps(cases))
-    return spawn_and_collect(worker, out_dir, WORLD, preload=HF_PRELOAD)
+    return spawn_and_collect(worker, out_dir, WORLD)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from gloo_world import HF_PRELOAD, start_processes
+from gloo_world import start_processes
 
 WORLD = 2
 VOCAB = 61
@@ -24,7 +24,7 @@ SEQ = 12
 
 
 def spawn(worker, out_dir: Path, *extra) -> dict[int, dict]:
-    start_processes(worker, (str(out_dir), *extra), WORLD, preload=HF_PRELOAD)
+    start_processes(worker, (str(out_dir), *extra), WORLD)
     return {rank: json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(WORLD)}
 
 
