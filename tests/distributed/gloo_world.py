@@ -14,7 +14,7 @@ spawned one saw: the server has only imported modules (no test ran in it, no thr
 process group was started, no module state was patched), the worker and its arguments are
 pickled as with "spawn", and each rank first takes the starting process's environment, which
 "forkserver" alone would not pass (the server's is the one it was started with), and runs the
-exit handlers at its end, as a spawned rank's interpreter did.
+exit handlers at its end, as a spawned rank's interpreter did (after a clean return: _in_environ).
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def _ensure_server() -> None:
 def _in_environ(rank: int, entry, environ: dict, args: tuple) -> None:
     os.environ.clear()
     os.environ.update(environ)
-    try:
-        entry(rank, *args)
-    finally:
-        # A forked rank ends with os._exit, a spawned one with the interpreter's exit, which
-        # runs the exit handlers (zerorun's Note [clean exit] registers one): run them here too.
-        atexit._run_exitfuncs()
+    entry(rank, *args)
+    # A forked rank ends with os._exit, a spawned one with the interpreter's exit, which runs the
+    # exit handlers (zerorun's Note [clean exit] registers one): run them here too. Only after a
+    # clean return: a failing rank must not wait at the exit barrier for peers that may never come
+    # (a spawned one skipped it too, its sys.exit(1) noted as failing: Note [failing exits]).
+    atexit._run_exitfuncs()
 
 
 def spawn_and_collect(worker, out_dir: Path, world: int) -> dict[int, dict]:
