@@ -7,10 +7,12 @@ at start-up and hands it to the workers; rank 0 names a save that took longer th
 
 from __future__ import annotations
 
+import subprocess
+
 import torch
 
 import zerorun
-from zerorun.launch import slurm
+from zerorun.launch import signals, slurm
 from zerorun.worker import preemption_grace
 
 LOW = ("PartitionName=low AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=YES QoS=N/A "
@@ -28,14 +30,14 @@ def test_the_grace_of_a_requeueing_partition_is_read_from_its_record():
 
 
 def test_outside_a_slurm_job_scontrol_is_not_asked(monkeypatch):
-    monkeypatch.setattr(slurm.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("asked")))
-    assert slurm.read_partition_grace({"SLURM_JOB_PARTITION": "low"}) is None
-    assert slurm.read_partition_grace({"SLURM_JOB_ID": "7"}) is None
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("asked")))
+    assert signals.read_partition_grace({"SLURM_JOB_PARTITION": "low"}) is None
+    assert signals.read_partition_grace({"SLURM_JOB_ID": "7"}) is None
 
 
 def test_a_missing_scontrol_means_no_grace_not_an_error(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert slurm.read_partition_grace({"SLURM_JOB_ID": "7", "SLURM_JOB_PARTITION": "low"}) is None
+    assert signals.read_partition_grace({"SLURM_JOB_ID": "7", "SLURM_JOB_PARTITION": "low"}) is None
 
 
 def test_a_save_longer_than_the_grace_is_named_once(monkeypatch):

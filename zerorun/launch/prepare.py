@@ -24,7 +24,7 @@ from zerorun.launch import slurm
 from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
 from zerorun.launch.job_hosts import JobHosts, choose_launcher, count_gpus, free_port, has_nvidia_gpu, job_hosts
 from zerorun.launch.plan import LaunchPlan, Target, build_plan, describe_plan, is_local_host, plan_json
-from zerorun.launch.signals import signal_plan
+from zerorun.launch.signals import read_partition_grace, signal_plan
 from zerorun.launch.slurm import StepRole
 from zerorun.worker import preemption_grace
 from zerorun.worker.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
@@ -242,7 +242,7 @@ def _worker_env_for_options(plan: LaunchPlan, options: LaunchOptions, config, en
     if config.checkpoint.on_signal:
         for worker in plan.workers:
             worker.env[SAVE_ON_SIGNAL_ENV] = "1"
-        grace = slurm.read_partition_grace(environ)  # Note [preemption grace]
+        grace = read_partition_grace(environ)  # Note [preemption grace]
         if grace is not None:
             for worker in plan.workers:
                 worker.env[preemption_grace.GRACE_ENV] = str(grace[1])

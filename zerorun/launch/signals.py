@@ -1,15 +1,16 @@
 """What a signal to the launcher means and what Slurm says about it: Note [Slurm signals].
 
 The pure part (``signal_plan``, ``signal_meaning``) words what each signal does and did; the
-rest asks Slurm (``scontrol``) why it is ending the job, which nodes are down, and requeues
-the job. The handlers that act on the signals are installed by ``run_job.execute``.
+rest asks Slurm (``scontrol``) why it is ending the job, which nodes are down, how long a
+preemption's grace time is, and requeues the job. The handlers that act on the signals are
+installed by ``run_job.execute``.
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from zerorun.launch import slurm
 
@@ -68,16 +69,22 @@ def signal_meaning(signum: int, cause: str | None = None, in_slurm: bool = False
     return f"interrupted ({name})"  # outside Slurm: someone (kill, a supervisor) stopped it
 
 
-def slurm_job_record(job_id: int, timeout_s: float = 3.0) -> dict[str, str] | None:
-    """The job's record as ``scontrol -o show job`` prints it, or None when it cannot be asked."""
+def scontrol_show(kind: str, name: str, timeout_s: float = 3.0) -> str | None:
+    """``scontrol -o show KIND NAME`` (one line per entity), or None when it cannot be asked."""
     import subprocess
 
     try:
-        done = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+        done = subprocess.run(["scontrol", "-o", "show", kind, name], capture_output=True, text=True,
                               timeout=timeout_s, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return slurm.parse_job_record(done.stdout) if done.returncode == 0 and done.stdout.strip() else None
+    return done.stdout if done.returncode == 0 and done.stdout.strip() else None
+
+
+def slurm_job_record(job_id: int, timeout_s: float = 3.0) -> dict[str, str] | None:
+    """The job's record as ``scontrol -o show job`` prints it, or None when it cannot be asked."""
+    text = scontrol_show("job", str(job_id), timeout_s)
+    return None if text is None else slurm.parse_job_record(text)
 
 
 def slurm_stop_cause(ctx: slurm.SlurmContext | None) -> str | None:
@@ -93,16 +100,20 @@ def slurm_stop_cause(ctx: slurm.SlurmContext | None) -> str | None:
 def slurm_down_nodes(nodes: Iterable[str], timeout_s: float = 3.0) -> list[str]:
     """Which of ``nodes`` Slurm has marked down or not responding ([] when it cannot be asked)."""
     names = ",".join(nodes)
-    if not names:
-        return []
-    import subprocess
+    text = scontrol_show("node", names, timeout_s) if names else None
+    return [] if text is None else slurm.down_nodes(text)
 
-    try:
-        done = subprocess.run(["scontrol", "-o", "show", "node", names], capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return slurm.down_nodes(done.stdout) if done.returncode == 0 else []
+
+def read_partition_grace(environ: Mapping[str, str]) -> tuple[str, int] | None:
+    """(partition, grace seconds) of this job's partition, asking scontrol once (Note [preemption
+    grace] in zerorun/worker/preemption_grace.py); None outside Slurm, without a grace time, or
+    when scontrol cannot answer (the run goes on without)."""
+    partition = environ.get("SLURM_JOB_PARTITION", "")
+    if not environ.get("SLURM_JOB_ID") or not partition or "," in partition:
+        return None
+    text = scontrol_show("partition", partition, timeout_s=10)
+    grace = None if text is None else slurm.partition_grace(slurm.parse_job_record(text))
+    return None if grace is None else (partition, grace)
 
 
 def requeue_slurm_job(job_id: int) -> str | None:

@@ -19,7 +19,6 @@ itself in (Note [three Slurm places]):
 from __future__ import annotations
 
 import re
-import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -227,21 +226,6 @@ def partition_grace(record: Mapping[str, str]) -> int | None:
         return None
     grace = record.get("GraceTime", "")
     return int(grace) if grace.isdigit() and int(grace) > 0 else None
-
-
-def read_partition_grace(environ: Mapping[str, str]) -> tuple[str, int] | None:
-    """(partition, grace seconds) of this job's partition, asking scontrol once; None outside
-    Slurm, without a grace time, or when scontrol cannot answer (the run goes on without)."""
-    partition = environ.get("SLURM_JOB_PARTITION", "")
-    if not environ.get("SLURM_JOB_ID") or not partition or "," in partition:
-        return None
-    try:
-        done = subprocess.run(["scontrol", "-o", "show", "partition", partition], capture_output=True,
-                              text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    grace = partition_grace(parse_job_record(done.stdout)) if done.returncode == 0 else None
-    return None if grace is None else (partition, grace)
 
 
 def grace_note(partition: str, grace_s: int) -> str:
