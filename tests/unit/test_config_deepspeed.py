@@ -223,3 +223,51 @@ def test_a_type_that_is_not_a_name_is_a_config_error(section):
     # A mapping as the type once reached a dict lookup and raised TypeError (a traceback).
     with pytest.raises(ConfigError, match=rf"{section}\.type = \{{\}}: must name"):
         load_config({"train_batch_size": 8, section: {"type": {}, "params": {}}})
+
+
+# -- what DeepSpeed ignores (Note [ignored top-level keys] in zerorun/config/deepspeed.py) -------
+def test_trl_dotted_top_level_keys_are_ignored_with_a_note_as_deepspeed_ignores_them():
+    # What TRL 1.16's prepare_deepspeed hands deepspeed.initialize for a DPO reference model at
+    # stage 3 (hidden size 16): the dotted names sit beside the section they seem to set.
+    config = load_config({
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000},
+        "zero_optimization.reduce_bucket_size": 256,
+        "zero_optimization.stage3_param_persistence_threshold": 160,
+        "zero_optimization.stage3_prefetch_bucket_size": 230.4,
+    }, world_size=2, environ={})
+    # DeepSpeed applies none of them, and neither does zerorun: the nested value stands.
+    assert config.zero.reduce_bucket_size == 1000
+    assert config.zero.prefetch_bucket_size == ZeroConfig().prefetch_bucket_size
+    assert config.zero.param_persistence_threshold == ZeroConfig().param_persistence_threshold
+    for name in ("reduce_bucket_size", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size"):
+        assert (f"'zero_optimization.{name}' (a dotted name at the top level): ignored, as DeepSpeed "
+                "ignores it; DeepSpeed reads only the nested key, inside 'zero_optimization'") in config.notes
+
+
+def test_a_top_level_key_deepspeed_does_not_read_is_a_note_a_near_miss_or_a_key_it_acts_on_an_error():
+    notes = load_config({"train_batch_size": 8, "model_card": {"name": "tiny"}}, environ={}).notes
+    assert notes == ["'model_card': not a key DeepSpeed reads; ignored, as DeepSpeed ignores it"]
+    with pytest.raises(ConfigError, match=r"gradient_clippng: unknown DeepSpeed key \(did you mean 'gradient_clipping'\?\)"):
+        load_config({"train_batch_size": 8, "gradient_clippng": 1.0}, environ={})
+    with pytest.raises(ConfigError, match="gradient_allreduce_op: a DeepSpeed key zerorun does not handle"):
+        load_config({"train_batch_size": 8, "gradient_allreduce_op": "sum"}, environ={})
+    # Inside a section DeepSpeed's models refuse extra fields, and so does zerorun.
+    with pytest.raises(ConfigError, match=r"zero_optimization.stgae: unknown DeepSpeed key"):
+        load_config({"zero_optimization": {"stgae": 2}}, environ={})
+
+
+def test_hybrid_engine_enabled_is_accepted_with_notes():
+    # What DeepSpeed-Chat's get_train_ds_config writes for step 3 with --enable_hybrid_engine.
+    section = {"enabled": True, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
+               "pin_parameters": True, "tp_gather_partition_size": 8}
+    config = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 2}, "hybrid_engine": section},
+                         environ={})
+    assert config.zero.stage == 2
+    assert ("hybrid_engine.enabled: accepted; generate() runs the training model's own forward (stage 3 "
+            "gathers parameters as in training); DeepSpeed's inference kernels are not used") in config.notes
+    for key in ("max_out_tokens", "inference_tp_size", "pin_parameters", "tp_gather_partition_size"):
+        assert (f"hybrid_engine.{key}: accepted; an inference-kernel option of DeepSpeed's hybrid engine; "
+                "has no effect in zerorun") in config.notes
+    with pytest.raises(ConfigError, match=r"hybrid_engine.max_out_token: unknown DeepSpeed key \(did you mean"):
+        load_config({"train_batch_size": 8, "hybrid_engine": {"enabled": True, "max_out_token": 5}}, environ={})

@@ -5,7 +5,11 @@ Each DeepSpeed key is one of:
   Note        accepted, but has no effect in zerorun: loading records a note saying so; when the
               value asks for behaviour zerorun lacks (``harmless`` says no) it is an error instead
   Unsupported a feature zerorun does not have: always an error naming the key
-Anything else is an unknown key, reported with a did-you-mean. Nothing is dropped silently.
+A key with no rule is judged by where it is. Inside a section it is an unknown key, reported with
+a did-you-mean (DeepSpeed's section models refuse extra fields too). At the top level DeepSpeed
+reads only the names it knows and ignores the rest (TRL's ``prepare_deepspeed`` writes dotted
+names such as ``"zero_optimization.reduce_bucket_size"`` there), so such a key is accepted with a
+note saying it is ignored (Note [ignored top-level keys]). Nothing is dropped silently.
 
 "auto" values are placeholders the Hugging Face integration fills in from the Trainer's own
 arguments before loading. What it leaves is read as DeepSpeed reads it:
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable
 
-from zerorun.config.problems import Problems, join_path, unknown_key_message
+from zerorun.config.problems import Problems, did_you_mean, join_path, unknown_key_message
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,11 @@ HANDLED = Handled()
 
 @dataclass(frozen=True)
 class Section:
+    """A nested mapping walked by ``spec``; when ``off`` says the section is switched off, one
+    note replaces its keys' notes (DeepSpeed reads nothing else from it then)."""
+
     spec: dict
+    off: Callable[[Any], bool] | None = None
 
 
 @dataclass
@@ -199,6 +207,18 @@ BF16 = {
     "immediate_grad_update": Note(NO_EFFECT),
     "check_grad_overflow": Note(NO_EFFECT),
 }
+# DeepSpeed's hybrid engine runs generate() on inference kernels built from the training weights
+# (DeepSpeed-Chat's step 3 turns it on with --enable_hybrid_engine). zerorun's generate() is the
+# training model's own forward, stage-3 parameters gathered unit by unit as in training, so the
+# answers are the model's; the kernels' tuning options have nothing to act on.
+HYBRID_ENGINE_KERNELS = "an inference-kernel option of DeepSpeed's hybrid engine; " + NO_EFFECT
+HYBRID_ENGINE = {
+    "enabled": Note("generate() runs the training model's own forward (stage 3 gathers parameters "
+                    "as in training); DeepSpeed's inference kernels are not used"),
+    **{key: Note(HYBRID_ENGINE_KERNELS) for key in (
+        "max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters",
+        "tp_gather_partition_size", "enable_cuda_graph")},
+}
 UNSUPPORTED_FEATURE = "is a DeepSpeed feature zerorun does not have; remove this section"
 
 TOP_LEVEL: dict[str, Any] = {
@@ -224,6 +244,7 @@ TOP_LEVEL: dict[str, Any] = {
         "DeepSpeed's section tunes deepspeed.checkpointing calls in model code; use zerorun's "
         "activation_checkpointing.modules in a zerorun YAML config instead; " + NO_EFFECT),
     "checkpoint": Section(CHECKPOINT),
+    "hybrid_engine": Section(HYBRID_ENGINE, off=lambda v: _disabled(v) or not v.get("enabled", False)),
     "aio": Note("zerorun's NVMe offload sets its own I/O parameters; " + NO_EFFECT),
     "prescale_gradients": Note("zerorun averages gradients after reduction; remove it",
                                harmless=lambda v: v is False),
@@ -237,9 +258,26 @@ TOP_LEVEL: dict[str, Any] = {
     **{name: Unsupported(UNSUPPORTED_FEATURE) for name in (
         "data_types", "pipeline", "elasticity", "compression_training", "autotuning",
         "curriculum_learning", "data_efficiency", "sequence_parallel_size", "tensor_parallel",
-        "hybrid_engine", "quantize_training", "sparse_attention", "nebula", "eigenvalue",
+        "quantize_training", "sparse_attention", "nebula", "eigenvalue",
         "progressive_layer_drop", "fp8", "torch_autocast", "compile")},
 }
+
+# Note [ignored top-level keys]
+# DeepSpeed builds its config by asking the top-level dict for the names it knows
+# (runtime/config.py, DeepSpeedConfig._initialize_params) and never looks at the others, so a
+# name it does not read is ignored there: TRL's prepare_deepspeed adds
+# "zero_optimization.reduce_bucket_size", "...stage3_param_persistence_threshold" and
+# "...stage3_prefetch_bucket_size" as dotted top-level names for its reference model, which
+# DeepSpeed never applies. zerorun accepts such a name with a note saying it is ignored. Two kinds
+# stay errors: names DeepSpeed does read that this table does not (below: they change DeepSpeed's
+# training, so ignoring them would train differently), and a near-miss of a name in this table
+# (``gradient_clippng``), which DeepSpeed would drop silently and which is surely a typo.
+DEEPSPEED_READS_UNHANDLED = frozenset({
+    "managed_gradient_accumulation", "gradient_allreduce_op", "disable_allgather", "disable_python_gc",
+    "dataloader_drop_last", "log_level", "datastates_checkpointing", "weight_quantization", "timers",
+    "expert_parallel", "use_data_before_expert_parallelism", "use_data_before_expert_parallel_",
+    "graph_harvesting", "zenflow",
+})
 
 # Keys that only a DeepSpeed config has at its top level: any one of them marks a DeepSpeed config.
 DEEPSPEED_MARKERS = frozenset(TOP_LEVEL) - {"optimizer", "scheduler", "gradient_clipping", "checkpoint",
@@ -284,10 +322,14 @@ def _walk(section: Any, spec: dict, path: str, out: Translation) -> None:
     for key, value in section.items():
         key_path = join_path(path, key)
         rule = spec.get(key)
-        if rule is None:
+        if rule is None and not path:
+            _top_level_unknown(key, out)
+        elif rule is None:
             out.problems.add(key_path, unknown_key_message(key, spec, "DeepSpeed key"))
         elif isinstance(rule, Map):
             _map(rule, value, key_path, out)
+        elif isinstance(rule, Section) and rule.off is not None and _safe(rule.off, value):
+            out.notes.append(f"{key_path}: disabled, so ignored")
         elif isinstance(rule, Section):
             _walk(value, rule.spec, key_path, out)
         elif isinstance(rule, Note):
@@ -300,6 +342,22 @@ def _walk(section: Any, spec: dict, path: str, out: Translation) -> None:
                 out.notes.append(f"{key_path}: disabled, so ignored (a DeepSpeed feature zerorun does not have)")
             else:
                 out.problems.add(key_path, rule.text)
+
+
+def _top_level_unknown(key: Any, out: Translation) -> None:
+    """A top-level key with no rule: ignored with a note, as DeepSpeed ignores it, unless DeepSpeed
+    acts on it or it is a near-miss of a key it reads (Note [ignored top-level keys])."""
+    name = str(key)
+    head = name.split(".", 1)[0]
+    if name in DEEPSPEED_READS_UNHANDLED:
+        out.problems.add(name, "a DeepSpeed key zerorun does not handle; remove it")
+    elif "." in name and head in TOP_LEVEL:
+        out.notes.append(f"{name!r} (a dotted name at the top level): ignored, as DeepSpeed ignores it; "
+                         f"DeepSpeed reads only the nested key, inside {head!r}")
+    elif "." not in name and did_you_mean(name, TOP_LEVEL):
+        out.problems.add(name, unknown_key_message(name, TOP_LEVEL, "DeepSpeed key"))
+    else:
+        out.notes.append(f"{name!r}: not a key DeepSpeed reads; ignored, as DeepSpeed ignores it")
 
 
 def _param_offload_below_stage3(data: dict, out: Translation) -> None:
