@@ -1,5 +1,8 @@
 """``zerorun env [--json]``: what this machine offers a zerorun job (DeepSpeed's ``ds_report``).
 
+``zerorun env --deepspeed-shim`` prints only the shim directory of ``--as-deepspeed``
+(zerorun/deepspeed/as_deepspeed.py), for a PYTHONPATH under another launcher (``accelerate launch``).
+
 Reports zerorun, Python and torch versions; CUDA, NCCL and gloo availability; the visible GPUs
 with their memory; host cores and memory; ssh and sshd (multi-node runs need them); the Slurm
 allocation this runs in (its nodes, how each would be reached, the rendezvous port and what each
@@ -34,7 +37,18 @@ SSHD_PLACES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd")
 
 def register(app: typer.Typer) -> None:
     @app.command("env", help="Report torch, CUDA/NCCL/gloo, GPUs, host memory, ssh and optional packages.")
-    def env_command(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table.")) -> None:
+    def env_command(
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+        deepspeed_shim: bool = typer.Option(
+            False, "--deepspeed-shim",
+            help="Print only the directory that makes `import deepspeed` mean zerorun.deepspeed, for "
+                 "PYTHONPATH (what --as-deepspeed gives workers; e.g. for `accelerate launch --use_deepspeed`)."),
+    ) -> None:
+        if deepspeed_shim:
+            from zerorun.deepspeed.as_deepspeed import SHIM_DIR
+
+            print(SHIM_DIR)
+            return
         facts = collect()
         if as_json:
             print(json.dumps(facts, indent=2))

@@ -46,7 +46,7 @@ OUR_OPTIONS = frozenset({
     "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
     "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
     "--no-dashboard", "--dry-run", "--grace", "--help", "--local-rank-arg", "--no-local-rank-arg", "--launcher",
-    "--as-deepspeed",
+    "--as-deepspeed", "--accelerate-config",
 })
 # Spellings only DeepSpeed's launcher uses: a job started with them gets --local_rank=N appended
 # to the script's arguments, as DeepSpeed's launcher does (unless --no-local-rank-arg).
@@ -182,6 +182,11 @@ def register(app: typer.Typer) -> None:
             False, "--as-deepspeed",
             help="The workers' `import deepspeed` gives zerorun.deepspeed (with DeepSpeed's package "
                  "metadata), so DeepSpeed programs and transformers/Accelerate run unchanged."),
+        accelerate_config: Optional[str] = typer.Option(
+            None, "--accelerate-config", metavar="FILE",
+            help="Run the DeepSpeed job an `accelerate config` file describes (its process count, "
+                 "deepspeed_config section and mixed precision become the workers' ACCELERATE_* variables, "
+                 "as under accelerate launch), with --as-deepspeed; options given here win over the file."),
         launcher: Optional[str] = typer.Option(
             None, "--launcher", metavar="ssh|slurm|local",
             help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
@@ -217,12 +222,16 @@ def register(app: typer.Typer) -> None:
             config_overrides=overrides, run_dir=run_dir,
             dashboard=not no_dashboard, grace_s=grace, launcher=launcher, as_deepspeed=as_deepspeed,
         )
-        if dry_run and gpus is not None:
+        accelerate_notes: list[str] = []
+        if accelerate_config is not None:
+            options, accelerate_notes = with_accelerate_config(options, accelerate_config)
+        if dry_run and options.gpus is not None:
             # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.
-            job = prepare(options, gpu_counter=lambda: gpus)
-            job.notes.append(f"--dry-run: the {gpus} GPU(s) per host are not checked on this machine")
+            job = prepare(options, gpu_counter=lambda: options.gpus)
+            job.notes.append(f"--dry-run: the {options.gpus} GPU(s) per host are not checked on this machine")
         else:
             job = prepare(options)
+        job.notes[:0] = accelerate_notes
         for note in job.notes:
             print(f"zerorun: note: {note}", file=sys.stderr)
         if dry_run:
@@ -267,6 +276,18 @@ def stopped_clause(leftovers: dict[str, str]) -> str:
         return "every worker was stopped"
     return "could not confirm that every worker stopped: " + "; ".join(
         f"host {host}: {problem}" for host, problem in sorted(leftovers.items()))
+
+
+def with_accelerate_config(options, path: str):
+    """``--accelerate-config FILE``: the options with the file's job merged in (the command line
+    wins), and the notes to print (zerorun/launch/accelerate_config.py)."""
+    from zerorun.launch.accelerate_config import merge_into, read_accelerate_config
+    from zerorun.launch.job_hosts import count_gpus
+
+    launch = read_accelerate_config(path)
+    merged = merge_into(options, launch, count_gpus)
+    variables = ", ".join(f"{key}={value}" for key, value in sorted(launch.env.items()))
+    return merged, [*launch.notes, f"--accelerate-config {path}: the workers get {variables}"]
 
 
 def stop_reason(job, signum: int, cause: str | None = None) -> str:

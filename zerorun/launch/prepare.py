@@ -57,6 +57,9 @@ class LaunchOptions:
     launcher: str | None = None
     # --as-deepspeed: workers import zerorun.deepspeed as `deepspeed` (zerorun/deepspeed/as_deepspeed.py).
     as_deepspeed: bool = False
+    # Variables every worker gets beside the plan's (--accelerate-config's ACCELERATE_* ones,
+    # zerorun/launch/accelerate_config.py).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -229,8 +232,11 @@ def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapp
 
 
 def _worker_env_for_options(plan: LaunchPlan, options: LaunchOptions, config, environ: Mapping[str, str]) -> list[str]:
-    """What --as-deepspeed and checkpoint.on_signal add to every worker's environment; notes to print."""
+    """What --as-deepspeed, --accelerate-config and checkpoint.on_signal add to every worker's
+    environment; notes to print."""
     notes = []
+    for worker in plan.workers:
+        worker.env.update(options.extra_env)
     if options.as_deepspeed:
         from zerorun.deepspeed.as_deepspeed import shadowed_deepspeed, worker_env
 

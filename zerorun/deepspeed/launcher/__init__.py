@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: the names other launchers import from DeepSpeed's (``runner``)."""
