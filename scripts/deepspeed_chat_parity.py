@@ -1,4 +1,4 @@
-"""DeepSpeed-Chat steps 1 (SFT) and 2 (DPO), unchanged, under real DeepSpeed and under zerorun --as-deepspeed.
+"""DeepSpeed-Chat steps 1 (SFT), 2 (DPO) and 3 (PPO), unchanged, under real DeepSpeed and under zerorun --as-deepspeed.
 
     python scripts/deepspeed_chat_parity.py [--record] [--ds-python /work/dsvenv/bin/python]
 
@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "deepspeed_chat"
 RECORD = DATA / "ds_losses.json"
-STEP_SCRIPTS = {"sft": "training/step1_supervised_finetuning/main.py", "dpo": "training/step2_dpo_finetuning/main.py"}
+STEP_SCRIPTS = {"sft": "training/step1_supervised_finetuning/main.py", "dpo": "training/step2_dpo_finetuning/main.py",
+                "ppo": "training/step3_rlhf_finetuning/main.py"}
 # name: (step, stage, extra arguments)
 RUNS = {
     "sft-stage2": ("sft", 2, []),
@@ -41,6 +42,16 @@ RUNS = {
     "dpo-stage2": ("dpo", 2, []),
     "dpo-stage3": ("dpo", 3, []),
 }
+# Step 3 with the flags of DeepSpeed-Chat's opt/single_node/run_1.3b.sh (sizes made tiny); 11 of
+# its 12 step-3 launch scripts pass --enable_hybrid_engine. Not recorded under DeepSpeed here.
+PPO_RUNS = {
+    "ppo-stage2": ("ppo", 2, []),
+    "ppo-stage2-hybrid": ("ppo", 2, ["--enable_hybrid_engine"]),
+    "ppo-stage3-hybrid": ("ppo", 3, ["--enable_hybrid_engine"]),
+}
+RUNS.update(PPO_RUNS)
+PPO_LINE = re.compile(r"Epoch: (\d+) \| Step: (\d+) \| PPO Epoch: \d+ \| Actor Loss: (\S+) \| Critic Loss: (\S+)")
+ANSWER_LINE = re.compile(r"--- ans    --> step=(\d+), rank=0, (.*)")
 LOSS_LINE = re.compile(r"Epoch: (\d+), Step: (\d+), Rank: 0, loss = ([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))")
 LOCAL_RANK_WRAPPER = ("import os, runpy, sys\n"
                       "sys.argv = sys.argv[1:] + ['--local_rank=' + os.environ['LOCAL_RANK']]\n"
@@ -48,6 +59,8 @@ LOCAL_RANK_WRAPPER = ("import os, runpy, sys\n"
 
 
 def step_args(step: str, stage: int, extra: list[str], fixture: Path, out: Path) -> list[str]:
+    if step == "ppo":
+        return ppo_args(stage, extra, fixture, out)
     split = "10,0,0" if step == "sft" else "0,10,0"
     return ["--data_path", str(fixture / "Dahoas" / "rm-static"), "--data_split", split,
             "--model_name_or_path", str(fixture / "model"), "--per_device_train_batch_size", "2",
@@ -55,6 +68,30 @@ def step_args(step: str, stage: int, extra: list[str], fixture: Path, out: Path)
             "--num_train_epochs", "1", "--gradient_accumulation_steps", "2" if step == "sft" else "1",
             "--zero_stage", str(stage), "--dtype", "bf16", "--output_dir", str(out), "--seed", "1234",
             "--data_output_path", str(out / "cache"), "--print_loss", "--deepspeed", *extra]
+
+
+def ppo_args(stage: int, extra: list[str], fixture: Path, out: Path) -> list[str]:
+    """run_1.3b.sh's arguments on the fixture: actor model/, critic (and reward) critic/."""
+    return ["--data_path", str(fixture / "Dahoas" / "rm-static"), "--data_split", "0,0,10",
+            "--actor_model_name_or_path", str(fixture / "model"), "--critic_model_name_or_path",
+            str(fixture / "critic"), "--num_padding_at_beginning", "1", "--per_device_generation_batch_size", "2",
+            "--per_device_training_batch_size", "2", "--generation_batches", "1", "--ppo_epochs", "1",
+            "--max_answer_seq_len", "4", "--max_prompt_seq_len", "12", "--actor_learning_rate", "1e-3",
+            "--critic_learning_rate", "1e-3", "--num_train_epochs", "1", "--lr_scheduler_type", "cosine",
+            "--gradient_accumulation_steps", "1", "--actor_dropout", "0.0", "--num_warmup_steps", "2",
+            "--deepspeed", "--seed", "1234", "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage),
+            "--enable_ema", "--dtype", "bf16", "--output_dir", str(out), "--data_output_path", str(out / "cache"),
+            "--print_answers", "--print_answers_interval", "1", *extra]
+
+
+def ppo_steps(output: str) -> list[tuple[float, float]]:
+    """Rank 0's (actor loss, critic loss) per PPO step."""
+    return [(float(m.group(3)), float(m.group(4))) for m in PPO_LINE.finditer(output)]
+
+
+def ppo_answers(output: str) -> list[str]:
+    """Rank 0's decoded answers per step (--print_answers)."""
+    return [m.group(2) for m in ANSWER_LINE.finditer(output)]
 
 
 def saved_summary(out: Path) -> dict[str, list[float]]:
@@ -73,7 +110,9 @@ def build_fixture(where: Path) -> Path:
 
 
 def losses(output: str) -> list[float]:
-    return [float(m.group(3)) for m in LOSS_LINE.finditer(output)]
+    """SFT and DPO: rank 0's loss per micro-step; PPO: its actor and critic losses per step, in turn."""
+    ppo = ppo_steps(output)
+    return [loss for pair in ppo for loss in pair] if ppo else [float(m.group(3)) for m in LOSS_LINE.finditer(output)]
 
 
 def _env(extra_path: list[str]) -> dict[str, str]:
@@ -114,7 +153,7 @@ def run_deepspeed(name: str, fixture: Path, workdir: Path, ds_python: str,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--runs", nargs="+", default=[name for name in RUNS if name not in PPO_RUNS], choices=list(RUNS))
     parser.add_argument("--ds-python", default="/work/dsvenv/bin/python")
     parser.add_argument("--record", action="store_true", help=f"write DeepSpeed's losses to {RECORD}")
     parser.add_argument("--no-zerorun", action="store_true", help="run DeepSpeed only")

@@ -1,5 +1,9 @@
-"""pytest -m long tests/e2e/test_deepspeed_chat.py — DeepSpeed-Chat steps 1 (SFT) and 2 (DPO), unchanged,
-under ``zerorun --nproc 2 --as-deepspeed``.
+"""pytest -m long tests/e2e/test_deepspeed_chat.py — DeepSpeed-Chat steps 1 (SFT), 2 (DPO) and 3 (PPO),
+unchanged, under ``zerorun --nproc 2 --as-deepspeed``.
+
+Step 3 runs with the flags of DeepSpeed-Chat's run_1.3b.sh, ``--enable_hybrid_engine`` among them
+(the tests at the end): at stage 2 it equals the run without the flag in every loss and generated
+answer, and at stage 3 it runs to the end. The rest of this docstring is about steps 1 and 2.
 
 The programs (tests/data/deepspeed_chat, SOURCE.md) import ``deepspeed`` by its own name and use
 what DeepSpeed-Chat uses: ``get_accelerator`` from the top level, ``ZeroParamStatus``,
@@ -60,7 +64,7 @@ pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "deepspeed_chat"
-RUNS = ["sft-stage2", "sft-stage2-offload", "sft-stage3", "dpo-stage0", "dpo-stage2", "dpo-stage3"]
+RUNS = ["sft-stage2", "sft-stage2-offload", "sft-stage3", "dpo-stage0", "dpo-stage2", "dpo-stage3"]  # recorded under DeepSpeed
 RTOL, MEAN_RTOL = 2e-2, 5e-3
 BF16_STEP = 2**-7  # one rounding step of a bf16 value, relative, at its largest
 # Softmax ignores k_proj's bias, so its exact gradient is zero and Adam turns each run's rounding
@@ -210,3 +214,36 @@ def test_saved_model_matches_real_deepspeed(chat, name):
     worst = max(differences, key=differences.__getitem__)
     assert differences[worst] <= largest, (worst, differences[worst], largest)
     assert sum(differences.values()) / len(differences) <= mean, (sum(differences.values()) / len(differences), mean)
+
+
+# -- step 3 (PPO) with --enable_hybrid_engine, as 11 of DeepSpeed-Chat's 12 step-3 launch scripts run it
+@pytest.mark.slow
+@pytest.mark.long  # two 2-rank PPO runs (actor, critic, reference, reward and EMA engines each)
+@pytest.mark.timeout(1500)
+def test_ppo_with_the_hybrid_engine_flag_equals_the_run_without_it_at_stage2(chat):
+    """The flag writes ``hybrid_engine.enabled: true`` into the actor's config; zerorun's generate()
+    is the training model's forward either way, so every printed loss and every generated answer
+    must be the same as without the flag (not close: the same program runs)."""
+    parity, _workdir, run = chat
+    (plain, _), (hybrid, output) = run("ppo-stage2"), run("ppo-stage2-hybrid")
+    assert "hybrid_engine.enabled: accepted; generate() runs the training model's own forward" in output
+    assert "hybrid_engine.max_out_tokens: accepted; an inference-kernel option" in output
+    assert len(hybrid) == 2 * 16 and all(math.isfinite(loss) for loss in hybrid)  # 64 prompts, 2 x 2 per step
+    assert hybrid == plain
+    answers = parity.ppo_answers(output)
+    assert len(answers) == 16 and answers == parity.ppo_answers(run("ppo-stage2")[1])
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(1500)
+def test_ppo_with_the_hybrid_engine_flag_runs_at_stage3(chat):
+    """Stage 3 with the flag (generate gathers the actor's units as training does): the run goes
+    to the end with finite losses, answers every prompt, and its first step, before any update
+    could move the two runs apart, equals stage 2's to one bf16 rounding step."""
+    parity, _workdir, run = chat
+    (ours, output), (stage2, _) = run("ppo-stage3-hybrid"), run("ppo-stage2")
+    assert "hybrid_engine.enabled: accepted" in output
+    assert len(ours) == 2 * 16 and all(math.isfinite(loss) for loss in ours)
+    assert len(parity.ppo_answers(output)) == 16
+    assert ours[:2] == pytest.approx(stage2[:2], rel=2 * BF16_STEP), (ours[:2], stage2[:2])

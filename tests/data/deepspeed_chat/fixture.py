@@ -1,9 +1,12 @@
 """The tiny world DeepSpeed-Chat's steps run on in tests: no download, nothing random across runs.
 
-    python tests/data/deepspeed_chat/fixture.py OUT_DIR     # writes OUT_DIR/model and OUT_DIR/Dahoas/rm-static
+    python tests/data/deepspeed_chat/fixture.py OUT_DIR     # writes OUT_DIR/model, OUT_DIR/critic and OUT_DIR/Dahoas/rm-static
 
 * ``model/``: an OPT of 4 layers, width 32, built from a config with seed 0, saved with a
   byte-level BPE tokenizer trained on the texts below (``</s>`` is OPT's bos/eos/pad);
+* ``critic/``: what DeepSpeed-Chat's step 3 loads as its critic and reward model (step 2's
+  output): the model's config and tokenizer, and a ``pytorch_model.bin`` holding a RewardModel's
+  weights, the OPT body of ``model/`` (``rwtransformer.*``) and a value head drawn with seed 1;
 * ``Dahoas/rm-static/{train,test}.json``: prompt/chosen/rejected triples in that dataset's
   shape ("Human: add 3 and 4 Assistant:" / " 7" / " 9"); the directory name makes DeepSpeed-Chat
   pick its rm-static reader, and the ``datasets`` stand-in in shims/ reads the files.
@@ -45,6 +48,20 @@ def write_model(out: Path) -> None:
     OPTForCausalLM(config).save_pretrained(out)
 
 
+def write_critic(model: Path, out: Path) -> None:
+    import shutil
+
+    import torch
+    from transformers import OPTModel
+
+    shutil.copytree(model, out)
+    body = OPTModel.from_pretrained(model)
+    state = {f"rwtransformer.{key}": value for key, value in body.state_dict().items()}
+    torch.manual_seed(1)
+    state["v_head.weight"] = torch.randn(1, body.config.word_embed_proj_dim) * 0.5
+    torch.save(state, out / "pytorch_model.bin")
+
+
 def samples(count: int, generator: random.Random) -> list[dict]:
     def one():
         a, b = generator.randrange(10), generator.randrange(10)
@@ -64,6 +81,7 @@ def build(root: Path, train: int = 64, test: int = 16) -> tuple[Path, Path]:
     model = root / "model"
     write_model(model)
     write_tokenizer(model, corpus(splits["train"] + splits["test"]))
+    write_critic(model, root / "critic")
     return model, data
 
 
