@@ -36,7 +36,10 @@ SYSTEMS = ("ddp", "fsdp2", "fsdp2-noreshard", "zero0", "zero1", "zero2", "zero3"
 # zerorun with offload: "zero2+cpu", "zero3+cpu+params", "zero2+nvme" ... (scripts/bench_offload.py)
 OFFLOADS = {"cpu": {"offload_optimizer": {"device": "cpu"}},
             "nvme": {"offload_optimizer": {"device": "nvme"}},
-            "params": {"offload_param": {"device": "cpu"}}}
+            "params": {"offload_param": {"device": "cpu"}},
+            # ZeRO++ (scripts/bench_link.py): quantized weight gathers and gradient reduce-scatters
+            "qwz": {"quantized_weights": True},
+            "qgz": {"quantized_gradients": True}}
 
 
 def zerorun_system_config(system: str) -> dict:

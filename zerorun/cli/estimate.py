@@ -41,6 +41,8 @@ def register(app: typer.Typer) -> None:
         measure: bool = typer.Option(False, "--measure", help="Also run a few real steps (needs --model) and print the measured peak beside the estimate."),
         measure_ranks: int = typer.Option(2, "--measure-ranks", help="Ranks for --measure (gloo on CPU, or the local GPUs)."),
         measure_steps: int = typer.Option(3, "--measure-steps", help="Optimizer steps for --measure."),
+        link: Optional[str] = typer.Option(None, "--link", help="Rate of the link between hosts, e.g. 300Mbit or 25Gbit: print the bytes each rank sends per step and the link time."),
+        compute_s: Optional[float] = typer.Option(None, "--compute-s", help="With --link: a step's compute time in seconds (measured on one host), for the bound max(link, compute)."),
     ) -> None:
         request = EstimateRequest(
             params=params, preset=preset, hf_config=hf_config, model=model, gpus=gpus, nodes=nodes,
@@ -49,10 +51,11 @@ def register(app: typer.Typer) -> None:
             gpu_memory=gpu_memory, host_memory=host_memory,
         )
         plan = build_plan(request)
+        traffic = _traffic(plan, link, compute_s)
         measured = None
         if measure:
             measured = _run_measurement(request, plan, measure_ranks, measure_steps)
-        _print(plan, measured, as_json)
+        _print(plan, measured, as_json, traffic)
 
 
 @dataclass(frozen=True)
@@ -247,13 +250,30 @@ def _run_measurement(request: EstimateRequest, plan, ranks: int, steps: int):
                            seq_len=seq_len, config={"zero": zero})
 
 
-def _print(plan, measured, as_json: bool) -> None:
-    from zerorun.planner.render import plan_to_json, render_plan
+def _traffic(plan, link: str | None, compute_s: float | None):
+    """(rows, rate, ranks per host, compute seconds) for --link; None without it."""
+    if link is None:
+        if compute_s is not None:
+            raise PlannerError("--compute-s needs --link", hint="add --link 300Mbit (the rate between hosts)")
+        return None
+    from zerorun.planner.traffic import all_traffic, parse_rate
+
+    rate = parse_rate(link)
+    if compute_s is not None and not compute_s > 0:
+        raise PlannerError(f"--compute-s must be a positive number of seconds (got {compute_s})")
+    param_bytes = 4 if plan.training.precision == "fp32" else 2
+    return all_traffic(plan.model.num_params, plan.job, param_bytes), rate, plan.job.gpus_per_node, compute_s
+
+
+def _print(plan, measured, as_json: bool, traffic=None) -> None:
+    from zerorun.planner.render import plan_to_json, render_plan, render_traffic, traffic_to_json
 
     if as_json:
         data = plan_to_json(plan)
         if measured is not None:
             data["measured"] = measured.to_json()
+        if traffic is not None:
+            data["traffic"] = traffic_to_json(*traffic)
         print(json.dumps(data, indent=2))
         return
     from rich.console import Console
@@ -267,3 +287,5 @@ def _print(plan, measured, as_json: bool) -> None:
         from zerorun.planner.measure import render_measurement
 
         console.print(render_measurement(measured))
+    if traffic is not None:
+        console.print(render_traffic(*traffic))

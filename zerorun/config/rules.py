@@ -53,6 +53,7 @@ RANGES: dict[str, Check] = {
     "zero.prefetch_bucket_size": _within(1, MAX_BUCKET),
     "zero.param_persistence_threshold": _at_least(0),
     "zero.max_reuse_distance": _at_least(0),
+    "zero.quantization_block_size": _within(1, 2**30),
     "zero.offload_optimizer.buffer_count": _at_least(1),
     "zero.offload_optimizer.buffer_size": _at_least(1),
     "zero.offload_param.buffer_count": _at_least(1),
@@ -107,6 +108,11 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
             "zero.offload_optimizer.device", "optimizer offload needs ZeRO stage 1, 2 or 3 (stage "
             "is 0); raise zero.stage or set offload_optimizer.device: none",
             zero.offload_optimizer.device)
+    for key, low, what in (("quantized_weights", 3, "quantized weight gathers (ZeRO++ qwZ) need ZeRO stage 3"),
+                           ("quantized_nontrainable_weights", 3, "quantized weight gathers need ZeRO stage 3"),
+                           ("quantized_gradients", 2, "quantized gradient reduce-scatters (ZeRO++ qgZ) need ZeRO stage 2 or 3")):
+        if getattr(zero, key) and zero.stage < low:
+            problems.add(f"zero.{key}", f"{what} (stage is {zero.stage}); raise zero.stage or set {key}: false", True)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

@@ -51,6 +51,15 @@ class ZeroConfig:
     max_reuse_distance: int = 1_000_000_000
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    # ZeRO++ (DeepSpeed's zero_quantized_*; Note [quantized collectives] in comm/collectives.py):
+    # stage 3's parameter gathers (qwZ), and those of units whose parameters are all frozen,
+    # move int8 blocks with one fp32 scale each; gradient reduce-scatters (qgZ, stages 2-3) too.
+    # The masters stay exact. Off by default.
+    quantized_weights: bool = False
+    quantized_nontrainable_weights: bool = False
+    quantized_gradients: bool = False
+    # Elements per quantization block: each block's error is at most half its max |x| / 127.
+    quantization_block_size: int = 2048
 
 
 @dataclass

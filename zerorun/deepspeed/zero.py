@@ -134,7 +134,7 @@ class GatheredParameters:
         with torch.no_grad():
             for record in self._records:
                 if record.unit.state is ParamState.SHARDED:
-                    record.unit.gather(self._engine.group)
+                    record.unit.gather(self._engine.group, exact=True)  # may be written back: not qwZ's copy
                     self._gathered.append(record.unit)
         return self
 

@@ -149,3 +149,27 @@ def plan_to_json(plan: Plan) -> dict:
         "recommended": None if recommended is None else {"stage": recommended.estimate.stage,
                                                          "offload": recommended.estimate.offload},
     }
+
+
+def render_traffic(rows, rate_bps: float, ranks_per_host: int, compute_s: float | None = None):
+    """``zerorun estimate --link``: bytes per step per rank and the link time (planner/traffic.py)."""
+    table = Table(title=f"Bytes each rank sends per step (MB = 10^6 bytes); link {rate_bps / 1e6:g} Mbit/s, "
+                        f"{ranks_per_host} rank(s) per host", title_justify="left")
+    table.add_column("stage")
+    for header in ("to other hosts MB", "within host MB", "link s"):
+        table.add_column(header, justify="right")
+    if compute_s is not None:
+        table.add_column(f"max(link, {compute_s:g} s compute)", justify="right")
+    for row in rows:
+        link_s = row.link_seconds(rate_bps, ranks_per_host)
+        cells = [row.label, f"{row.link_bytes / 1e6:.1f}", f"{row.local_bytes / 1e6:.1f}", f"{link_s:.2f}"]
+        if compute_s is not None:
+            cells.append(f"{max(link_s, compute_s):.2f}")
+        table.add_row(*cells)
+    return table
+
+
+def traffic_to_json(rows, rate_bps: float, ranks_per_host: int, compute_s: float | None = None) -> dict:
+    return {"rate_bps": rate_bps, "ranks_per_host": ranks_per_host, "compute_s": compute_s,
+            "rows": [{"label": r.label, "stage": r.stage, "link_bytes": r.link_bytes, "local_bytes": r.local_bytes,
+                      "link_s": r.link_seconds(rate_bps, ranks_per_host)} for r in rows]}

@@ -236,6 +236,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             on_unit_reduced=self.updater.unit_reduced,
             lazy_gradients=self.stage >= 1,  # Note [lazy gradient shards] in grad_reduce.py
         )
+        self._quantize_collectives(cfg.zero)
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
 
@@ -252,6 +253,19 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
         LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
+
+    def _quantize_collectives(self, zero) -> None:
+        """ZeRO++ (Note [quantized collectives] in comm/collectives.py): which stage-3 units
+        gather int8 blocks (all with qwZ, the all-frozen ones with quantized_nontrainable_weights),
+        and whether gradients reduce-scatter them (qgZ). The config allows these only at the
+        stages that have those collectives (config/rules.py)."""
+        block = zero.quantization_block_size
+        for record in self.records:
+            frozen = not any(p.requires_grad for p in record.unit.params)
+            if record.unit.partitioned and (zero.quantized_weights or (zero.quantized_nontrainable_weights and frozen)):
+                record.unit.quantize_block = block
+        if zero.quantized_gradients:
+            self.reducer.quantize_block = block
 
     def _build_units(self, model, optimizer, cfg, materializer, state_home_for):
         """The partition into units and one record per unit (unit/record.py), the one unit list

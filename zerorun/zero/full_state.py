@@ -33,7 +33,7 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
             if unit is not None and unit is not current:
                 let_go()
                 current, gathered_here = unit, unit.state is ParamState.SHARDED
-                unit.gather(engine.pg.group)
+                unit.gather(engine.pg.group, exact=True)  # never a quantized copy (qwZ)
             if keep:
                 state[key] = tensor.detach().clone().cpu()
     finally:

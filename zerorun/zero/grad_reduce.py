@@ -141,6 +141,9 @@ class GradReducer:
         self.on_unit_complete = on_unit_complete
         self.on_unit_reduced = on_unit_reduced
         self.communicate = True
+        # Elements per int8 block of a quantized reduce-scatter (ZeRO++ qgZ: Note [quantized
+        # collectives] in comm/collectives.py); None: exact.
+        self.quantize_block: int | None = None
         self._next = 0
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
@@ -236,7 +239,11 @@ class GradReducer:
             self._zero_unwritten(unit, bucket, written)
         # The window's first contribution reduces straight into the accumulator.
         out = into if into is not None else torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
-        handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True)
+        if self.quantize_block is None:
+            handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True)
+        else:
+            handle = collectives.quantized_reduce_scatter(out, bucket, group=self.group,
+                                                          block=self.quantize_block, async_op=True)
         self._in_flight.append((record, handle, (out, bucket, buffer)))
         # Note [in flight by events]
         while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0][1].finished_on_device()):

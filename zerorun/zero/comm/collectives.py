@@ -332,3 +332,97 @@ def barrier(*, group) -> None:
     if group_size(group) == 1:
         return
     _issue("barrier", 0, lambda a: dist.barrier(group=group, async_op=a), False)
+
+
+# --- ZeRO++: quantized collectives -----------------------------------------------------------
+# Note [quantized collectives]: a separate call path, taken only when the config asks for qwZ
+# (stage 3's parameter gathers) or qgZ (gradient reduce-scatters). Both cut the tensor into
+# blocks quantized to int8 with one fp32 scale each (quantize.py, Note [packed layout]) and move
+# that packed buffer instead of the tensor:
+# - all-gather (qwZ): each rank packs its own shard and the packed shards are all-gathered by
+#   the ordinary all_gather above (host channel, ring or gloo); ``wait()`` unpacks every rank's
+#   part, this rank's included, into ``output``, so every rank computes with the same rounded
+#   weights while its shard (the fp32 master in fp32 training) stays exact.
+# - reduce-scatter (qgZ): each rank packs the N-1 chunks that other ranks own and sends each to
+#   its owner (point to point, comm/quantized_exchange.py); ``wait()`` dequantizes what arrived
+#   and sums it with this rank's own, unquantized, chunk in fp32, in rank order. Per element the
+#   error is at most the sum over the other ranks r of s_r / 2 (s_r: rank r's block scale, its
+#   block's max |g| / 127), plus fp32 rounding of the sum.
+# World size 1 issues nothing and rounds nothing, as every collective here.
+
+
+class QuantizedHandle:
+    """An issued quantized collective: ``wait()`` waits for the bytes, then unpacks them once."""
+
+    __slots__ = ("_inner", "_finish")
+
+    def __init__(self, inner, finish):
+        self._inner, self._finish = inner, finish
+
+    def wait(self, **_unused) -> None:
+        if self._finish is None:
+            return
+        self._inner.wait()
+        finish, self._finish = self._finish, None
+        finish()
+
+    def finished_on_device(self) -> bool:
+        return False  # unpacking is host-issued work: in flight until waited
+
+
+def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, *, group, block: int,
+                         async_op: bool = False):
+    """all_gather with every rank's part block-quantized on the way (Note [quantized collectives])."""
+    from zerorun.zero.comm import quantize
+
+    size = group_size(group)
+    if size == 1:
+        return all_gather(output, input, group=group, async_op=async_op)
+    rank, n = dist.get_rank(group), input.numel()
+    part = quantize.packed_nbytes(n, block)
+    packed = torch.empty(size * part, dtype=torch.uint8, device=input.device)
+    mine = packed[rank * part : (rank + 1) * part]
+    quantize.pack(input, block, mine)  # before the issue: ``input`` may be a slice of ``output``
+    inner = all_gather(packed, mine, group=group, async_op=True)
+
+    def finish() -> None:
+        for r in range(size):
+            quantize.unpack(packed[r * part : (r + 1) * part], block, output[r * n : (r + 1) * n])
+
+    handle = QuantizedHandle(inner, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, block: int,
+                             async_op: bool = False):
+    """reduce_scatter with the chunks other ranks own block-quantized (Note [quantized collectives])."""
+    from zerorun.zero.comm import quantize
+    from zerorun.zero.comm.quantized_exchange import Exchange
+
+    size = group_size(group)
+    if size == 1:
+        return reduce_scatter(output, input, group=group, async_op=async_op)
+    rank, n = dist.get_rank(group), output.numel()
+    part = quantize.packed_nbytes(n, block)
+    send = torch.empty(size * part, dtype=torch.uint8, device=input.device)
+    for r in range(size):
+        if r != rank:
+            quantize.pack(input[r * n : (r + 1) * n], block, send[r * part : (r + 1) * part])
+    own = input[rank * n : (rank + 1) * n].float()  # read now: the caller may reuse ``input`` after wait()
+    received = torch.empty_like(send)
+    inner = _issue("reduce_scatter_q", (size - 1) * part, None, True,
+                   transport=lambda seq: Exchange(send, received, part, group, tag=seq & 0x7FFFFFFF))
+
+    def finish() -> None:
+        total = torch.zeros(n, dtype=torch.float32, device=output.device)
+        scratch = torch.empty(n, dtype=torch.float32, device=output.device)
+        for r in range(size):  # rank order: the same sum whichever rank computes it
+            total += own if r == rank else quantize.unpack(received[r * part : (r + 1) * part], block, scratch)
+        output.copy_(total)
+
+    handle = QuantizedHandle(inner, finish)
+    if not async_op:
+        handle.wait()
+    return handle

@@ -189,7 +189,10 @@ class FlatUnit:
                     param.data = view.view(param.shape)
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
-        self._gather_handle: collectives.Issued | None = None
+        self._gather_handle: collectives.Issued | collectives.QuantizedHandle | None = None
+        # Elements per int8 block when this unit's gathers are quantized (ZeRO++ qwZ: Note
+        # [quantized collectives] in comm/collectives.py); None: exact gathers.
+        self.quantize_block: int | None = None
         self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
@@ -224,8 +227,9 @@ class FlatUnit:
         for listener in self.state_listeners:
             listener(self)
 
-    def start_gather(self, group) -> None:
-        """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
+    def start_gather(self, group, *, exact: bool = False) -> None:
+        """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED. ``exact``:
+        never quantized (a full state dict, a GatheredParameters block that may write back)."""
         if self.state is not ParamState.SHARDED:
             return
         mapped = getattr(self.shard, "zerorun_mapped_file", None)
@@ -241,13 +245,17 @@ class FlatUnit:
             source.copy_(self.shard)
         elif source.device != self.device:  # a host shard: Note [copy stream] in unit/staging.py
             source = self._staged_shard = staging.stage(source, self.device)
-        self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
+        if self.quantize_block is None or exact:
+            self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
+        else:  # the shard stays exact; only the gathered copy forward/backward read is rounded
+            self._gather_handle = collectives.quantized_all_gather(
+                self.full, source, group=group, block=self.quantize_block, async_op=True)
         self._move(ParamState.GATHERING)
 
-    def gather(self, group) -> None:
+    def gather(self, group, *, exact: bool = False) -> None:
         """Make ``full`` valid (waiting for a prefetch if one is in flight)."""
         if self.state is ParamState.SHARDED:
-            self.start_gather(group)
+            self.start_gather(group, exact=exact)
         self._finish_gather()
 
     def _finish_gather(self) -> None:

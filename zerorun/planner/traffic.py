@@ -1,0 +1,95 @@
+"""The bytes each rank sends per optimizer step, between hosts and within one, and the link time
+they imply (pure); ``zerorun estimate --link 300Mbit`` prints them.
+
+Symbols as in memory.py: Ψ parameters, p bytes per parameter (4 in fp32, 2 in bf16/fp16), N
+ranks, G ranks per host, H = N / G hosts. A ring collective over a buffer of B bytes has every
+rank send (N-1)/N B for a reduce-scatter or an all-gather and twice that for an all-reduce
+(gloo's ring, and zerorun's comm/ring.py). Per step, what zerorun issues:
+
+    stage 0 (and DDP)   all-reduce of the gradients                      2 (N-1)/N pΨ
+    stage 1             all-reduce of the gradients + all-gather of the
+                        updated parameters                               3 (N-1)/N pΨ
+    stage 2             reduce-scatter + all-gather                      2 (N-1)/N pΨ
+    stage 3             all-gather in forward and in backward +
+                        reduce-scatter                                   3 (N-1)/N pΨ
+
+ZeRO++ (Note [quantized collectives] in zero/comm/collectives.py): qwZ's gathers move int8 codes
+and an fp32 scale per block of b elements, q = 1 + 4/b bytes per element instead of p; qgZ's
+reduce-scatter sends each other rank its chunk in the same form, point to point.
+
+Where the bytes go: ranks are numbered host by host, so a ring crosses hosts on H of its N
+edges; a rank's ring traffic is on the link in that share, H/N, on average. qgZ's exchange
+sends to every other rank directly: (N-G)/(N-1) of it leaves the host. The link time of a step
+is one host's link bytes, G ranks' worth, over the rate; the estimate counts payload, and a
+link also carries Ethernet, IP and TCP headers and acknowledgements (about 1% measured with
+64 KiB segments: docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerorun.errors import PlannerError
+from zerorun.planner.memory import Job
+
+# (label, qwZ, qgZ) per stage: the options each stage can take (config/rules.py)
+OPTIONS = {0: (("", False, False),), 1: (("", False, False),),
+           2: (("", False, False), ("+qgz", False, True)),
+           3: (("", False, False), ("+qwz", True, False), ("+qgz", False, True), ("+qwz+qgz", True, True))}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    label: str  # "stage 3+qwz"
+    stage: int
+    link_bytes: float  # per rank per step, to other hosts
+    local_bytes: float  # per rank per step, to ranks of its own host
+
+    def link_seconds(self, rate_bps: float, ranks_per_host: int) -> float:
+        """One host's link bytes per step over the rate: the step's lower bound from the link."""
+        return self.link_bytes * ranks_per_host * 8 / rate_bps
+
+
+def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz: bool = False,
+                 qgz: bool = False, block: int = 2048) -> Traffic:
+    n, g = job.world_size, job.gpus_per_node
+    hosts = max(1, n // g)
+    quantized = 1 + 4 / block  # bytes per element on the wire, Note [packed layout] in comm/quantize.py
+    ring = (n - 1) / n * num_params  # elements one rank sends in one ring reduce-scatter or all-gather
+    if stage == 0:
+        ring_bytes, exchange_bytes = 2 * ring * param_bytes, 0.0
+    elif stage == 1:
+        ring_bytes, exchange_bytes = 3 * ring * param_bytes, 0.0
+    elif stage == 2:
+        gather = ring * param_bytes
+        ring_bytes, exchange_bytes = (gather, ring * quantized) if qgz else (2 * gather, 0.0)
+    elif stage == 3:
+        gathers = 2 * ring * (quantized if qwz else param_bytes)
+        ring_bytes, exchange_bytes = (gathers, ring * quantized) if qgz else (gathers + ring * param_bytes, 0.0)
+    else:
+        raise PlannerError(f"no ZeRO stage {stage}", hint="stages are 0, 1, 2 and 3")
+    ring_link = hosts / n if hosts > 1 else 0.0
+    exchange_link = (n - g) / (n - 1) if n > 1 else 0.0
+    link = ring_bytes * ring_link + exchange_bytes * exchange_link
+    label = f"stage {stage}" + next(name for name, w, q in OPTIONS[stage] if (w, q) == (qwz, qgz))
+    return Traffic(label, stage, link, ring_bytes + exchange_bytes - link)
+
+
+def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048) -> list[Traffic]:
+    return [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block)
+            for stage, options in OPTIONS.items() for _, qwz, qgz in options]
+
+
+def parse_rate(text: str) -> float:
+    """'300Mbit', '1gbit', '10Gbit/s' -> bits per second (decimal units, as tc and NICs count)."""
+    raw = text.strip().lower().removesuffix("/s")
+    for suffix, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if raw.endswith(suffix):
+            try:
+                value = float(raw[: -len(suffix)])
+            except ValueError:
+                break
+            if value > 0:
+                return value * factor
+            break
+    raise PlannerError(f"link rate {text!r} is not a rate", hint="write it like 300Mbit, 1Gbit or 25Gbit")
