@@ -3,7 +3,7 @@ and ``zerorun estimate --link``.
 
 The formulas of traffic.py's docstring for 2 hosts x 1 rank (everything on the link) and 2 x 2
 (a ring crosses hosts on 2 of its 4 edges; qgZ's exchange sends 2 of its 3 parts off the host),
-the link time, and the CLI: a table with every stage and option, and a bad rate refused in one
+stage 3's backward not regathering the unit forward used last (the head), the link time, and the CLI: a table with every stage and option, and a bad rate refused in one
 line with a non-zero exit. docs/benchmarks.md compares these figures with what
 scripts/bench_link.py counted on a shaped link.
 """
@@ -45,6 +45,18 @@ def test_two_hosts_two_ranks_each():
     exchange = 3 / 4 * PSI * (1 + 4 / PSI)
     assert qgz.link_bytes == pytest.approx(2 * ring / 2 + exchange * 2 / 3)
     assert step_traffic(PSI, job, 3, 4).link_seconds(1e9, 2) == pytest.approx(3 * ring / 2 * 2 * 8 / 1e9)
+
+
+def test_stage3_keeps_the_head_gathered_into_backward():
+    from zerorun.planner.presets import preset_spec
+    from zerorun.planner.traffic import kept_numel
+
+    spec = preset_spec("gpt-bench")
+    assert spec.num_params == PSI  # examples/gpt.py's bench preset, counted by formula
+    kept = kept_numel(spec.shape)
+    assert kept == 16384 * 512 and kept_numel(None) == 0
+    row = step_traffic(PSI, Job(gpus_per_node=1, nodes=2), 3, 4, kept=kept)
+    assert row.link_bytes == pytest.approx((3 * PSI - kept) / 2 * 4)  # 185.3 MB: the benchmark counted 185.4
 
 
 def test_one_host_sends_nothing_on_a_link():

@@ -256,13 +256,14 @@ def _traffic(plan, link: str | None, compute_s: float | None):
         if compute_s is not None:
             raise PlannerError("--compute-s needs --link", hint="add --link 300Mbit (the rate between hosts)")
         return None
-    from zerorun.planner.traffic import all_traffic, parse_rate
+    from zerorun.planner.traffic import all_traffic, kept_numel, parse_rate
 
     rate = parse_rate(link)
     if compute_s is not None and not compute_s > 0:
         raise PlannerError(f"--compute-s must be a positive number of seconds (got {compute_s})")
     param_bytes = 4 if plan.training.precision == "fp32" else 2
-    return all_traffic(plan.model.num_params, plan.job, param_bytes), rate, plan.job.gpus_per_node, compute_s
+    rows = all_traffic(plan.model.num_params, plan.job, param_bytes, kept=kept_numel(plan.model.shape))
+    return rows, rate, plan.job.gpus_per_node, compute_s
 
 
 def _print(plan, measured, as_json: bool, traffic=None) -> None:

@@ -134,7 +134,8 @@ class GatheredParameters:
         with torch.no_grad():
             for record in self._records:
                 if record.unit.state is ParamState.SHARDED:
-                    record.unit.gather(self._engine.group, exact=True)  # may be written back: not qwZ's copy
+                    with record.unit.exact_gathers():  # may be written back: not qwZ's copy
+                        record.unit.gather(self._engine.group)
                     self._gathered.append(record.unit)
         return self
 

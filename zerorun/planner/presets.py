@@ -40,6 +40,10 @@ PRESETS: dict[str, TransformerShape] = {
     "llama-70b": _llama(80, 8192, 64, 28672, kv_heads=8),
     "llama3-8b": _llama(32, 4096, 32, 14336, kv_heads=8, vocab=128256),
     "llama3-70b": _llama(80, 8192, 64, 28672, kv_heads=8, vocab=128256),
+    # examples/gpt.py's "bench" preset (33,674,240 parameters), the benchmarks' model: GPT-2's shape
+    "gpt-bench": TransformerShape(family="gpt2", layers=8, hidden=512, heads=8, vocab=16384, intermediate=2048,
+                                  kv_heads=8, max_positions=128, tied_embeddings=True, attention_bias=True,
+                                  mlp_bias=True),
 }
 
 

@@ -11,7 +11,12 @@ rank send (N-1)/N B for a reduce-scatter or an all-gather and twice that for an 
                         updated parameters                               3 (N-1)/N pΨ
     stage 2             reduce-scatter + all-gather                      2 (N-1)/N pΨ
     stage 3             all-gather in forward and in backward +
-                        reduce-scatter                                   3 (N-1)/N pΨ
+                        reduce-scatter                                   (N-1)/N p(3Ψ - K)
+
+K: the elements of the unit forward uses last, which stays gathered into backward, where it is
+used first (zero.max_reuse_distance): a transformer's output head, V x h (tied or not; a tied
+head's unit is the embedding's). Known from the shape (--preset, --hf-config); 0 otherwise, an
+upper bound.
 
 ZeRO++ (Note [quantized collectives] in zero/comm/collectives.py): qwZ's gathers move int8 codes
 and an fp32 scale per block of b elements, q = 1 + 4/b bytes per element instead of p; qgZ's
@@ -51,7 +56,7 @@ class Traffic:
 
 
 def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz: bool = False,
-                 qgz: bool = False, block: int = 2048) -> Traffic:
+                 qgz: bool = False, block: int = 2048, kept: int = 0) -> Traffic:
     n, g = job.world_size, job.gpus_per_node
     hosts = max(1, n // g)
     quantized = 1 + 4 / block  # bytes per element on the wire, Note [packed layout] in comm/quantize.py
@@ -64,7 +69,7 @@ def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz
         gather = ring * param_bytes
         ring_bytes, exchange_bytes = (gather, ring * quantized) if qgz else (2 * gather, 0.0)
     elif stage == 3:
-        gathers = 2 * ring * (quantized if qwz else param_bytes)
+        gathers = (n - 1) / n * (2 * num_params - kept) * (quantized if qwz else param_bytes)
         ring_bytes, exchange_bytes = (gathers, ring * quantized) if qgz else (gathers + ring * param_bytes, 0.0)
     else:
         raise PlannerError(f"no ZeRO stage {stage}", hint="stages are 0, 1, 2 and 3")
@@ -75,9 +80,14 @@ def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz
     return Traffic(label, stage, link, ring_bytes + exchange_bytes - link)
 
 
-def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048) -> list[Traffic]:
-    return [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block)
+def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048, kept: int = 0) -> list[Traffic]:
+    return [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept)
             for stage, options in OPTIONS.items() for _, qwz, qgz in options]
+
+
+def kept_numel(shape) -> int:
+    """K above from a TransformerShape (or None: 0, unknown)."""
+    return 0 if shape is None else shape.vocab * shape.hidden
 
 
 def parse_rate(text: str) -> float:

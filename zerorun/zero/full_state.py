@@ -33,7 +33,8 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
             if unit is not None and unit is not current:
                 let_go()
                 current, gathered_here = unit, unit.state is ParamState.SHARDED
-                unit.gather(engine.pg.group, exact=True)  # never a quantized copy (qwZ)
+                with unit.exact_gathers():  # never a quantized copy (qwZ)
+                    unit.gather(engine.pg.group)
             if keep:
                 state[key] = tensor.detach().clone().cpu()
     finally:

@@ -46,6 +46,7 @@ bit-for-bit what it was with two copies. The cast needs no buffer beyond ``full`
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 
@@ -227,9 +228,8 @@ class FlatUnit:
         for listener in self.state_listeners:
             listener(self)
 
-    def start_gather(self, group, *, exact: bool = False) -> None:
-        """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED. ``exact``:
-        never quantized (a full state dict, a GatheredParameters block that may write back)."""
+    def start_gather(self, group) -> None:
+        """Allocate ``full`` and issue the all-gather (async); no-op unless SHARDED."""
         if self.state is not ParamState.SHARDED:
             return
         mapped = getattr(self.shard, "zerorun_mapped_file", None)
@@ -245,17 +245,27 @@ class FlatUnit:
             source.copy_(self.shard)
         elif source.device != self.device:  # a host shard: Note [copy stream] in unit/staging.py
             source = self._staged_shard = staging.stage(source, self.device)
-        if self.quantize_block is None or exact:
+        if self.quantize_block is None:
             self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
         else:  # the shard stays exact; only the gathered copy forward/backward read is rounded
             self._gather_handle = collectives.quantized_all_gather(
                 self.full, source, group=group, block=self.quantize_block, async_op=True)
         self._move(ParamState.GATHERING)
 
-    def gather(self, group, *, exact: bool = False) -> None:
+    @contextlib.contextmanager
+    def exact_gathers(self):
+        """Gathers issued inside are never quantized (qwZ): a full state dict, a
+        GatheredParameters block, which may write the gathered values back to the masters."""
+        block, self.quantize_block = self.quantize_block, None
+        try:
+            yield
+        finally:
+            self.quantize_block = block
+
+    def gather(self, group) -> None:
         """Make ``full`` valid (waiting for a prefetch if one is in flight)."""
         if self.state is ParamState.SHARDED:
-            self.start_gather(group, exact=exact)
+            self.start_gather(group)
         self._finish_gather()
 
     def _finish_gather(self) -> None:
