@@ -187,6 +187,7 @@ def stage3_losses(family: str, buckets: dict, rank: int) -> tuple[list[float], d
 
 def read_between_steps(model: torch.nn.Module, family: str) -> dict:
     """Outside any forward: metadata reads work, a value read is refused in one line."""
+    import zerorun.deepspeed  # noqa: F401  # ds_shape: the shim's (Note [attributes from the shim])
     from zerorun.errors import UsageError
 
     name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
@@ -202,8 +203,8 @@ def read_between_steps(model: torch.nn.Module, family: str) -> dict:
     with contextlib.redirect_stderr(said):
         state = model.state_dict()
         model.state_dict()
-    # Buffers and frozen parameters (LoRA's base) belong to no unit in zerorun: they stay whole.
-    params = {k for k, p in model.named_parameters() if p.requires_grad}
+    # Frozen parameters (LoRA's base) are partitioned too (Note [frozen units]); buffers stay whole.
+    params = {k for k, _ in model.named_parameters()}
     found["state_dict_numels"] = sorted({t.numel() for k, t in state.items() if k in params})
     found["state_dict_note"] = said.getvalue()
     try:

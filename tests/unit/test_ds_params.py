@@ -1,5 +1,5 @@
 """pytest tests/unit/test_ds_params.py — DeepSpeed's ds_* attributes on a unit's parameters
-(zerorun/zero/unit/ds_params.py), without a process group: a unit is built for rank 1 of 2."""
+(zerorun/deepspeed/ds_params.py), without a process group: a unit is built for rank 1 of 2."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from zerorun.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from zerorun.zero.unit import ds_params
+from zerorun.deepspeed import ds_params
 from zerorun.zero.unit.storage import FlatUnit, ParamState
 
 

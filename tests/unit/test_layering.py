@@ -108,3 +108,37 @@ def test_no_import_cycle_between_the_record_and_its_placements(module):
     (unit/placement.py) imports no record, so neither side imports the other back, not even for
     the type checker."""
     assert _cycle_through(module) == []
+
+
+def test_the_runtime_never_imports_the_deepspeed_shim():
+    """zerorun.zero knows nothing of DeepSpeed's names: the shim attaches ds_* attributes through
+    an engine hook (Note [attributes from the shim] in zerorun/deepspeed/ds_params.py), so the
+    runtime imports no zerorun.deepspeed module, not even inside a function."""
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    offenders = sorted(f"{name} imports {imported}" for name, path in files.items() if name.startswith("zerorun.zero")
+                       for imported in _imported_modules(path, set(files))
+                       if imported == "zerorun.deepspeed" or imported.startswith("zerorun.deepspeed."))
+    assert offenders == []
+
+
+def test_a_plain_initialize_loads_no_deepspeed_module():
+    """A stage-3 ``zerorun.initialize`` (world size 1), its forward, backward, step and a
+    stage-3 state dict load none of zerorun.deepspeed; importing the shim afterwards attaches
+    ds_* to the engine already built, frozen parameters included (Note [frozen units])."""
+    code = (
+        "import sys, torch, zerorun\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))\n"
+        "model[0].requires_grad_(False)\n"
+        "engine = zerorun.initialize(model, torch.optim.SGD(model[1].parameters(), lr=0.1),\n"
+        "                            {'zero': {'stage': 3, 'param_persistence_threshold': 0}})\n"
+        "engine.backward(engine(torch.randn(2, 8)).sum()); engine.step(); engine.full_state_dict()\n"
+        "print(len([n for n in sys.modules if n.startswith('zerorun.deepspeed')]))\n"
+        "import zerorun.deepspeed\n"
+        "print(all(hasattr(p, 'ds_status') and hasattr(p, 'ds_id') for p in model.parameters()))\n"
+    )
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("SLURM_", "ZERORUN_")) and key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-2:] == ["0", "True"]

@@ -17,7 +17,7 @@ from zerorun.deepspeed.as_deepspeed import version as _version
 # DeepSpeed's API version this module follows, labelled as zerorun's: "0.19.8+zerorun.<zerorun's>".
 __version__ = _version()
 from zerorun.deepspeed import (  # noqa: F401
-    accelerator, checkpoint, checkpointing, comm, compression, moe, ops, pipe, runtime, utils, zero,
+    accelerator, ds_params, checkpoint, checkpointing, comm, compression, moe, ops, pipe, runtime, utils, zero,
 )
 from zerorun.deepspeed.accelerator import get_accelerator  # noqa: F401  (DeepSpeed re-exports it here)
 from zerorun.deepspeed.arguments import add_config_arguments  # noqa: F401
@@ -25,6 +25,18 @@ from zerorun.deepspeed.comm import init_distributed  # noqa: F401
 from zerorun.deepspeed.initialize import initialize  # noqa: F401
 from zerorun.deepspeed.runtime.engine import DeepSpeedEngine  # noqa: F401
 from zerorun.deepspeed.unsupported import stand_in
+from zerorun.deepspeed.utils.timer import ThroughputTimer
+from zerorun.zero.engine_api import on_engine_built
+
+
+def _on_engine_built(engine) -> None:
+    """What DeepSpeed code finds on an engine and its parameters (Note [attributes from the
+    shim] in ds_params.py): the ds_* attributes at stage 3, and ``engine.tput_timer``."""
+    ds_params.attach_to_engine(engine)
+    engine.__dict__.setdefault("tput_timer", ThroughputTimer(engine))
+
+
+on_engine_built(_on_engine_built)
 
 # Tensor parallelism and inference: names a DeepSpeed script calls at the top level.
 tp_model_init = stand_in("deepspeed.tp_model_init", "tensor parallelism (AutoTP)")

@@ -11,8 +11,8 @@ What it does beyond ``zerorun.initialize`` is DeepSpeed's bookkeeping:
   the config's, as in DeepSpeed, and ``engine.step()`` steps it after each applied update;
 * ``training_data`` becomes a DataLoader of micro-batches over a DistributedSampler of this rank's
   share, shuffled with seed 0 and never re-seeded per epoch, exactly as DeepSpeed's loader.
-At stage 3 each parameter also gets DeepSpeed's ``ds_numel`` (its element count; a stage-3
-parameter keeps its full shape, so it equals ``numel()``).
+At stage 3 every parameter, trainable or frozen, carries DeepSpeed's ``ds_*`` attributes
+(deepspeed/ds_params.py, attached through the engine hook this package registers).
 * no optimizer and no optimizer section: an engine for forward passes only (evaluation, a frozen
   reference model, Trainer's ``evaluate()`` before ``train()``), returned with optimizer None as
   DeepSpeed returns it; its ``backward``/``step`` raise. Underneath it is the same sharded engine
@@ -77,10 +77,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if forward_only:
         # Instance attributes: this engine only, the class keeps its methods.
         engine.backward = engine.step = _refuse_training  # type: ignore[method-assign]
-    if engine.stage == 3:
-        for param in model.parameters():  # DeepSpeed's count of a partitioned parameter's elements
-            # The full shape's count, though the storage is empty: DeepSpeed's attribute on torch's class.
-            param.ds_numel = param.numel()  # type: ignore[attr-defined]
     if lr_scheduler is not None:
         engine.lr_scheduler = lr_scheduler(engine.optimizer) if _is_factory(lr_scheduler) else lr_scheduler
     loader = _training_loader(engine, training_data, collate_fn) if training_data is not None else None

@@ -87,10 +87,11 @@ _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _owners(engine) -> dict[int, object]:
-    """id(parameter) -> its UnitRecord, or None for a frozen parameter (in no unit)."""
+    """id(parameter) -> its UnitRecord (a frozen one at stage 3), or None for a parameter in no
+    unit (a frozen one below stage 3)."""
     table = _OWNERS.get(engine)
     if table is None:
-        table = {id(p): record for record in engine.records for p in record.unit.params}
+        table = {id(p): record for record in engine.records + engine.frozen_records for p in record.unit.params}
         table.update({id(p): None for p in engine.module.parameters() if id(p) not in table})
         _OWNERS[engine] = table
     return table

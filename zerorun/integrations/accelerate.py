@@ -46,6 +46,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+# Hugging Face's libraries read ds_status/ds_id once they see ZeRO-3: the shim attaches them to
+# the engines this integration builds (Note [attributes from the shim] in zerorun/deepspeed/ds_params.py).
+import zerorun.deepspeed  # noqa: F401
 from zerorun.errors import ConfigError
 
 

@@ -315,10 +315,12 @@ class Materializer:
             for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
                 self.owners.setdefault(id(tensor), []).append(module)
         self._rng = torch.Generator().manual_seed(seed)
+        self._in_units: set[int] = set()  # parameters a unit took (at stage 3, frozen ones too)
 
     def ensure(self, params: list[nn.Parameter]) -> None:
         """Give ``params`` their values before a unit copies them (Note [materialize per unit])."""
         for param in params:
+            self._in_units.add(id(param))
             value = self.source.get(self.aliases[id(param)]) if self.source is not None else None
             if value is not None:
                 self._check_shape(param, value)
@@ -335,7 +337,8 @@ class Materializer:
 
     def finish(self) -> None:
         """Everything outside the units: frozen parameters and buffers."""
-        params = [p for p in self.model.parameters() if not p.requires_grad or p.is_meta]
+        params = [p for p in self.model.parameters()
+                  if id(p) not in self._in_units and (not p.requires_grad or p.is_meta)]
         self.ensure(params)
         for module in self.model.modules():
             for name, buffer in list(module._buffers.items()):

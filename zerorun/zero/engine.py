@@ -24,12 +24,12 @@ from torch.utils import _pytree as pytree
 from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import get_recorder
-from zerorun.zero import full_state
+from zerorun.zero import full_state, param_access
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
 from zerorun.zero.comm import collectives
-from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI
+from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI, engine_built
 from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
@@ -39,7 +39,6 @@ from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.comm.process_group import ProcessGroupInfo, resolve_process_group
 from zerorun.zero.offload.placements import placement_from_config
-from zerorun.zero.unit import ds_params
 from zerorun.zero.unit.record import Home, UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
@@ -126,6 +125,11 @@ def _failing_together(pg, what: str, *, enabled: bool = True):
 def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig, params=None) -> torch.optim.Optimizer:
     """The config's optimizer over ``params`` (tensors or param-group dicts, as DeepSpeed's
     ``model_parameters``), else over the model's trainable parameters."""
+    trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer is None and not trainable:
+        # A wholly frozen model (a DPO reference, an evaluation model) needs no optimizer, as
+        # DeepSpeed's initialize allows: one empty group that never steps anything.
+        return torch.optim.SGD([{"params": []}], lr=0.0)
     if cfg.optimizer is None:
         raise RuntimeConfigError(
             "initialize() got no optimizer and the config has no 'optimizer' section",
@@ -134,7 +138,6 @@ def _optimizer_from_config(model: nn.Module, cfg: ZerorunConfig, params=None) ->
     cls = getattr(torch.optim, cfg.optimizer.type, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise RuntimeConfigError(f"optimizer.type {cfg.optimizer.type!r} is not a torch.optim optimizer")
-    trainable = list(params) if params is not None else [p for p in model.parameters() if p.requires_grad]
     return cls(trainable, **cfg.optimizer.params)
 
 
@@ -215,12 +218,11 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                                enabled=state_home_for is not None
                                or "nvme" in (cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device)):
             partition = self._build_units(model, optimizer, cfg, materializer, state_home_for)
-        if self.stage == 3:  # DeepSpeed's ds_* attributes (unit/ds_params.py), after make_master
-            ds_params.attach([record.unit for record in self.records])
         self.gatherer = None
         if self.stage == 3 and partition.module_units:
-            module_records = {m: [self.records[u.index] for u in us] for m, us in partition.module_units.items()}
-            holder_records = {m: [self.records[u.index] for u in us] for m, us in partition.holder_units.items()}
+            record_of = {r.index: r for r in self.records + self.frozen_records}
+            module_records = {m: [record_of[u.index] for u in us] for m, us in partition.module_units.items()}
+            holder_records = {m: [record_of[u.index] for u in us] for m, us in partition.holder_units.items()}
             self.gatherer = ParamGatherer(model, module_records, self.group,
                                           max_reuse_distance=cfg.zero.max_reuse_distance,
                                           holder_records=holder_records)
@@ -252,6 +254,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self._recorder = get_recorder()
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
+        param_access.refuse_resizing(model, self.stage)  # Note [resize before initialize]
+        engine_built(self)  # Note [engine hooks] in engine_api.py (DeepSpeed's ds_* attributes)
         LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
 
     def _quantize_collectives(self, zero) -> None:
@@ -289,6 +293,11 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             home = state_home_for(unit)
             segments = tuple(unit.layout.segments(unit.rank))  # the pieces this rank's chunk holds
             self.records.append(UnitRecord(unit, segments, home.make_master(unit), home, param_home))
+        # Note [frozen units] in unit/partition.py: gathered like the rest, in no other pass; no
+        # master (the "master" is the chunk itself, which nothing steps) and no optimizer state.
+        self.frozen_records: list[UnitRecord] = [
+            UnitRecord(unit, tuple(unit.layout.segments(unit.rank)), unit.shard, param_home, param_home)
+            for unit in partition.frozen]
         return partition
 
     # -- the training loop ------------------------------------------------------------------
@@ -401,9 +410,11 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds right now, counted from the tensors' storages."""
-        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters() if not p.requires_grad)
+        in_units = {id(p) for record in self.frozen_records for p in record.unit.params}
+        frozen = sum(p.numel() * p.element_size() for p in self.module.parameters()
+                     if not p.requires_grad and id(p) not in in_units)  # below stage 3: whole
         params = {"device": frozen, "host": 0, "nvme": 0}
-        for record in self.records:  # a stage-3 chunk counts where its param home keeps it
+        for record in self.records + self.frozen_records:  # a stage-3 chunk counts where its param home keeps it
             params[record.param_home.location if record.unit.partitioned else "device"] += record.unit.param_nbytes()
         gradients, transient = self.reducer.nbytes()
         if self.gatherer is not None:

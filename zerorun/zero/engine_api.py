@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +29,25 @@ from zerorun.errors import CheckpointError
 # Every engine alive in this process, so ``deepspeed.zero.GatheredParameters`` can find the unit
 # that holds a parameter (zerorun/deepspeed/zero.py).
 LIVE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+# Note [engine hooks]: what another layer adds to an engine once its units are built (the
+# DeepSpeed shim's ds_* attributes and tput_timer: zerorun/deepspeed/ds_params.py, Note
+# [attributes from the shim]). The runtime calls them and never imports their layer.
+_BUILT_HOOKS: list[Callable[[Any], None]] = []
+
+
+def on_engine_built(hook: Callable[[Any], None]) -> None:
+    """Call ``hook(engine)`` for every engine built from now on, and now for each one alive."""
+    if hook not in _BUILT_HOOKS:
+        _BUILT_HOOKS.append(hook)
+        for engine in list(LIVE_ENGINES):
+            hook(engine)
+
+
+def engine_built(engine) -> None:
+    """The engine's call, once its records exist (zero/engine.py)."""
+    for hook in _BUILT_HOOKS:
+        hook(engine)
 
 
 class DeepSpeedEngineAPI:
@@ -124,21 +145,10 @@ class DeepSpeedEngineAPI:
         """The config's ``stage3_gather_16bit_weights_on_model_save`` (or its older fp16 name),
         False when absent, as DeepSpeed answers it: Accelerate and Trainer then gather the whole
         model for ``save_model`` at stage 3, or save an engine checkpoint instead."""
-        from zerorun.deepspeed.config_view import deepspeed_dict
-
-        zero = deepspeed_dict(self.config).get("zero_optimization") or {}
+        # Only a DeepSpeed config (deepspeed.initialize's dict view) can hold the key.
+        zero = (self.config.get("zero_optimization") or {}) if isinstance(self.config, dict) else {}
         return bool(zero.get("stage3_gather_16bit_weights_on_model_save",
                              zero.get("stage3_gather_fp16_weights_on_model_save", False)))
-
-    @property
-    def tput_timer(self):
-        """DeepSpeed's throughput timer (deepspeed/utils/timer.py), one per engine."""
-        timer = self.__dict__.get("_tput_timer")
-        if timer is None:
-            from zerorun.deepspeed.utils.timer import ThroughputTimer
-
-            timer = self.__dict__["_tput_timer"] = ThroughputTimer(self)
-        return timer
 
     def destroy(self) -> None:
         """DeepSpeed's teardown of an engine: nothing stays gathered, writes are on disk, and

@@ -1,24 +1,31 @@
 """The whole, unsharded state dict of a live engine, gathered one stage-3 unit at a time.
 
 ``pytest tests/distributed/test_checkpoint_resume.py tests/distributed/test_checkpoint_crash.py`` runs
-its tests; ``engine.full_state_dict(rank0_only=True)`` (zero/engine.py) calls it. The gathering is
-the stage-3 gatherer's (zero/param_gather.py): ``unit.gather`` and ``unit.release``, here one unit
-after another in state-dict order, outside any forward or backward.
+its tests; ``engine.full_state_dict(rank0_only=True)`` (zero/engine.py) calls it, and a checkpoint
+writes and reads frozen parameters through ``in_turn`` and ``write_whole`` (stage 3 partitions
+them: Note [frozen units] in unit/partition.py). The gathering is the stage-3 gatherer's
+(zero/param_gather.py): ``unit.gather`` and ``unit.release``, here one unit after another in
+state-dict order, outside any forward or backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
-from zerorun.zero.unit.storage import ParamState
+from zerorun.zero.unit.storage import FlatUnit, ParamState
 
 
-def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The unsharded state dict, gathered one stage-3 unit at a time (every rank must call it):
-    at most one gathered unit is alive beside the copies rank 0 keeps."""
-    keep = not rank0_only or engine.pg.rank == 0
-    unit_of = {id(p): r.unit for r in engine.records if r.unit.partitioned for p in r.unit.params}
-    state: dict[str, torch.Tensor] = {}
+def _partitioned_units(engine) -> dict[int, FlatUnit]:
+    """id(parameter) -> its partitioned unit, trainable or frozen."""
+    return {id(p): r.unit for r in engine.records + engine.frozen_records if r.unit.partitioned for p in r.unit.params}
+
+
+def in_turn(engine, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` as it is, each partitioned parameter's unit gathered while it is yielded, one
+    unit alive at a time (every rank must run through it all: each gather is a collective)."""
+    unit_of = _partitioned_units(engine)
     current, gathered_here = None, False
 
     def let_go():
@@ -28,15 +35,35 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
                 current.pool.clear()
 
     try:
-        for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        for key, tensor in named:
             unit = unit_of.get(id(tensor))
             if unit is not None and unit is not current:
                 let_go()
                 current, gathered_here = unit, unit.state is ParamState.SHARDED
                 with unit.exact_gathers():  # never a quantized copy (qwZ)
                     unit.gather(engine.pg.group)
-            if keep:
-                state[key] = tensor.detach().clone().cpu()
+            yield key, tensor
     finally:
         let_go()
+
+
+def write_whole(engine, tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor.copy_(value)`` for a parameter or buffer, also one a stage-3 unit partitions:
+    this rank's piece goes into its shard, with no collective."""
+    unit = _partitioned_units(engine).get(id(tensor))
+    if unit is None:
+        with torch.no_grad():
+            tensor.copy_(value)
+    else:
+        unit.write_param(tensor, value)  # type: ignore[arg-type]  # a partitioned tensor is a parameter
+
+
+def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded state dict, gathered one stage-3 unit at a time (every rank must call it):
+    at most one gathered unit is alive beside the copies rank 0 keeps."""
+    keep = not rank0_only or engine.pg.rank == 0
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in in_turn(engine, engine.module.state_dict(keep_vars=True).items()):
+        if keep:
+            state[key] = tensor.detach().clone().cpu()
     return state

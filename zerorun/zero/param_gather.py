@@ -272,7 +272,7 @@ class ParamGatherer:
         if recomputing:
             return None
         self._prefetch_forward(module)
-        if torch.is_grad_enabled() and any(r.gathering.users > 1 for r in records):
+        if torch.is_grad_enabled() and any(_released_after_backward(r) for r in records):
             return self._hook_inputs(module, args, kwargs)
         return None
 
@@ -375,7 +375,7 @@ class ParamGatherer:
         its inputs pass through ``_AfterBackward``, whose backward runs when the module's whole
         backward has produced their gradients, and so before the backward hook of the module
         that made them (a tensor hook on the same input would run after that hook's gather)."""
-        records = [r for r in self._records_of(module) if r.gathering.users > 1]
+        records = [r for r in self._records_of(module) if _released_after_backward(r)]
 
         def after_backward() -> None:
             if not is_recomputing():
@@ -472,6 +472,12 @@ def gathers_still_wanted(sizes_by_position: list[list[int]]) -> list[dict[int, i
             counts[nbytes] = counts.get(nbytes, 0) + 1
         wanted.append(counts)
     return wanted[::-1]
+
+
+def _released_after_backward(record: UnitRecord) -> bool:
+    """A shared unit (Note [shared units]), or a frozen one, whose release no gradient's arrival
+    triggers (Note [frozen units] in unit/partition.py): released once the module's backward is over."""
+    return record.gathering.users > 1 or record.unit.frozen
 
 
 def _reads_params_in_backward(module: nn.Module) -> bool:

@@ -22,6 +22,7 @@ import torch
 from zerorun.errors import CheckpointError
 from zerorun.telemetry import get_recorder
 from zerorun.worker.device import storage_home
+from zerorun.zero import full_state
 from zerorun.zero.checkpoint.agreement import together
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, LATEST, Reader, decode_scalar, frozen_and_buffers,
                                            master_index, model_table, rank_file, read_manifest, resolve)
@@ -151,9 +152,9 @@ def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:
                 index = index or master_index(manifest)[0]
                 whole = torch.empty(tensor.numel(), dtype=torch.float32)
                 reader.fill(plan_reads([Segment(name, 0, 0, tensor.numel())], index), whole)
-                tensor.copy_(whole.view(tensor.shape))
-            else:
-                tensor.copy_(reader.file(rank_file(0)).read(key))
+                full_state.write_whole(engine, tensor, whole.view(tensor.shape))
+            else:  # a stage-3 frozen parameter: into this rank's shard (Note [frozen units])
+                full_state.write_whole(engine, tensor, reader.file(rank_file(0)).read(key))
 
 
 def _plan_records(engine, reader: Reader, manifest: dict, optimizer_states: bool) -> list:

@@ -56,6 +56,7 @@ import zerorun
 from zerorun.errors import CheckpointError
 from zerorun.worker import preemption_grace
 from zerorun.telemetry import get_recorder
+from zerorun.zero import full_state
 from zerorun.zero.checkpoint import owner
 from zerorun.zero.checkpoint.agreement import together
 from zerorun.zero.checkpoint.client_state import check_client_state
@@ -120,8 +121,9 @@ def _write_rank_file(engine, staging: Path) -> dict:
         if _writes_records(engine):
             for record in engine.records:
                 _write_record(writer, record, engine.train_state.optimizer)
-        if engine.pg.rank == 0:
-            for key, tensor in frozen_and_buffers(engine):
+        # Every rank: stage 3 partitions frozen parameters too, gathered in turn for rank 0 to write.
+        for key, tensor in full_state.in_turn(engine, frozen_and_buffers(engine)):
+            if engine.pg.rank == 0:
                 writer.write(key, tensor)
         for key, state in torch_rng().items():
             writer.write(key, state)

@@ -9,7 +9,15 @@ forward and backward. The parameters of a unit of at most ``param_persistence_th
 elements stay whole on every rank instead and are bucketed as in stage 2 (Note [persistent
 units] in unit/plan.py).
 
-Frozen parameters belong to no unit: they are not in the optimizer and never communicated.
+Note [frozen units]: at stage 3 frozen parameters (a LoRA base, a DPO reference model) are
+partitioned too, as DeepSpeed partitions them: planned by the same rules over the frozen
+parameters alone (so the trainable plan is what it was), one unit per owner and dtype, gathered
+by the same hooks and released after the module's backward (param_gather.py), but never in the
+optimizer, never reduced and never stepped: the engine keeps their records apart
+(``engine.frozen_records``), outside every pass but gathering. A frozen unit of at most
+``param_persistence_threshold`` elements stays whole, bucketed like the trainable ones, so that
+every stage-3 parameter is in a unit (and carries DeepSpeed's attributes). Below stage 3 frozen
+parameters belong to no unit: whole on every rank and never communicated.
 """
 
 from __future__ import annotations
@@ -22,9 +30,9 @@ from torch import nn
 
 from zerorun.errors import RuntimeConfigError
 from zerorun.zero.unit.layout import ParamSpec, pack_buckets
-from zerorun.zero.unit.storage import FlatUnit
+from zerorun.zero.unit.storage import FROZEN_GROUP, FlatUnit
 
-from zerorun.zero.unit.plan import ModuleNode, ParamNode, stage3_units
+from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units, stage3_units
 
 
 @dataclass
@@ -37,6 +45,8 @@ class Partition:
     # Stage 3 only: the partitioned units of each module's own parameters (its direct
     # ``parameters(recurse=False)``), whoever owns them: Note [gather follows use] in param_gather.py.
     holder_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
+    # Stage 3 only: the units of frozen parameters (Note [frozen units]), indexed after ``units``.
+    frozen: list[FlatUnit] = field(default_factory=list)
 
 
 def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -102,20 +112,37 @@ def build_partition(
                 assigned.add(id(param))
                 by_group.setdefault(group_of[id(param)], []).append((name_of[id(param)], param))
             module_units[owner] = [add_unit(m, g, partitioned=True) for g, m in sorted(by_group.items())]
-        _add_outside_users(model, units, module_units)
-        holder_units = _holder_units(model, units)
 
     for group_index in range(len(optimizer.param_groups)):
         rest = [(n, p) for n, p in reversed(named)
                 if p.requires_grad and group_of[id(p)] == group_index and id(p) not in assigned]
-        by_name = dict(rest)
-        for bucket in pack_buckets([ParamSpec(n, p.numel()) for n, p in rest], bucket_numel):
-            add_unit([(spec.name, by_name[spec.name]) for spec in bucket], group_index, partitioned=False)
+        for bucket in _buckets(rest, bucket_numel):
+            add_unit(bucket, group_index, partitioned=False)
 
     # Gradients of later-registered parameters come first in backward.
     reduce_order = sorted(range(len(units)), key=lambda i: -min(registration[id(p)] for p in units[i].params))
-    return Partition(units, reduce_order, module_units, holder_units)
+    trainable = list(units)
+    if stage == 3:  # Note [frozen units]: after the trainable ones, so those keep their indices
+        for owner, members in _coalesce_modules(model, persistence_threshold, min_unit_numel, trainable=False):
+            by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+            for param in members:
+                assigned.add(id(param))
+                by_dtype.setdefault(param.dtype, []).append((name_of[id(param)], param))
+            module_units.setdefault(owner, []).extend(
+                add_unit(m, FROZEN_GROUP, partitioned=True) for m in by_dtype.values())
+        rest = [(n, p) for n, p in reversed(named) if not p.requires_grad and id(p) not in assigned]
+        for dtype in dict.fromkeys(p.dtype for _, p in rest):
+            for bucket in _buckets([(n, p) for n, p in rest if p.dtype == dtype], bucket_numel):
+                add_unit(bucket, FROZEN_GROUP, partitioned=False)
+        _add_outside_users(model, [u for u in units if u.partitioned], module_units)
+        holder_units = _holder_units(model, units)
+    return Partition(trainable, reduce_order, module_units, holder_units, frozen=units[len(trainable):])
 
+
+def _buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int) -> list[list[tuple[str, nn.Parameter]]]:
+    by_name = dict(named)
+    return [[(spec.name, by_name[spec.name]) for spec in bucket]
+            for bucket in pack_buckets([ParamSpec(n, p.numel()) for n, p in named], bucket_numel)]
 
 
 def module_tree(model: nn.Module) -> ModuleNode:
@@ -129,19 +156,26 @@ def module_tree(model: nn.Module) -> ModuleNode:
             node(child, f"{name}.{child_name}" if name else child_name)
             for child_name, child in module.named_children() if id(child) not in seen
         )
-        params = tuple(ParamNode(id(p), p.numel(), p.requires_grad) for p in module.parameters(recurse=False))
+        params = tuple(ParamNode(id(p), p.numel(), p.requires_grad, p.is_floating_point())
+                       for p in module.parameters(recurse=False))
         return ModuleNode(name, not isinstance(module, (nn.ModuleList, nn.ModuleDict)), params, children)
 
     return node(model, "")
 
 
-def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: int) -> list[tuple[nn.Module, list[nn.Parameter]]]:
-    """(owner module, parameters) of each partitioned unit from unit/plan.py's rules; each
-    parameter appears once."""
+def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: int,
+                      trainable: bool = True) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """(owner module, parameters) of each partitioned unit from unit/plan.py's rules, over the
+    trainable parameters or the frozen ones (Note [frozen units]); each parameter appears once."""
     modules = dict(model.named_modules())
     params: dict[Hashable, nn.Parameter] = {id(p): p for p in model.parameters()}
-    return [(modules[u.owner], [params[p.key] for p in u.params])
-            for u in stage3_units(module_tree(model), persistence_threshold, min_numel)]
+    tree = module_tree(model)
+    if trainable:
+        planned = stage3_units(tree, persistence_threshold, min_numel)
+    else:
+        planned = [u for u in coalesce_units(tree, lambda p: not p.trainable and p.floating, min_numel)
+                   if u.numel > persistence_threshold]
+    return [(modules[u.owner], [params[p.key] for p in u.params]) for u in planned]
 
 
 def _add_outside_users(model: nn.Module, units: list[FlatUnit], module_units: dict) -> None:

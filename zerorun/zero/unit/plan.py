@@ -46,6 +46,7 @@ class ParamNode:
     key: Hashable      # identity of the parameter (a tied parameter has one key everywhere)
     numel: int
     trainable: bool = True
+    floating: bool = True  # an integer parameter (always frozen) is never partitioned
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ from zerorun.zero.unit import staging
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
 
 
+# The group index of a frozen unit: in no optimizer group (Note [frozen units] in unit/partition.py).
+FROZEN_GROUP = -1
+
+
 class ParamState(enum.Enum):
     """Which value buffers of a unit are alive.
 
@@ -200,6 +204,26 @@ class FlatUnit:
         # Called after every state change (DeepSpeed's ds_status: unit/ds_params.py; the class of
         # a partitioned parameter: zero/param_access.py).
         self.state_listeners: list[Callable[[FlatUnit], None]] = []
+
+    @property
+    def frozen(self) -> bool:
+        """A unit of frozen parameters: gathered for use, never reduced or stepped."""
+        return self.group_index == FROZEN_GROUP
+
+    def write_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """Set one parameter's values from the whole ``value``: this rank's piece of it into the
+        shard, and all of it into ``full`` while that is valid (a checkpoint's frozen tensors)."""
+        position = next(i for i, p in enumerate(self.params) if p is param)
+        offset, numel = self.layout.offsets[position], param.numel()
+        flat = value.reshape(-1)
+        with torch.no_grad():
+            if self.state is not ParamState.SHARDED:
+                self.full[offset : offset + numel].copy_(flat)
+            if self.partitioned:
+                lo, hi = self.layout.chunk_range(self.rank)
+                start, end = max(lo, offset), min(hi, offset + numel)
+                if start < end:
+                    self.shard[start - lo : end - lo].copy_(flat[start - offset : end - offset])
 
     def _allocate_full(self) -> None:
         storage = self.full.untyped_storage()
