@@ -2,7 +2,7 @@
 
 ``pytest tests/distributed/test_checkpoint_resume.py tests/distributed/test_checkpoint_crash.py`` runs
 its tests; ``engine.full_state_dict(rank0_only=True)`` (zero/engine.py) calls it, and a checkpoint
-writes and reads frozen parameters through ``in_turn`` and ``write_whole`` (stage 3 partitions
+writes and reads frozen parameters through ``host_copies`` and ``write_whole`` (stage 3 partitions
 them: Note [frozen units] in unit/partition.py). The gathering is the stage-3 gatherer's
 (zero/param_gather.py): ``unit.gather`` and ``unit.release``, here one unit after another in
 state-dict order, outside any forward or backward.
@@ -45,6 +45,17 @@ def in_turn(engine, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
             yield key, tensor
     finally:
         let_go()
+
+
+def host_copies(engine, named: Iterable[tuple[str, torch.Tensor]], *, keep: bool) -> dict[str, torch.Tensor]:
+    """Host copies of the partitioned parameters among ``named``, by key (every rank runs the
+    gathers, one unit at a time; only a rank that ``keep``s copies)."""
+    unit_of = _partitioned_units(engine)
+    copies = {}
+    for key, tensor in in_turn(engine, [(k, t) for k, t in named if id(t) in unit_of]):
+        if keep:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+    return copies
 
 
 def write_whole(engine, tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -109,7 +109,7 @@ def _rank_entries(engine) -> tuple[list, dict]:
     return entries, scalars
 
 
-def _write_rank_file(engine, staging: Path) -> dict:
+def _write_rank_file(engine, staging: Path, frozen: dict[str, torch.Tensor]) -> dict:
     entries, scalars = _rank_entries(engine)
     path = staging / rank_file(engine.pg.rank)
     try:
@@ -121,10 +121,9 @@ def _write_rank_file(engine, staging: Path) -> dict:
         if _writes_records(engine):
             for record in engine.records:
                 _write_record(writer, record, engine.train_state.optimizer)
-        # Every rank: stage 3 partitions frozen parameters too, gathered in turn for rank 0 to write.
-        for key, tensor in full_state.in_turn(engine, frozen_and_buffers(engine)):
-            if engine.pg.rank == 0:
-                writer.write(key, tensor)
+        if engine.pg.rank == 0:
+            for key, tensor in frozen_and_buffers(engine):
+                writer.write(key, frozen.get(key, tensor))
         for key, state in torch_rng().items():
             writer.write(key, state)
         checksum = writer.commit()
@@ -173,9 +172,14 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
     try:
         together(engine, lambda: _prepare(engine, root, staging), f"preparing checkpoint {tag}")
         table = model_table(engine.module)
+        # Stage 3 partitions frozen parameters (Note [frozen units] in zero/unit/partition.py) and
+        # rank 0's file holds them whole: every rank gathers their units in turn here, where
+        # every rank arrives, and rank 0 keeps host copies to write; inside ``write`` a gather
+        # would be a collective that a rank failing its own writes never joins.
+        frozen = full_state.host_copies(engine, frozen_and_buffers(engine), keep=engine.pg.rank == 0)
 
         def write() -> None:
-            entry = _write_rank_file(engine, staging)
+            entry = _write_rank_file(engine, staging, frozen)
             write_bytes_atomically(staging / f"rank{engine.pg.rank}.json", json.dumps(entry).encode())
             if engine.pg.rank == 0:
                 buffer = io.BytesIO()
