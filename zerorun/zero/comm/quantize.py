@@ -31,35 +31,54 @@ def packed_nbytes(numel: int, block: int) -> int:
     return 4 * block_count(numel, block) + -(-numel // 4) * 4
 
 
-def quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat ``x`` -> (int8 codes of x's length, fp32 scales, one per block)."""
+def _pieces(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
+    """The whole blocks as one (blocks, block) view, then the short last block as (1, rest):
+    no padded copy of the tensor (Note [packed layout] keeps the codes unpadded too)."""
+    whole = flat.numel() // block * block
+    pieces = [flat[:whole].view(-1, block)] if whole else []
+    if whole < flat.numel():
+        pieces.append(flat[whole:].view(1, -1))
+    return pieces
+
+
+def quantize(x: torch.Tensor, block: int, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat ``x`` -> (int8 codes of x's length, written into ``codes`` when given; fp32 scales,
+    one per block)."""
     flat = x.reshape(-1).float()
     n = flat.numel()
-    blocks = block_count(n, block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=flat.device)
-    padded[:n] = flat
-    padded = padded.view(blocks, block)
-    scales = padded.abs().amax(dim=1) / LEVELS
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block codes as zeros
-    codes = torch.round(padded / safe[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    return codes.view(-1)[:n], scales
+    if codes is None:
+        codes = torch.empty(n, dtype=torch.int8, device=flat.device)
+    all_scales = []
+    for values, into in zip(_pieces(flat, block), _pieces(codes, block), strict=True):
+        low, high = torch.aminmax(values, dim=1)  # no |x| temporary
+        scales = torch.maximum(high, -low) / LEVELS
+        inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))  # an all-zero block codes as zeros
+        scaled = values * inverse[:, None]
+        into.copy_(scaled.round_().clamp_(-LEVELS, LEVELS))  # whole numbers: the cast is exact
+        all_scales.append(scales)
+    return codes, torch.cat(all_scales) if len(all_scales) > 1 else all_scales[0]
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     """Write codes * their block's scale into ``out`` (any float dtype, codes' length)."""
-    n = codes.numel()
-    per_element = scales.repeat_interleave(block)[:n]
-    out.view(-1).copy_(codes.float() * per_element)
+    flat_out = out.view(-1)
+    start = 0
+    for values, into in zip(_pieces(codes, block), _pieces(flat_out, block), strict=True):
+        rows = values.shape[0]
+        if into.dtype == torch.float32:
+            into.copy_(values).mul_(scales[start : start + rows, None])  # in place: no temporary
+        else:
+            into.copy_(values.float() * scales[start : start + rows, None])
+        start += rows
     return out
 
 
 def pack(x: torch.Tensor, block: int, out: torch.Tensor) -> torch.Tensor:
     """Quantize ``x`` into the uint8 buffer ``out`` of ``packed_nbytes(x.numel(), block)`` bytes."""
     n = x.numel()
-    codes, scales = quantize(x, block)
-    head = scales.numel() * 4
+    head = 4 * block_count(n, block)
+    _, scales = quantize(x, block, codes=out[head : head + n].view(torch.int8))
     out[:head].copy_(scales.view(torch.uint8))
-    out[head : head + n].copy_(codes.view(torch.uint8))
     return out
 
 
