@@ -8,7 +8,8 @@
   channel) and 3 (the ring over gloo, ZERORUN_HOST_CHANNEL=0).
 - Training at stage 3 with qwZ and qgZ changes the weights forward sees, never the masters: a
   checkpoint saved with them on loads with them off into the same full state, and that state
-  is not on the int8 grid (the rounded copies were not written back).
+  is not on the int8 grid (the rounded copies were not written back). With
+  quantized_nontrainable_weights only the units of frozen parameters gather quantized.
 - ``-m long``: 200 steps of the demo GPT (examples/gpt.py "tiny", 2 ranks, stage 3) with qwZ,
   qgZ and both: the mean loss of the last 20 steps within 2% of the same run without them
   (docs/benchmarks.md derives the bound).
@@ -140,6 +141,30 @@ def test_checkpoint_holds_exact_masters(tmp_path):
     for rank, r in results.items():
         assert r["same"], rank
         assert r["off_grid"] > 1000, r  # the tiny GPT's 1.5M masters are not the rounded copies
+
+
+def frozen_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    import zerorun
+    from gpt import GPT, preset
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = GPT(preset("nano"))
+    model.blocks[0].requires_grad_(False)
+    engine = zerorun.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]),
+                                {"zero": {"stage": 3, "quantized_nontrainable_weights": True}})
+    blocks = {"frozen": [r.unit.quantize_block for r in engine.frozen_records],
+              "trained": [r.unit.quantize_block for r in engine.records]}
+    dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(blocks))
+
+
+def test_nontrainable_weights_quantize_only_frozen_units(tmp_path):
+    blocks = spawn_and_collect(frozen_worker, tmp_path, 2)[0]
+    assert blocks["frozen"] and all(b == 2048 for b in blocks["frozen"]), blocks
+    assert blocks["trained"] and all(b is None for b in blocks["trained"]), blocks
 
 
 def accuracy_worker(rank: int, init_file: str, out_dir: str) -> None:

@@ -264,7 +264,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         and whether gradients reduce-scatter them (qgZ). The config allows these only at the
         stages that have those collectives (config/rules.py)."""
         block = zero.quantization_block_size
-        for record in self.records:
+        for record in self.records + self.frozen_records:
             frozen = not any(p.requires_grad for p in record.unit.params)
             if record.unit.partitioned and (zero.quantized_weights or (zero.quantized_nontrainable_weights and frozen)):
                 record.unit.quantize_block = block
