@@ -66,7 +66,7 @@ def test_a_damaged_scratch_file_ends_the_job_in_seconds_with_one_line(tmp_path, 
     # Rank 0 died of the exception and removed its files; rank 1, stopped by the launcher,
     # could not: its agent removed what it recorded once the workers had exited.
     assert not list(nvme.glob("zerorun-*")), list(nvme.glob("zerorun-*/*"))
-    assert not list((run_dir / "scratch").glob("rank*"))
+    assert not list((run_dir / "scratch").rglob("rank*"))
 
 
 PARAM_SCRIPT = r'''

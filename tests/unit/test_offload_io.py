@@ -229,6 +229,7 @@ def test_the_launcher_sweep_removes_recorded_scratch_and_nothing_else(tmp_path):
     (ours / "optim0").mkdir(parents=True)
     precious = tmp_path / "precious"
     precious.mkdir()
+    (ours / ".lock").touch()  # every scratch directory of ours has one (Note [scratch names])
     (records / "rank1").write_text(str(ours) + "\n")
     (records / "rank2").write_text(str(precious) + "\n")  # a record that names something else
     assert scratch.sweep_recorded(run_dir) == [str(ours)]

@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         done = run(checkpoint, out, tag=tag, fmt=fmt, dtype=dtype, hf_config=hf_config, like=like,
                    strip_prefix=strip_prefix)
         typer.echo(f"wrote {done['out']}: {done['tensors']} tensors, {done['bytes'] / 2**20:.1f} MiB "
-                   f"(step {done['global_step']}, from {done['source']})")
+                   f"(step {done['global_step']}, from {done['source']}); at most "
+                   f"{done['peak_bytes'] / 2**20:.1f} MiB of tensors held at once")
         if done["tied"]:
             typer.echo(done["tied"])

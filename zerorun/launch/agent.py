@@ -359,19 +359,20 @@ class NodeAgent:
         """The NVMe scratch its workers recorded and their host-channel files in /dev/shm (a
         rank ended by a signal cannot remove its own; Note [shm cleanup] in comm/shm_names.py)."""
         from zerorun.zero.comm.shm_names import remove_files_of
-        from zerorun.zero.offload.scratch import sweep_recorded
+        from zerorun.zero.offload.scratch import LAUNCH_ID_ENV, sweep_recorded
 
         with self._stop_lock:
             pids = [proc.pid for proc in self._procs.values()]
         remove_files_of(pids)
 
-        by_run_dir: dict[str, list[int]] = {}
+        # This launch's records only (Note [one launch per run directory] in launch/run_dir.py).
+        by_run_dir: dict[tuple[str, str | None], list[int]] = {}
         for worker in self.workers:
-            run_dir = worker["env"].get("ZERORUN_RUN_DIR") or self.base_env.get("ZERORUN_RUN_DIR")
-            if run_dir:
-                by_run_dir.setdefault(run_dir, []).append(worker["rank"])
-        for run_dir, ranks in by_run_dir.items():
-            sweep_recorded(run_dir, ranks)
+            env = {**self.base_env, **worker["env"]}
+            if env.get("ZERORUN_RUN_DIR"):
+                by_run_dir.setdefault((env["ZERORUN_RUN_DIR"], env.get(LAUNCH_ID_ENV)), []).append(worker["rank"])
+        for (run_dir, launch), ranks in by_run_dir.items():
+            sweep_recorded(run_dir, ranks, launch)
 
     def reap_leftovers(self) -> None:
         """KILL whatever is left in the worker groups (children a finished worker left behind)."""

@@ -20,14 +20,17 @@ from pathlib import Path
 
 from zerorun.config.sources import read_small_file
 from zerorun.errors import LaunchError
+from zerorun.launch import run_dir as run_dir_lock
 from zerorun.launch import slurm
 from zerorun.launch.commands import forwarded_env, node_agent_command, parse_env_file, parse_ssh_opts
 from zerorun.launch.job_hosts import JobHosts, choose_launcher, count_gpus, free_port, has_nvidia_gpu, job_hosts
 from zerorun.launch.plan import LaunchPlan, Target, build_plan, describe_plan, is_local_host, plan_json
+from zerorun.launch.run_dir import launch_id
 from zerorun.launch.signals import read_partition_grace, signal_plan
 from zerorun.launch.slurm import StepRole
 from zerorun.worker import preemption_grace
 from zerorun.worker.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
+from zerorun.zero.offload.scratch import LAUNCH_ID_ENV
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_ENV_FILE = ".zerorun.env"
@@ -133,8 +136,10 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     ssh_options = parse_ssh_opts(environ.get("ZERORUN_SSH_OPTS", "")) + list(options.ssh_options)
     token = secrets.token_hex(16)
     all_local = all(is_local_host(h, found.local_names) for h in found.hosts)
-    plan = _job_plan(options, found, context, mode, environ, cwd, env_file_vars, token, all_local)
+    run_notes: list[str] = []
+    plan = _job_plan(options, found, context, mode, environ, cwd, env_file_vars, token, all_local, run_notes)
     config, notes = _job_config(options, cwd, plan.world_size, environ, all_local)
+    notes += run_notes
     notes += _worker_env_for_options(plan, options, config, environ)
     from zerorun.config import to_dict
 
@@ -162,15 +167,16 @@ def _env_file_vars(options: LaunchOptions, cwd: str, environ: Mapping[str, str])
 
 def _job_plan(options: LaunchOptions, found: JobHosts, context: slurm.SlurmContext | None, mode: str,
               environ: dict[str, str], cwd: str, env_file_vars: dict[str, str], token: str,
-              all_local: bool) -> LaunchPlan:
-    """The plan of every worker; under srun (``found.role``) only this node's."""
+              all_local: bool, notes: list[str]) -> LaunchPlan:
+    """The plan of every worker; under srun (``found.role``) only this node's. ``notes`` gets
+    what choosing the run directory has to say."""
     hosts, role, local_names = found.hosts, found.role, found.local_names
     plan = build_plan(
         hosts,
         options.target,
         python=sys.executable,
         cwd=cwd,
-        run_dir=_run_dir(options, cwd, role, found.step_label, context if mode != "local" else None),
+        run_dir=_run_dir(options, cwd, role, found.step_label, context if mode != "local" else None, notes),
         token=token,
         master_port=_master_port(options, role, next(iter(hosts)), local_names, context, mode),
         master_addr=options.master_addr or (role.master_addr if role is not None else None),
@@ -186,6 +192,8 @@ def _job_plan(options: LaunchOptions, found: JobHosts, context: slurm.SlurmConte
     if role is not None:
         # The plan numbers every node's ranks; this launcher runs only its own node's.
         plan = dataclasses.replace(plan, nodes=[node for node in plan.nodes if node.node_rank == role.node_rank])
+    for worker in plan.workers:  # scratch records per launch (Note [one launch per run directory])
+        worker.env[LAUNCH_ID_ENV] = launch_id(token)
     return plan
 
 
@@ -203,12 +211,28 @@ def _master_port(options: LaunchOptions, role, first_host: str, local_names, con
 
 
 def _run_dir(options: LaunchOptions, cwd: str, role, step_label: str,
-             slurm_job: slurm.SlurmContext | None) -> str:
+             slurm_job: slurm.SlurmContext | None, notes: list[str]) -> str:
+    """Note [one launch per run directory] (launch/run_dir.py): a directory a live launch holds
+    is refused when named, replaced by a fresh one when not; a requeued Slurm start first waits
+    for the previous start to end."""
     if role is not None:
         # One folder per node of the step (several launchers may share a filesystem).
         base = options.run_dir or os.path.join(cwd, "zerorun-runs", step_label)
-        return os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
-    return os.path.abspath(options.run_dir or default_run_dir(cwd, slurm_job))
+        path = os.path.abspath(os.path.join(base, f"node{role.node_rank}"))
+    else:
+        path = os.path.abspath(options.run_dir or default_run_dir(cwd, slurm_job))
+    held = run_dir_lock.holder(path) if os.path.isdir(path) else None
+    if held and slurm_job is not None and slurm_job.restart_count > 0:
+        held = run_dir_lock.wait_for_end(path, run_dir_lock.REQUEUE_WAIT_S)
+    if not held:
+        return path
+    if options.run_dir:
+        raise LaunchError(f"run directory {path} is in use by {held}",
+                          hint="wait for that launch to end, or pass another --run-dir "
+                               "(without --run-dir each launch gets its own)")
+    fresh = f"{path}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    notes.append(f"run directory {path} is in use by {held}; this launch writes to {fresh}")
+    return fresh
 
 
 def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapping[str, str], all_local: bool):
@@ -225,6 +249,7 @@ def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapp
     notes = ([config_note] if config_note else []) + list(config.notes)
     if all_local:
         notes += nvme_path_notes(config, cwd)
+        refuse_checkpoint_dir(config, cwd)
     if options.nproc is not None and has_nvidia_gpu():
         notes.append(f"--nproc {options.nproc} runs CPU workers (gloo, ZERORUN_DEVICE=cpu) although this "
                      "machine has GPUs; use --gpus N for GPU workers")
@@ -277,6 +302,26 @@ def nvme_path_notes(config, cwd: str) -> list[str]:
     return notes
 
 
+def refuse_checkpoint_dir(config, cwd: str) -> None:
+    """Note [refused before training] (checkpoint/owner.py): a checkpoint.dir that can never hold
+    checkpoints, or that a live job holds, is refused before any worker starts (ConfigError);
+    the engine's rank 0 then takes the lock itself when it starts (checkpoint/schedule.py)."""
+    from zerorun.errors import ConfigError
+    from zerorun.zero.checkpoint.owner import dir_problem, live_holder
+
+    cfg = config.checkpoint
+    if not cfg.dir:
+        return
+    path = os.path.abspath(os.path.join(cwd, cfg.dir))
+    problem = dir_problem(path)
+    if problem:
+        raise ConfigError(f"checkpoint.dir: {problem}", hint="point checkpoint.dir at a writable directory")
+    holder = live_holder(path) if os.path.isdir(path) else None
+    if holder and (cfg.interval_steps > 0 or cfg.on_signal):
+        raise ConfigError(f"checkpoint.dir {path!r} is in use by {holder}",
+                          hint="stop that job first, or save this one to another checkpoint.dir")
+
+
 def hang_warning_after(environ: Mapping[str, str], configured: float) -> float:
     """ZERORUN_HANG_AFTER_S (as the dashboard reads it) or the config's telemetry.hang_after_s."""
     from zerorun.telemetry.settings import env_number
@@ -295,7 +340,10 @@ def dry_run_text(job: PreparedJob) -> str:
 
 
 def write_run_dir(job: PreparedJob) -> None:
-    run_dir = Path(job.plan.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(job.config_json)
-    (run_dir / "plan.json").write_text(plan_json(job.plan))
+    """The run directory's first files, once this launch holds its lock (Note [one launch per
+    run directory]: a launch that lost a race for it is refused here, before any worker starts)."""
+    run_dir_lock.take(job.plan.run_dir, f"launch {launch_id(job.token)}")
+    path = Path(job.plan.run_dir)
+    (path / "logs").mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(job.config_json)
+    (path / "plan.json").write_text(plan_json(job.plan))

@@ -93,6 +93,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
                         launcher_config, world_size=engine.world_size)
+    checkpoint_schedule.claim_on_start(engine)  # checkpoint.dir in use or unusable: refused now
     checkpoint_schedule.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/schedule.py)
     return engine
 

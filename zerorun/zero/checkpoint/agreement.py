@@ -12,7 +12,7 @@ from zerorun.errors import CheckpointError, ZerorunError
 from zerorun.zero.comm import collectives
 
 
-def together(engine, work, what: str, hint: str = "the previous checkpoint is intact") -> None:
+def together(engine, work, what: str, hint: str) -> None:
     """Note [failing together]: run ``work`` (None: nothing on this rank), then agree with every
     rank on whether all succeeded. A failure on one rank used to leave the others at the next
     barrier, to die of a misleading "connection closed" once it exited; now the rank that failed

@@ -33,7 +33,7 @@ import torch
 from zerorun.errors import CheckpointError
 from zerorun.telemetry import get_recorder
 from zerorun.zero.checkpoint.format import LATEST, MANIFEST, Reader, master_index, rank_file, read_manifest, resolve
-from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, plan_reads, whole_key
+from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, Uncovered, plan_reads, whole_key
 from zerorun.zero.unit.layout import Segment
 from zerorun.zero.checkpoint.tensor_files import DTYPES, TensorFileWriter, temporary_name, write_bytes_atomically
 from zerorun.zero.precision import DTYPES as DTYPE_CHOICES
@@ -104,9 +104,30 @@ class Assembler:
         self.index, _ = master_index(self.manifest)
 
     def verify_all(self) -> None:
-        """Check every file's size and checksum before anything is written."""
+        """Check every file's size, checksum and header before anything is written (Note
+        [checked against its own files] in checkpoint/validate.py)."""
         for name in self.manifest["files"]:
             self.reader.check(name)
+
+    def check_sources(self, entries: list[Entry]) -> None:
+        """Every output tensor is held by the files: a whole tensor the manifest lists for rank 0
+        (its shape then checked against the file's header), or saved pieces covering every element
+        of a trainable parameter. So nothing is allocated for a shape the files do not hold
+        (Note [bounded consolidation])."""
+        whole = set(self.manifest["ranks"][0]["keys"])
+        for entry in entries:
+            if entry.kind == "buffer" or not self.manifest["parameters"][entry.name]["trainable"]:
+                key = whole_key(BUFFER if entry.kind == "buffer" else FROZEN, entry.name)
+                if key not in whole:
+                    raise CheckpointError(f"checkpoint {str(self.directory)!r} lists no tensor {key!r}",
+                                          hint="it is incomplete or damaged; consolidate an earlier tag")
+                continue
+            try:
+                plan_reads([Segment(entry.name, 0, 0, entry.numel)], self.index)
+            except Uncovered as gap:
+                raise CheckpointError(f"checkpoint {str(self.directory)!r} holds no saved values for elements "
+                                      f"{gap.start}-{gap.end} of parameter {entry.name!r} (shape {list(entry.shape)})",
+                                      hint="it is incomplete or was edited; consolidate an earlier tag") from None
 
     def tensor(self, entry: Entry) -> torch.Tensor:
         if entry.kind == "buffer":
@@ -174,6 +195,7 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
         assembler.verify_all()
         entries = plan_entries(assembler.manifest, DTYPE_CHOICES[dtype] if dtype is not None else None, strip_prefix,
                                tied_names=not hf)
+        assembler.check_sources(entries)
         try:
             parent = out if hf else out.parent
             if not parent.exists():
@@ -197,7 +219,21 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
         assembler.close()
         get_recorder().record_activity(None, 0)
     return {"source": str(directory), "out": str(target), "tensors": len(entries), "bytes": written,
+            "peak_bytes": memory_bound(entries, fmt),
             "global_step": assembler.manifest["global_step"], "tied": tied_note(assembler.manifest, fmt, hf, strip_prefix)}
+
+
+def memory_bound(entries: list[Entry], fmt: str) -> int:
+    """Note [bounded consolidation]: the tensor bytes held at once (pure). The safetensors path
+    holds one tensor at a time: its fp32 assembly plus the cast copy; the torch format holds
+    every output tensor (tied names share one)."""
+    def one(entry: Entry) -> int:
+        size = torch.empty(0, dtype=entry.dtype).element_size()
+        return entry.numel * (size + (4 if entry.kind == "param" else 0))
+    if fmt == "torch":
+        return sum(entry.numel * torch.empty(0, dtype=entry.dtype).element_size()
+                   for entry in {(e.kind, e.name): e for e in entries}.values())
+    return max((one(entry) for entry in entries), default=0)
 
 
 def tied_note(manifest: dict, fmt: str, hf: bool, strip_prefix: str = "") -> str | None:

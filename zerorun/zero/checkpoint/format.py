@@ -20,6 +20,7 @@ import torch
 from zerorun.errors import CheckpointError
 from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, MASTER, Piece, bad_tag, index_pieces, whole_key
 from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, DTYPES, TensorFile, read_small, verify
+from zerorun.zero.checkpoint.validate import ENGINE_FILE, check_header, check_manifest, rank_file_name
 
 FORMAT = "zerorun-checkpoint"
 # Version 2 adds the manifest's own checksum and each parameter's optimizer group; version 1
@@ -32,11 +33,7 @@ MANIFEST = "manifest.json"
 LATEST_LIMIT = 4096
 MANIFEST_LIMIT = 1 << 30
 LATEST = "latest"
-ENGINE_FILE = "engine.pt"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank}.safetensors"
+rank_file = rank_file_name
 
 
 # -- what the model holds -------------------------------------------------------------------
@@ -189,6 +186,7 @@ def read_manifest(directory: Path) -> dict:
         if recorded != actual:
             raise CheckpointError(f"{str(path)!r} fails its crc32 checksum ({actual}, it records {recorded!r}): "
                                   "it was changed after the save", hint=damaged)
+    check_manifest(manifest, str(path))  # Note [checked against its own files]
     return manifest
 
 
@@ -232,18 +230,25 @@ class Reader:
         self._checked: set[str] = set()
 
     def check(self, name: str) -> Path:
-        """Verify file ``name`` against the manifest (once); its path."""
+        """Verify file ``name`` against the manifest (once): its size, its checksum and, for a
+        tensor file, its header against the keys the manifest lists for it (Note [checked
+        against its own files] in checkpoint/validate.py); its path."""
         if name not in self._checked:
             expected = self.manifest["files"].get(name)
             if expected is None:
                 raise CheckpointError(f"checkpoint {str(self.directory)!r}: the manifest lists no file {name!r}")
             verify(self.directory / name, expected)
+            if name != ENGINE_FILE:
+                handle = self._open.get(name) or TensorFile(self.directory / name)
+                self._open[name] = handle
+                listed = [key for rank, entry in enumerate(self.manifest["ranks"]) if rank_file(rank) == name
+                          for key in entry["keys"]]
+                check_header(handle.header, handle.data_bytes, listed, self.manifest, str(self.directory / name))
             self._checked.add(name)
         return self.directory / name
 
     def file(self, name: str) -> TensorFile:
-        if name not in self._open:
-            self._open[name] = TensorFile(self.check(name))
+        self.check(name)
         return self._open[name]
 
     def fill(self, reads, target: torch.Tensor) -> None:

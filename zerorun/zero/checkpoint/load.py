@@ -26,7 +26,7 @@ from zerorun.zero import full_state
 from zerorun.zero.checkpoint.agreement import together
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, LATEST, Reader, decode_scalar, frozen_and_buffers,
                                            master_index, model_table, rank_file, read_manifest, resolve)
-from zerorun.zero.checkpoint.reshard import FROZEN, Uncovered, first_mismatch, index_pieces, plan_reads
+from zerorun.zero.checkpoint.reshard import FROZEN, RNG, Uncovered, first_mismatch, index_pieces, plan_reads, whole_key
 from zerorun.zero.checkpoint.rng import load_rng
 from zerorun.zero.checkpoint.tensor_files import load_refusal
 from zerorun.zero.unit.layout import Segment
@@ -89,6 +89,7 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, *, load_optimizer_
         checked["plans"] = _plan_records(engine, reader, manifest, optimizer_states)
         for name in _files_needed(engine, manifest, checked["plans"], rng=checked["saved"] is not None):
             reader.check(name)
+        _check_whole_keys(engine, manifest, directory, rng=checked["saved"] is not None)
 
     try:
         # Every rank checks, then all agree (Note [failing together]): a file damaged for one
@@ -139,6 +140,20 @@ def _files_needed(engine, manifest: dict, plans: list, *, rng: bool) -> list[str
     if rng and engine.pg.rank < manifest["world_size"]:
         names.add(rank_file(engine.pg.rank))
     return sorted(names)
+
+
+def _check_whole_keys(engine, manifest: dict, directory: Path, *, rng: bool) -> None:
+    """Every whole tensor the load will read is one the manifest lists (and so, once its file
+    is checked, one the file holds: Note [checked against its own files])."""
+    wanted = [key for key, _ in frozen_and_buffers(engine)
+              if not (key.startswith(FROZEN) and manifest["parameters"][key.split("/", 1)[1]]["trainable"])]
+    missing = [key for key in wanted if key not in set(manifest["ranks"][0]["keys"])]
+    if rng and engine.pg.rank < manifest["world_size"]:
+        keys = set(manifest["ranks"][engine.pg.rank]["keys"])
+        missing += [key for key in (whole_key(RNG, "torch"),) if key not in keys]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(directory)!r} lists no tensor {missing[0]!r}",
+                              hint="it is incomplete or from another model; load an earlier tag")
 
 
 def _load_frozen_and_buffers(engine, reader: Reader, manifest: dict) -> None:

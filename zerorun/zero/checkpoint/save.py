@@ -61,7 +61,7 @@ from zerorun.zero.checkpoint import owner
 from zerorun.zero.checkpoint.agreement import together
 from zerorun.zero.checkpoint.client_state import check_client_state
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, encode_scalar,
-                                           frozen_and_buffers, manifest_checksum, model_table, rank_file)
+                                           frozen_and_buffers, manifest_checksum, model_table, rank_file, resolve)
 from zerorun.zero.checkpoint.reshard import MASTER, bad_tag, piece_key, state_family, step_tag, tags_to_delete
 from zerorun.zero.checkpoint.rng import python_rng, torch_rng
 from zerorun.zero.checkpoint.tensor_files import DTYPE_NAMES, TensorFileWriter, fsync_dir, write_bytes_atomically
@@ -169,8 +169,9 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
     staging = root / f"{tag}.partial"
     recorder = get_recorder()
     recorder.record_activity("saving", 0)
+    after = _after_a_failure(root)
     try:
-        together(engine, lambda: _prepare(engine, root, staging), f"preparing checkpoint {tag}")
+        together(engine, lambda: _prepare(engine, root, staging), f"preparing checkpoint {tag}", hint=after)
         table = model_table(engine.module)
         # Stage 3 partitions frozen parameters (Note [frozen units] in zero/unit/partition.py) and
         # rank 0's file holds them whole: every rank gathers their units in turn here, where
@@ -187,7 +188,7 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
                 written["engine"] = write_bytes_atomically(staging / ENGINE_FILE, buffer.getvalue())
 
         written: dict = {}
-        together(engine, write, f"writing checkpoint {tag}")
+        together(engine, write, f"writing checkpoint {tag}", hint=after)
 
         def commit() -> None:
             manifest = _manifest(engine, tag, table, staging, written["engine"])
@@ -203,10 +204,22 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state=None,
             if slow:
                 print(slow, file=sys.stderr, flush=True)
 
-        together(engine, commit if engine.pg.rank == 0 else None, f"committing checkpoint {tag}")
+        together(engine, commit if engine.pg.rank == 0 else None, f"committing checkpoint {tag}", hint=after)
     finally:
         recorder.record_activity(None, 0)
     return True
+
+
+def _after_a_failure(root: Path) -> str:
+    """What a failed save leaves, for its hint: "the previous checkpoint is intact" only when
+    there is one (it used to be said of a directory that held none)."""
+    try:
+        previous = resolve(root) if root.is_dir() else None
+    except (CheckpointError, OSError):
+        previous = None
+    if previous is None:
+        return "no checkpoint of this directory existed before this save, and none was written"
+    return f"the previous checkpoint ({previous.name}) is intact"
 
 
 def _prepare(engine, root: Path, staging: Path) -> None:

@@ -1,7 +1,7 @@
 """The checkpoints the engine takes on its own, from the config's checkpoint section.
 
-Used by zero/engine.py: ``resume_from_config`` in ``initialize`` (``checkpoint.resume``,
-``zerorun --resume``) and ``save_on_interval`` after every optimizer step
+Used by zero/engine.py: ``claim_on_start`` and ``resume_from_config`` in ``initialize``
+(``checkpoint.dir``; ``checkpoint.resume``, ``zerorun --resume``) and ``save_on_interval`` after every optimizer step
 (``checkpoint.interval_steps``, ``checkpoint.on_signal``). The saving and loading themselves
 are checkpoint/save.py's and checkpoint/load.py's.
 """
@@ -13,10 +13,38 @@ import sys
 
 import torch
 
-from zerorun.errors import RuntimeConfigError
+from zerorun.errors import CheckpointError, RuntimeConfigError
+from zerorun.zero.checkpoint import owner
+from zerorun.zero.checkpoint.agreement import together
 from zerorun.zero.checkpoint.load import load_checkpoint
 from zerorun.zero.checkpoint.save import save_checkpoint
 from zerorun.zero.comm import collectives
+
+
+def claim_on_start(engine) -> None:
+    """Note [refused before training] (checkpoint/owner.py): an engine that will save into
+    ``checkpoint.dir`` on its own (``interval_steps``, ``on_signal``) takes the directory's owner
+    lock when it starts, so an unusable directory or one a live job holds is refused before the
+    first step, not at the first save after N steps of training."""
+    cfg = engine.config.checkpoint
+    if not cfg.dir or not (cfg.interval_steps > 0 or cfg.on_signal):
+        return
+
+    def claim() -> None:
+        problem = owner.dir_problem(cfg.dir)
+        if problem:
+            raise CheckpointError(f"checkpoint.dir: {problem}", hint="point checkpoint.dir at a writable directory")
+        from zerorun.zero.offload.scratch import job_key
+
+        try:
+            os.makedirs(cfg.dir, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint.dir: cannot create {cfg.dir!r} ({exc.strerror})",
+                                  hint="point checkpoint.dir at a writable directory") from None
+        owner.claim(cfg.dir, job_key())
+
+    together(engine, claim if engine.pg.rank == 0 else None, "claiming checkpoint.dir",
+             hint="nothing was trained or saved")
 
 
 def resume_from_config(engine) -> None:

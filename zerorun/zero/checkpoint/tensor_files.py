@@ -106,7 +106,7 @@ def temporary_name(path: Path) -> Path:
 def _storage_error(path: Path, done: int, exc: OSError) -> CheckpointError:
     return CheckpointError(f"rank {os.environ.get('RANK', '0')}: writing {str(path)!r} failed after {done} bytes "
                            f"({exc.strerror or type(exc).__name__})",
-                           hint="free space on (or repair) the checkpoint's disk; the previous checkpoint is intact")
+                           hint="free space on (or repair) the disk it writes to")
 
 
 class Checksummed:
@@ -221,6 +221,9 @@ class TensorFile:
             if length > 1 << 30:
                 raise ValueError("header length")
             self.header = json.loads(self._handle.read(length))
+            if not isinstance(self.header, dict):
+                raise ValueError("its header is not a JSON object")
+            size = os.fstat(self._handle.fileno()).st_size
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint file {str(self.path)!r} is missing") from None
         except (OSError, ValueError, struct.error) as exc:
@@ -228,6 +231,7 @@ class TensorFile:
                                   hint="the checkpoint is damaged; load an earlier tag") from None
         self.metadata = self.header.pop("__metadata__", {}) or {}
         self._base = 8 + length
+        self.data_bytes = max(0, size - self._base)  # what the header's byte ranges may span
 
     def keys(self) -> list[str]:
         return list(self.header)

@@ -19,7 +19,12 @@ held. POSIX locks belong to the process, so this process never opens the lock fi
 directory of its own a second time (closing that descriptor would drop its lock). Each placement
 takes a subdirectory (``optim0``, ``params0``, ...), so two engines of one process never share
 or delete each other's files. Every rank also records its directory in the run directory
-(``scratch/rank<R>``) so the launcher can remove it at any exit it sees (``sweep_recorded``).
+(``scratch/<launch>/rank<R>``, ``<launch>`` from ZERORUN_LAUNCH_ID: one folder per launch, so a
+later launch continuing the run directory never overwrites an earlier one's records) so the
+launcher can remove it at any exit it sees (``sweep_recorded``). The sweep, too, removes only a
+directory whose lock it can take: never one a live process holds (Note [one launch per run
+directory] in launch/run_dir.py: a second launch in one run directory used to overwrite the
+records and the first one's agent then removed the second's live files).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from zerorun.errors import RuntimeConfigError
 _NAME = re.compile(r"zerorun-[A-Za-z0-9]+-[0-9a-f]{8}-rank[0-9]+\Z")
 _NEW = re.compile(r"\.zerorun-new-[0-9a-f]{16}\Z")  # a directory not yet renamed to its name
 LOCK_FILE = ".lock"
+LAUNCH_ID_ENV = "ZERORUN_LAUNCH_ID"  # the launch's folder of scratch records (launch/run_dir.py)
+_LAUNCH_ID = re.compile(r"[0-9a-f]{1,32}\Z")
 _lock = threading.RLock()  # re-entrant: a placement finalizer (remove_if_empty) can run in any allocation
 _launch = secrets.token_hex(4)  # <launch> of Note [scratch names]
 _held: dict[Path, int] = {}  # rank directories of this process -> descriptor of their locked .lock
@@ -158,23 +165,30 @@ def sweep_dead(nvme_path: Path) -> list[str]:
         path = Path(entry.path)
         if path in _held or not (_NAME.match(entry.name) or _NEW.match(entry.name)):
             continue
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # no lock file: not ours to judge (or being removed by its owner)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # alive (or no locks on this file system: then nothing is judged dead)
-        try:
-            shutil.rmtree(path, ignore_errors=True)
+        if _remove_if_dead(path):
             removed.append(str(path))
-        finally:
-            os.close(fd)
     return removed
+
+
+def _remove_if_dead(path: Path) -> bool:
+    """Remove ``path``, a scratch directory of ours, if its lock can be taken (its process is
+    dead); whether it was removed. A live one, or one without a lock file, is never touched."""
+    try:
+        if not path.is_dir() or path.is_symlink() or path.stat().st_uid != os.getuid():
+            return False
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file: not ours to judge (or being removed by its owner)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False  # alive (or no locks on this file system: then nothing is judged dead)
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def remove_if_empty(base: Path) -> None:
@@ -192,24 +206,32 @@ def remove_if_empty(base: Path) -> None:
             os.close(fd)
 
 
+def records_folder(run_dir: str | os.PathLike, launch: str | None) -> Path:
+    """``RUN_DIR/scratch/<launch>`` (``RUN_DIR/scratch`` for a worker started without one)."""
+    records = Path(run_dir) / "scratch"
+    return records / launch if launch and _LAUNCH_ID.match(launch) else records
+
+
 def _record(base: Path, rank: int) -> None:
     run_dir = os.environ.get("ZERORUN_RUN_DIR")
     if not run_dir or not os.path.isdir(run_dir):
         return
-    records = Path(run_dir) / "scratch"
+    records = records_folder(run_dir, os.environ.get(LAUNCH_ID_ENV))
     try:
-        records.mkdir(exist_ok=True)
+        records.mkdir(parents=True, exist_ok=True)
         (records / f"rank{rank}").write_text(str(base) + "\n")
     except OSError:
         pass  # the start-up removal still bounds what a lost record costs
 
 
-def sweep_recorded(run_dir: str | os.PathLike, ranks: Iterable[int] | None = None) -> list[str]:
-    """Remove the scratch directories that ``ranks`` (default: every rank) recorded in ``run_dir``
-    (for the agent of their host, after its workers exited: Note [scratch names]); the paths
-    removed. Only directories named like ours are touched, whatever a record says."""
+def sweep_recorded(run_dir: str | os.PathLike, ranks: Iterable[int] | None = None,
+                   launch: str | None = None) -> list[str]:
+    """Remove the scratch directories that ``ranks`` (default: every rank) of ``launch`` recorded
+    in ``run_dir`` (for the agent of their host, after its workers exited: Note [scratch names]);
+    the paths removed. Only directories named like ours whose lock no live process holds are
+    touched, whatever a record says."""
     removed: list[str] = []
-    records = Path(run_dir) / "scratch"
+    records = records_folder(run_dir, launch)
     if not records.is_dir():
         return removed
     wanted = None if ranks is None else {f"rank{rank}" for rank in ranks}
@@ -220,10 +242,14 @@ def sweep_recorded(run_dir: str | os.PathLike, ranks: Iterable[int] | None = Non
             target = Path(record.read_text(errors="replace").strip())
         except OSError:
             continue
-        if target.is_absolute() and _NAME.match(target.name) and target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target, ignore_errors=True)
+        if target.is_absolute() and _NAME.match(target.name) and target not in _held and _remove_if_dead(target):
             removed.append(str(target))
         record.unlink(missing_ok=True)
+    if launch and records != Path(run_dir) / "scratch":
+        try:
+            records.rmdir()  # empty once every rank's record is gone
+        except OSError:
+            pass
     return removed
 
 
