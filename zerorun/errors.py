@@ -48,6 +48,11 @@ class RuntimeConfigError(ZerorunError):
     """The engine was given a model/optimizer/config combination it cannot run."""
 
 
+class RendezvousError(ZerorunError):
+    """Something outside the job spoke to its rendezvous, or the rendezvous could not be set up
+    (Note [authenticated rendezvous] in zerorun/zero/comm/rendezvous.py)."""
+
+
 class CheckpointError(ZerorunError):
     """A checkpoint cannot be written or read: missing, damaged (the message names the file),
     from an incompatible model (it names the first mismatching parameter), or a bad tag."""

@@ -70,7 +70,7 @@ def test_a_named_run_dir_a_live_launch_holds_is_refused(tmp_path, hold):
     holder = hold("run", tmp_path / "shared")
     with pytest.raises(LaunchError) as caught:
         _prepare(tmp_path, run_dir=str(tmp_path / "shared"))
-    assert f"run directory {tmp_path / 'shared'} is in use by job launch 0123abcd (pid {holder.pid} on " in str(caught.value)
+    assert f"run directory {tmp_path / 'shared'} is in use by launch 0123abcd (pid {holder.pid} on " in str(caught.value)
     holder.kill()
     holder.wait()
     job = _prepare(tmp_path, run_dir=str(tmp_path / "shared"))  # a dead launch's lock is taken over
@@ -89,7 +89,7 @@ def test_a_requeued_start_waits_for_the_previous_start_then_continues_its_run_di
     hold("run", tmp_path / "zerorun-runs" / "slurm-4243")
     job = _prepare(tmp_path, environ={"SLURM_JOB_ID": "4243", "SLURM_RESTART_COUNT": "1"})
     assert job.plan.run_dir.startswith(f"{tmp_path / 'zerorun-runs' / 'slurm-4243'}-")  # still held: its own
-    assert any("slurm-4243 is in use by job launch 0123abcd" in note for note in job.notes)
+    assert any("slurm-4243 is in use by launch 0123abcd" in note for note in job.notes)
 
 
 def test_workers_record_scratch_per_launch_and_the_sweep_spares_a_live_directory(tmp_path, monkeypatch):
@@ -146,4 +146,4 @@ def test_the_lock_probe_never_drops_this_process_own_lock(tmp_path):
         [sys.executable, "-c", "import sys; from zerorun.launch import run_dir; print(run_dir.holder(sys.argv[1]))",
          str(tmp_path / "mine")], capture_output=True, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout
-    assert seen.startswith(f"job launch test (pid {os.getpid()} on ")  # still held after asking twice
+    assert seen.startswith(f"launch test (pid {os.getpid()} on ")  # still held after asking twice

@@ -3,6 +3,7 @@
     zerorun consolidate ckpts/ model.safetensors                 # the latest tag
     zerorun consolidate ckpts/global_step500 model.pt --format torch
     zerorun consolidate ckpts/ hf-out/ --like path/to/hf-model    # a from_pretrained directory
+    zerorun consolidate lora-ckpts/ adapter/ --like path/to/base  # PEFT: an adapter directory
 
 Streams tensor by tensor (zerorun/zero/checkpoint/consolidate.py Note [bounded consolidation]), so host
 memory stays near the largest tensor, not the model.
@@ -25,7 +26,8 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option("safetensors", "--format", help="safetensors (streamed) or torch (holds the whole model)."),
         dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16 or fp16 (default: the training dtype)."),
         hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A Hugging Face config.json: write a model directory."),
-        like: Optional[Path] = typer.Option(None, "--like", help="A Hugging Face model directory whose config and tokenizer files to copy."),
+        like: Optional[Path] = typer.Option(None, "--like", help="A Hugging Face model directory whose config and tokenizer files to copy; "
+                                                                 "for a PEFT checkpoint, its base model (writes a PEFT adapter directory)."),
         strip_prefix: str = typer.Option("", "--strip-prefix", help="Drop this prefix from names (a wrapper module's, e.g. 'model.')."),
     ) -> None:
         """Write one full model (safetensors, torch, or a Hugging Face directory) from a sharded checkpoint."""

@@ -82,8 +82,14 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     choice = device.this_worker(group_backend=dist_backend)
     device.bind(choice)
     dist_backend = dist_backend or choice.backend
-    dist.init_process_group(dist_backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
-                            timeout=timeout)  # None: torch's default for the backend
+    from zerorun.zero.comm import rendezvous
+
+    secret = rendezvous.secret_for(os.environ) if init_method in (None, "env://") else None
+    if secret is not None:  # started by zerorun: Note [authenticated rendezvous]
+        rendezvous.init_signed(dist_backend, rank, world_size, secret, timeout)
+    else:
+        dist.init_process_group(dist_backend, init_method=init_method or "env://", rank=rank, world_size=world_size,
+                                timeout=timeout)  # None: torch's default for the backend
     # Leave at exit the way the engine leaves a group it started (Note [clean exit]).
     from zerorun.zero.comm import process_group
 

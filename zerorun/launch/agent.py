@@ -359,7 +359,8 @@ class NodeAgent:
         """The NVMe scratch its workers recorded and their host-channel files in /dev/shm (a
         rank ended by a signal cannot remove its own; Note [shm cleanup] in comm/shm_names.py)."""
         from zerorun.zero.comm.shm_names import remove_files_of
-        from zerorun.zero.offload.scratch import LAUNCH_ID_ENV, sweep_recorded
+        from zerorun.worker.launch_env import LAUNCH_ID_ENV
+        from zerorun.zero.offload.scratch import sweep_recorded
 
         with self._stop_lock:
             pids = [proc.pid for proc in self._procs.values()]

@@ -30,7 +30,7 @@ from zerorun.launch.signals import read_partition_grace, signal_plan
 from zerorun.launch.slurm import StepRole
 from zerorun.worker import preemption_grace
 from zerorun.worker.save_on_signal import ENV_NAME as SAVE_ON_SIGNAL_ENV
-from zerorun.zero.offload.scratch import LAUNCH_ID_ENV
+from zerorun.worker.launch_env import LAUNCH_ID_ENV, RENDEZVOUS_MODE_ENV
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_ENV_FILE = ".zerorun.env"
@@ -194,6 +194,8 @@ def _job_plan(options: LaunchOptions, found: JobHosts, context: slurm.SlurmConte
         plan = dataclasses.replace(plan, nodes=[node for node in plan.nodes if node.node_rank == role.node_rank])
     for worker in plan.workers:  # scratch records per launch (Note [one launch per run directory])
         worker.env[LAUNCH_ID_ENV] = launch_id(token)
+        if role is None:  # one launcher, one token for every rank: Note [authenticated rendezvous]
+            worker.env[RENDEZVOUS_MODE_ENV] = "signed"
     return plan
 
 

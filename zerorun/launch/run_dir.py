@@ -1,7 +1,7 @@
 """One live launch per run directory: a lock the launcher holds while it lives.
 
 Used by launch/prepare.py (``_run_dir`` chooses, ``write_run_dir`` takes); tests:
-tests/unit/test_run_dir_lock.py, tests/e2e/test_run_dir_lock.py.
+tests/unit/test_run_dir_lock.py, tests/e2e/test_shared_run_dir.py.
 
 Note [one launch per run directory]: two launches sharing a run directory (the same explicit
 ``--run-dir``, or every start of a requeued Slurm job, which continue ``zerorun-runs/slurm-JOB``)

@@ -25,13 +25,14 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from zerorun.errors import CheckpointError
 from zerorun.telemetry import get_recorder
+from zerorun.zero.checkpoint.hf_output import ADAPTER_WEIGHTS, adapter_key, check_names_fit, write_adapter_config
 from zerorun.zero.checkpoint.format import LATEST, MANIFEST, Reader, master_index, rank_file, read_manifest, resolve
 from zerorun.zero.checkpoint.reshard import BUFFER, FROZEN, Uncovered, plan_reads, whole_key
 from zerorun.zero.unit.layout import Segment
@@ -186,15 +187,27 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
     if hf and fmt != "safetensors":
         raise CheckpointError("a Hugging Face directory is written as safetensors", hint="drop --format torch")
     out = Path(out)
-    target = out / "model.safetensors" if hf else out
-    _check_output(out, target, directory, hf)
-    _check_hf_sources(hf_config, like)
     assembler = Assembler(directory)
+    try:
+        adapter = _adapter(assembler.manifest) if hf else None
+        target = (out / (ADAPTER_WEIGHTS if adapter else "model.safetensors")) if hf else out
+        _check_output(out, target, directory, hf)
+        _check_hf_sources(hf_config, like)
+    except BaseException:
+        assembler.close()
+        raise
     created: list[Path] = []
     try:
         assembler.verify_all()
-        entries = plan_entries(assembler.manifest, DTYPE_CHOICES[dtype] if dtype is not None else None, strip_prefix,
-                               tied_names=not hf)
+        entries = plan_entries(assembler.manifest, DTYPE_CHOICES[dtype] if dtype is not None else None,
+                               "" if adapter else strip_prefix, tied_names=not hf)
+        if adapter is not None:
+            entries = [replace(e, out_name=key) for e in entries
+                       if e.kind == "param" and assembler.manifest["parameters"][e.name]["trainable"]
+                       and (key := adapter_key(e.name, adapter[0])) is not None]
+        elif hf:  # Note [names that fit] (checkpoint/hf_output.py)
+            check_names_fit([e.out_name for e in entries], Path(like) if like is not None else Path(hf_config),
+                            f"--like {str(like)!r}" if like is not None else f"--hf-config {str(hf_config)!r}")
         assembler.check_sources(entries)
         try:
             parent = out if hf else out.parent
@@ -207,7 +220,9 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
             written = _write_torch(assembler, entries, target)
         else:
             written = _write_safetensors(assembler, entries, target)
-        if hf:  # last, so a failed run leaves no config.json that looks like a model directory
+        if adapter is not None:  # last, so a failed run leaves nothing that looks like an adapter
+            write_adapter_config(out, adapter[1], like)
+        elif hf:  # last, so a failed run leaves no config.json that looks like a model directory
             _write_hf_files(out, hf_config, like)
     except BaseException:
         if hf:
@@ -219,8 +234,23 @@ def consolidate(checkpoint, out, *, tag: str | None = None, fmt: str = "safetens
         assembler.close()
         get_recorder().record_activity(None, 0)
     return {"source": str(directory), "out": str(target), "tensors": len(entries), "bytes": written,
+            "adapter": adapter is not None,
             "peak_bytes": memory_bound(entries, fmt),
-            "global_step": assembler.manifest["global_step"], "tied": tied_note(assembler.manifest, fmt, hf, strip_prefix)}
+            "global_step": assembler.manifest["global_step"], "tied": None if adapter else tied_note(assembler.manifest, fmt, hf, strip_prefix)}
+
+
+def _adapter(manifest: dict) -> tuple[str, dict] | None:
+    """(adapter name, its PEFT config) of a PEFT checkpoint (Note [names that fit]), else None."""
+    adapters = manifest.get("peft")
+    if not isinstance(adapters, dict) or not adapters:
+        return None
+    if len(adapters) != 1:
+        raise CheckpointError(f"the checkpoint holds {len(adapters)} PEFT adapters ({', '.join(sorted(adapters))}); "
+                              "consolidate writes one", hint="save a model with one adapter")
+    name, config = next(iter(adapters.items()))
+    if not isinstance(config, dict):
+        raise CheckpointError(f"the checkpoint's PEFT config for {name!r} is not a JSON object")
+    return name, config
 
 
 def memory_bound(entries: list[Entry], fmt: str) -> int:

@@ -3,7 +3,7 @@
 Used by checkpoint/save.py (rank 0, at its first save into a directory), checkpoint/schedule.py
 (rank 0, when an engine with ``checkpoint.dir`` starts) and the launcher (``dir_problem`` and
 ``live_holder`` before any worker starts); tests: tests/unit/test_checkpoint_safety.py,
-tests/e2e/test_run_dir_lock.py.
+tests/unit/test_run_dir_lock.py.
 
 Note [checkpoint owner]: two jobs saving into one directory (the realistic case: a requeued
 job while the old one is still alive) replace each other's tags and race on ``latest``. So
@@ -38,7 +38,7 @@ def _describe(fd: int) -> str:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["since"])))
-        return f"job {holder['job']} (pid {holder['pid']} on {holder['host']}, since {since})"
+        return f"{holder['job']} (pid {holder['pid']} on {holder['host']}, since {since})"
     except (OSError, ValueError, KeyError, TypeError):
         return "another live process"
 
@@ -97,7 +97,8 @@ class Held(Exception):
 
 
 def lock_and_sign(path: Path, job: str) -> int:
-    """Open (creating) ``path``, take its lock and write who holds it; the descriptor, to keep
+    """Open (creating) ``path``, take its lock and write who holds it (``job``: "job slurm777",
+    "launch 0123abcd"); the descriptor, to keep
     open while the lock is wanted. Held when a live process holds it; OSError when the file
     cannot be made or the file system has no locks (ENOLCK)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -124,7 +125,7 @@ def claim(directory: Path, job: str) -> None:
             return
         path = Path(key) / OWNER_FILE
         try:
-            _held[key] = lock_and_sign(path, job)
+            _held[key] = lock_and_sign(path, f"job {job}")
         except Held as held:
             raise CheckpointError(f"checkpoint directory {key!r} is in use by {held.holder}",
                                   hint="stop that job first, or save this one to another checkpoint.dir") from None

@@ -60,6 +60,7 @@ from zerorun.zero import full_state
 from zerorun.zero.checkpoint import owner
 from zerorun.zero.checkpoint.agreement import together
 from zerorun.zero.checkpoint.client_state import check_client_state
+from zerorun.zero.checkpoint.hf_output import peft_configs
 from zerorun.zero.checkpoint.format import (ENGINE_FILE, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, encode_scalar,
                                            frozen_and_buffers, manifest_checksum, model_table, rank_file, resolve)
 from zerorun.zero.checkpoint.reshard import MASTER, bad_tag, piece_key, state_family, step_tag, tags_to_delete
@@ -264,6 +265,9 @@ def _manifest(engine, tag: str, table: dict, staging: Path, engine_checksum: dic
         "versions": {"zerorun": zerorun.__version__, "torch": torch.__version__, "python": platform.python_version()},
         **table, "files": files, "ranks": ranks,
     }
+    adapters = peft_configs(engine.module)  # Note [names that fit] (checkpoint/hf_output.py)
+    if adapters is not None:
+        manifest["peft"] = adapters
     manifest["checksum"] = manifest_checksum(manifest)
     return manifest
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zerorun.errors import RuntimeConfigError
 from zerorun.worker import device
+from zerorun.zero.comm import rendezvous
 from zerorun.zero.comm.host_channel import close_host_channels
 
 
@@ -72,7 +73,11 @@ def resolve_process_group(model_device: torch.device | None = None) -> ProcessGr
     for needed in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(needed):
             raise RuntimeConfigError(f"WORLD_SIZE={world_size} but {needed} is not set")
-    dist.init_process_group(choice.backend, init_method="env://", rank=rank, world_size=world_size)
+    secret = rendezvous.secret_for(os.environ)
+    if secret is None:  # torchrun, srun python: torch's own rendezvous
+        dist.init_process_group(choice.backend, init_method="env://", rank=rank, world_size=world_size)
+    else:  # started by zerorun: Note [authenticated rendezvous]
+        rendezvous.init_signed(choice.backend, rank, world_size, secret)
     leave_at_exit()
     return ProcessGroupInfo(None, rank, world_size, choice.torch_device())
 

@@ -44,11 +44,11 @@ from pathlib import Path
 from collections.abc import Iterable, Mapping
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.worker.launch_env import LAUNCH_ID_ENV
 
 _NAME = re.compile(r"zerorun-[A-Za-z0-9]+-[0-9a-f]{8}-rank[0-9]+\Z")
 _NEW = re.compile(r"\.zerorun-new-[0-9a-f]{16}\Z")  # a directory not yet renamed to its name
 LOCK_FILE = ".lock"
-LAUNCH_ID_ENV = "ZERORUN_LAUNCH_ID"  # the launch's folder of scratch records (launch/run_dir.py)
 _LAUNCH_ID = re.compile(r"[0-9a-f]{1,32}\Z")
 _lock = threading.RLock()  # re-entrant: a placement finalizer (remove_if_empty) can run in any allocation
 _launch = secrets.token_hex(4)  # <launch> of Note [scratch names]

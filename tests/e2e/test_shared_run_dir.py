@@ -1,4 +1,4 @@
-"""pytest tests/e2e/test_run_dir_lock.py — two launches, one run directory (issue 38 item 1).
+"""pytest tests/e2e/test_shared_run_dir.py — two launches, one run directory (issue 38 item 1).
 
 Two CPU ranks train a tiny model with optimizer state in NVMe scratch files; rank 0 holds after
 step 2 until a "go" file appears, so a second launch can be tried while the first is alive.
@@ -83,7 +83,7 @@ def test_a_second_launch_with_the_same_run_dir_is_refused_before_start(tmp_path)
                           str(tmp_path / "go-now"), str(tmp_path / "nvme")], tmp_path, timeout=120)
         assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if line.startswith("zerorun: error:")]
-        assert len(errors) == 1 and f"run directory {run_dir} is in use by launch" in errors[0], second.stderr
+        assert len(errors) == 1 and f"run directory {run_dir} is in use by launch " in errors[0], second.stderr
         assert not (tmp_path / "second").exists() and not (tmp_path / "second.holding").exists()  # no worker ran
         assert (run_dir / "config.json").read_bytes() == config_before
         (tmp_path / "go").touch()
