@@ -117,3 +117,34 @@ def test_a_requeued_slurm_start_continues_the_run_dir_only_after_the_previous_st
     assert a["run_dir"] == b["run_dir"] == str(tmp_path / "zerorun-runs" / "slurm-4242"), err
     assert not list((tmp_path / "nvme").glob("zerorun-*"))
     assert not list((tmp_path / "zerorun-runs" / "slurm-4242" / "scratch").rglob("rank*"))
+
+
+@pytest.mark.parametrize("where", ["a-file", "/proc/self/ckpt", "held"])
+def test_an_unusable_or_held_checkpoint_dir_is_refused_before_any_worker_starts(tmp_path, where):
+    """Issue 38 item 4: these used to be refused only at the first save, after the steps before it."""
+    (tmp_path / "job.py").write_text(SCRIPT)
+    (tmp_path / "a-file").write_text("x")
+    holder = None
+    if where == "held":
+        import os
+        import subprocess
+        import sys
+        (tmp_path / "held").mkdir()
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                                   "from zerorun.zero.checkpoint import owner; owner.claim(Path(sys.argv[1]), 'slurm777'); "
+                                   "print('held', flush=True); time.sleep(300)", str(tmp_path / "held")],
+                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert holder.stdout.readline().strip() == "held"
+    try:
+        done = run_cli([*ARGS, "--run-dir", str(tmp_path / "run"), "--set", f"checkpoint.dir={where}",
+                        "--set", "checkpoint.interval_steps=20", "job.py", str(tmp_path / "out"), str(tmp_path / "go"),
+                        str(tmp_path / "nvme")], tmp_path, timeout=120)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("zerorun: error: checkpoint.dir")]
+    assert len(errors) == 1, done.stderr
+    assert ("is in use by job slurm777" if where == "held" else "checkpoint.dir: ") in errors[0]
+    assert not (tmp_path / "out.holding").exists() and not (tmp_path / "run" / "logs").exists()  # no worker started

@@ -148,6 +148,20 @@ def test_a_crafted_checkpoint_is_refused_by_consolidate_with_nothing_written(tmp
     assert not out.exists() and not (tmp_path / "out").exists()
 
 
+def test_the_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    expected = _craft(tmp_path, "huge shape")
+    done = subprocess.run([sys.executable, "-m", "zerorun", "consolidate", str(tmp_path / "ckpt"), str(tmp_path / "m.safetensors")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("zerorun: error:")]
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_an_untouched_checkpoint_still_loads_and_consolidates_within_its_stated_bound(tmp_path):
     source = _engine()
     _train(source, 2)
