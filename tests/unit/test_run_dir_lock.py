@@ -100,12 +100,13 @@ def test_workers_record_scratch_per_launch_and_the_sweep_spares_a_live_directory
     (tmp_path / "run").mkdir()
     monkeypatch.setenv("ZERORUN_RUN_DIR", str(tmp_path / "run"))
     monkeypatch.setenv(scratch.LAUNCH_ID_ENV, launch)
-    mine = scratch.placement_directory(str(nvme), 0, "optim", "key").parent  # this process holds its lock
+    placement = scratch.placement_directory(str(nvme), 0, "optim", "key")
+    mine = placement.parent  # this process holds its lock
     assert (tmp_path / "run" / "scratch" / launch / "rank0").read_text().strip() == str(mine)
     assert scratch.sweep_recorded(tmp_path / "run", [0], launch) == [] and mine.is_dir()  # alive: spared
     other = scratch.records_folder(tmp_path / "run", "feedbeef")
     assert other != scratch.records_folder(tmp_path / "run", launch)
-    (mine / "optim0").rmdir()
+    placement.rmdir()
     scratch.remove_if_empty(mine)
 
 
