@@ -63,6 +63,25 @@ def _finished(proc, timeout=300):
     return err
 
 
+def _line_with(proc, text, timeout):
+    """The first line of ``proc``'s stderr holding ``text`` (read on a thread: readline blocks)."""
+    import threading
+
+    found: list[str] = []
+
+    def read():
+        for line in proc.stderr:
+            if text in line:
+                found.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, f"no line with {text!r} within {timeout} s"
+    return found[0]
+
+
 def _solo(tmp_path):
     (tmp_path / "job.py").write_text(SCRIPT)
     (tmp_path / "go-now").touch()
@@ -102,7 +121,9 @@ def test_a_requeued_slurm_start_continues_the_run_dir_only_after_the_previous_st
     try:
         wait_for_files([tmp_path / "first.holding"], timeout=240, proc=first)
         second = _launch(tmp_path, "second", tmp_path / "go-now", env={**job, "SLURM_RESTART_COUNT": "1"})
-        time.sleep(3)  # the requeued start waits meanwhile: none of its workers starts
+        waiting = _line_with(second, "this requeued start waits up to 60 s for it to end", timeout=180)
+        assert "slurm-4242 is in use by launch " in waiting, waiting
+        time.sleep(2)  # it keeps waiting: none of its workers starts
         assert second.poll() is None and not (tmp_path / "second.holding").exists()
         (tmp_path / "go").touch()
         _finished(first)

@@ -225,6 +225,8 @@ def _run_dir(options: LaunchOptions, cwd: str, role, step_label: str,
         path = os.path.abspath(options.run_dir or default_run_dir(cwd, slurm_job))
     held = run_dir_lock.holder(path) if os.path.isdir(path) else None
     if held and slurm_job is not None and slurm_job.restart_count > 0:
+        print(f"zerorun: run directory {path} is in use by {held}; this requeued start waits up to "
+              f"{run_dir_lock.REQUEUE_WAIT_S:.0f} s for it to end", file=sys.stderr, flush=True)
         held = run_dir_lock.wait_for_end(path, run_dir_lock.REQUEUE_WAIT_S)
     if not held:
         return path
