@@ -2,8 +2,9 @@
 
 A third-party model zerorun knows nothing about: transformers' GPT2LMHeadModel, built from a
 tiny GPT2Config (nothing downloaded), with tied input/output embeddings and Conv1D layers.
-Two gloo ranks (one spawned world, file:// rendezvous) train it under stage 3, once plainly and
-once with activation checkpointing on its GPT2Block modules, and each rank compares against a
+Two gloo ranks (one spawned world, file:// rendezvous) train it under stage 3, once plainly,
+once with zerorun's activation checkpointing on its GPT2Block modules and once with the model's
+own (``gradient_checkpointing_enable()``, as Hugging Face scripts do), and each rank compares against a
 single-process reference trained on the same global batch: the loss of every step and the
 final parameters.
 
@@ -42,6 +43,10 @@ VARIANTS = {
         "zero": {"stage": 3, "param_persistence_threshold": 0},
         "activation_checkpointing": {"enabled": True, "modules": ["GPT2Block"]},
     },
+    # The model's own checkpointing, as Hugging Face scripts turn it on (torch's early stop kept):
+    # Note [anyone's checkpoint] in zerorun/zero/activation_checkpointing.py.
+    "stage3+gradient_checkpointing_enable": {"zero": {"stage": 3, "param_persistence_threshold": 0},
+                                             "hf_gradient_checkpointing": True},
 }
 
 
@@ -86,13 +91,18 @@ def run_variant(config: dict, rank: int) -> dict:
     from zerorun.zero.activation_checkpointing import is_checkpointed
 
     model = build_model()
+    config = copy.deepcopy(config)
+    if config.pop("hf_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    engine = zerorun.initialize(model, optimizer, copy.deepcopy(config))
+    engine = zerorun.initialize(model, optimizer, config)
 
     block = engine.module.transformer.h[0]
     block_calls = []
-    block.register_forward_pre_hook(lambda module, args: block_calls.append(1))
+    # The block's MLP: a checkpoint around the block's forward (transformers 5) runs the block's
+    # own hooks once, and its children's again in the recomputation.
+    block.mlp.register_forward_pre_hook(lambda module, args: block_calls.append(1))
     losses = []
     for step in range(STEPS):
         ids = global_batch(step)[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
@@ -176,3 +186,5 @@ def test_activation_checkpointing_recomputes_blocks_under_stage3(results):
         assert not plain["checkpointed"] and plain["block_calls_per_step"] == 1
         # Forward once, then once more in backward to recompute its activations.
         assert checkpointed["checkpointed"] and checkpointed["block_calls_per_step"] == 2
+        own = results[rank]["stage3+gradient_checkpointing_enable"]
+        assert "error" not in own and own["block_calls_per_step"] == 2

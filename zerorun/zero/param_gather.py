@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from zerorun.zero.activation_checkpointing import is_recomputing
+from zerorun.zero.activation_checkpointing import ForwardWithoutEarlyStop, is_recomputing
 from zerorun.errors import UsageError
 from zerorun.zero import param_access
 from zerorun.zero.gather_use import CallObserver, common_caller
@@ -134,6 +134,7 @@ class ParamGatherer:
             for record in records:
                 record.gathering.add_user()
         self.root = root
+        self._no_early_stop = ForwardWithoutEarlyStop()  # Note [anyone's checkpoint]
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         root.register_forward_hook(self._root_post_forward)
 
@@ -148,6 +149,7 @@ class ParamGatherer:
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
+        self._no_early_stop.begin()
         if self.pool is not None:
             self.pool.expect(None)  # forward keeps what it releases: the next module takes it
         self._in_forward = True
@@ -298,6 +300,7 @@ class ParamGatherer:
             self._hook_outputs(module, output)
 
     def _root_post_forward(self, module, args, output) -> None:
+        self._no_early_stop.end()
         self._in_forward = False
         self._unwatch_all()
         if not torch.is_grad_enabled():
