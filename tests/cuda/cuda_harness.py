@@ -41,9 +41,13 @@ BF16_VS_FP32 = {"loss_rtol": 2e-2, "param_atol": 1e-1}
 BF16_TWIN = {"loss_rtol": 2.0**-7, "param_atol": 2e-2}
 
 
-def build_model(device="cpu") -> OddNet:
+def build_model(device=None) -> OddNet:
+    """The model, seeded; moved to ``device`` when one is named. None builds it where the
+    caller's device context says (``with torch.device("meta"):`` for sharded construction: a
+    meta tensor cannot be copied anywhere, so it must not be moved)."""
     torch.manual_seed(1234)
-    return OddNet().to(device)
+    model = OddNet()
+    return model if device is None else model.to(device)
 
 
 def optimizer_for(model):

@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         host_memory: Optional[str] = typer.Option(None, "--host-memory", help="CPU memory per host, e.g. 512GB."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
         measure: bool = typer.Option(False, "--measure", help="Also run a few real steps (needs --model) and print the measured peak beside the estimate."),
-        measure_ranks: int = typer.Option(2, "--measure-ranks", help="Ranks for --measure (gloo on CPU, or the local GPUs)."),
+        measure_ranks: int = typer.Option(2, "--measure-ranks", help="Ranks for --measure (gloo on CPU; on GPUs NCCL, one rank per GPU)."),
         measure_steps: int = typer.Option(3, "--measure-steps", help="Optimizer steps for --measure."),
         link: Optional[str] = typer.Option(None, "--link", help="Rate of the link between hosts, e.g. 300Mbit or 25Gbit: print the bytes each rank sends per step and the link time."),
         compute_s: Optional[float] = typer.Option(None, "--compute-s", help="With --link: a step's compute time in seconds (measured on one host), for the bound max(link, compute)."),

@@ -188,6 +188,7 @@ def _job_plan(options: LaunchOptions, found: JobHosts, context: slurm.SlurmConte
         device_kind="cpu" if options.nproc is not None else "cuda" if options.gpus is not None else None,
         remote_reach="srun" if mode == "srun" else "ssh",
         threads_per_worker=slurm.threads_per_worker(context, max(len(slots) for slots in hosts.values())),
+        host_cpus=len(os.sched_getaffinity(0)),  # Note [worker threads] in launch/plan.py
     )
     if role is not None:
         # The plan numbers every node's ranks; this launcher runs only its own node's.

@@ -1,8 +1,8 @@
 """``zerorun estimate --model mod:build --measure``: run real steps and set the measured peak
 beside the estimate.
 
-One world of ``ranks`` processes is spawned (gloo over a ``file://`` rendezvous in a temporary
-folder: no port) and trains the model for a few steps at every stage in turn, so the process
+One world of ``ranks`` processes is spawned (gloo on CPU, NCCL on GPUs, over a ``file://``
+rendezvous in a temporary folder: no port) and trains the model for a few steps at every stage in turn, so the process
 start-up is paid once. On CPU each rank reports its peak resident memory during the steps
 minus its resident memory just before the model was built; on CUDA, the peak allocated bytes
 minus those allocated before. Beside it: ``engine.memory_breakdown()`` (what the engine counts
@@ -81,6 +81,7 @@ def measure_factory(target: str, plan, *, ranks: int = 2, steps: int = 3, micro_
     from zerorun.planner.counting import load_factory
 
     load_factory(target)  # fail here, in one line, rather than in every worker
+    _check_gpus(ranks)
     precision = plan.training.precision
     runs = runs or [(stage, config or {}) for stage in stages]
     with tempfile.TemporaryDirectory(prefix="zerorun-measure-") as tmp:
@@ -107,6 +108,16 @@ def measure_factory(target: str, plan, *, ranks: int = 2, steps: int = 3, micro_
         raw = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)]
     records = [_with_estimate(item, plan, ranks) for per_rank in raw for item in per_rank]
     return Measurement(ranks=ranks, steps=steps, precision=precision, records=records)
+
+
+def _check_gpus(ranks: int) -> None:
+    """On a GPU machine each rank needs a GPU of its own: NCCL refuses two ranks on one device."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < ranks:
+        raise PlannerError(f"--measure-ranks {ranks} needs {ranks} GPUs (one NCCL rank per GPU); this machine has {gpus}",
+                           hint=f"pass --measure-ranks {gpus} or fewer")
 
 
 def _with_estimate(item: dict, plan, ranks: int) -> StageMeasurement:
@@ -138,7 +149,9 @@ def _worker(rank, world, tmp, target, runs, precision, steps, micro_batch, seq_l
 
     torch.set_num_threads(1)  # ranks share the machine's cores; memory does not depend on it
     device = _worker_device(rank)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator and every allocation on this rank's GPU
+    dist.init_process_group(_backend(device), init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
     with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
         from zerorun.planner.counting import load_factory
 
@@ -159,6 +172,13 @@ def _worker(rank, world, tmp, target, runs, precision, steps, micro_batch, seq_l
                                           micro_batch, seq_len, config))
             dist.barrier()
         Path(tmp, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _backend(device) -> str:
+    """NCCL on a GPU, as a training run there uses (Note [device contract] in worker/device.py):
+    gloo with CUDA tensors works but is another program (its reduce-scatter clones its input on
+    the GPU, and its transfers go through the host), so it would measure what no run does."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _worker_device(rank: int):

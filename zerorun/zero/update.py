@@ -46,6 +46,7 @@ import torch
 
 from zerorun.errors import InternalError, UsageError
 from zerorun.zero.comm import collectives
+from zerorun.zero.offload.grad_copy import final_event, wait_for_final
 from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
 from zerorun.zero.unit.record import UnitRecord, by_state_home
@@ -150,11 +151,15 @@ class UnitUpdater:
         """grad_reduce: ``record``'s gradient chunk is final; start its work on the worker."""
         if self._worker is None or self._window is None or not record.state_home.overlaps_backward:
             return
+        # Note [gradient copies] in offload/grad_copy.py: where, on the training stream, the
+        # chunk is final; the worker's device work and the copy to the host wait for it.
+        record.update.mark_final(final_event(record.unit.device))
         if not self._window.needs_norm:
-            record.state_home.prefetch(record)  # NVMe: read-ahead while the gradient is staged
+            record.state_home.prefetch(record)  # host: the gradient's copy; NVMe: the file's read-ahead
         record.update.submit(self._worker.submit(self._early_work, record, self._window))
 
     def _early_work(self, record: UnitRecord, window: _Window) -> None:
+        wait_for_final(record)
         if window.needs_norm:
             self._norm_piece(record, window)
         else:

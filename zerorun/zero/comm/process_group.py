@@ -103,7 +103,7 @@ def adopt_slurm_step(environ) -> None:
     })
 
 
-def leave_together(group=None, *, settle_timeout_s: float = 5.0) -> None:
+def leave_together(group=None, *, settle_timeout_s: float = 5.0, gpu: int | None = None) -> None:
     """Meet every rank at a barrier, let gloo's threads drop their last work, destroy the group.
 
     Note [clean exit]: a rank can abort at interpreter shutdown after a clean run (SIGABRT,
@@ -123,10 +123,15 @@ def leave_together(group=None, *, settle_timeout_s: float = 5.0) -> None:
     before it takes the next. Every earlier work had finished (the barrier), and the sleeps
     hand the GIL to any gloo thread still dropping one. With it, 0 of 45 runs of that script
     under the same load aborted.
+
+    ``gpu``: this rank's GPU, named to an NCCL barrier (Note [exit barrier device]).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    dist.barrier(group=group)
+    if gpu is not None and dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=[gpu])
+    else:
+        dist.barrier(group=group)
     close_host_channels()  # every rank has issued its last collective (the barrier): finish and stop
     if dist.get_backend(group) == "gloo":
         probe = torch.zeros(1)
@@ -188,16 +193,34 @@ def leave_process_group() -> None:
     recorder.record_activity("leaving", 0)
     recorder.send_sample()  # now: the recorder's own exit handler (it ran first) sent its last one
     met = threading.Event()
+    gpu = exit_gpu()
 
     def meet() -> None:
         try:
-            leave_together()
+            if gpu is not None:
+                torch.cuda.set_device(gpu)  # Note [exit barrier device]
+            leave_together(gpu=gpu)
             met.set()
         except Exception:  # a peer already failed: the launcher reports that one, not this
             pass
 
     threading.Thread(target=meet, name="zerorun-exit-barrier", daemon=True).start()
     met.wait(EXIT_BARRIER_TIMEOUT_S)
+
+
+def exit_gpu() -> int | None:
+    """The GPU the exit barrier must run on: the calling (main) thread's current one, which
+    ``resolve_process_group`` bound to this worker's; None where CUDA was never initialised.
+
+    Note [exit barrier device]: the barrier runs on a thread of its own (so a missing peer
+    costs at most EXIT_BARRIER_TIMEOUT_S), and CUDA's current device is per thread: a new
+    thread starts on GPU 0. Torch's barrier allocates its tensor on the current device, so
+    every rank of a node made a context on GPU 0 at exit (in exclusive compute mode the second
+    waited the whole timeout). The thread is therefore bound to the main thread's GPU, and an
+    NCCL barrier is told that GPU by ``device_ids``."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
 
 
 EXIT_BARRIER_TIMEOUT_S = 30.0

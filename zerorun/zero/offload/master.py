@@ -69,15 +69,6 @@ def device_gradient(record: UnitRecord) -> torch.Tensor:
     return grad if grad.dtype == torch.float32 else grad.float()
 
 
-def host_gradient(record: UnitRecord) -> torch.Tensor:
-    """The unit's fp32 gradient chunk copied to the host (Note [unit-sized gradient staging]
-    in offload/placements.py); zeros for a lazy shard that no backward created this window."""
-    grad = record.gradient.chunk
-    if grad is None:
-        return torch.zeros(record.unit.layout.chunk_numel, dtype=torch.float32)
-    return grad.to(HOST, dtype=torch.float32)
-
-
 def publish(record: UnitRecord) -> None:
     """Copy an updated master into the model's chunk (in the model's dtype). Blocking on
     purpose: an offloaded master's buffer is reused or rewritten right after (Note [file

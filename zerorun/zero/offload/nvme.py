@@ -27,7 +27,8 @@ import torch
 from zerorun.errors import RuntimeConfigError
 from zerorun.zero.offload import scratch
 from zerorun.zero.offload.file_io import read_exactly, write_exactly
-from zerorun.zero.offload.master import HOST, host_gradient, make_master, publish
+from zerorun.zero.offload.grad_copy import GradientCopies
+from zerorun.zero.offload.master import HOST, make_master, publish
 from zerorun.zero.offload.pinned import HostMemory
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
@@ -153,6 +154,7 @@ class OnFile:
         self._model_device = torch.device("cpu")
         self._pool_lock = threading.Lock()
         self.pool: BufferPool | None = None
+        self.copies = GradientCopies()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="zerorun-nvme-write")
 
@@ -176,7 +178,9 @@ class OnFile:
         return master
 
     def stage_gradient(self, record: UnitRecord) -> torch.Tensor:
-        return host_gradient(record)  # Note [unit-sized gradient staging] in offload/placements.py
+        # Note [unit-sized gradient staging] in offload/placements.py; on a GPU pinned, on a
+        # copy stream, issued here (Note [gradient copies]: prefetch is the file's read-ahead).
+        return self.copies.take(record)
 
     def publish(self, record: UnitRecord) -> None:
         publish(record)

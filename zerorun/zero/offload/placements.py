@@ -33,7 +33,8 @@ from contextlib import contextmanager
 
 import torch
 
-from zerorun.zero.offload.master import device_gradient, host_gradient, make_master, master_source, memory_nbytes, publish
+from zerorun.zero.offload.grad_copy import GradientCopies
+from zerorun.zero.offload.master import device_gradient, make_master, master_source, memory_nbytes, publish
 from zerorun.zero.offload.nvme import OnFile
 from zerorun.zero.offload.pinned import HostMemory
 from zerorun.zero.unit.record import Home, UnitRecord
@@ -97,6 +98,7 @@ class OnHost:
     def __init__(self, pin_memory: bool = True):
         self.pin_memory = pin_memory
         self.memory = HostMemory(pin_memory)  # Note [pinned arena] in offload/pinned.py
+        self.copies = GradientCopies()  # Note [gradient copies] in offload/grad_copy.py
 
     def make_master(self, unit: FlatUnit) -> torch.Tensor:
         return make_master(unit, self.location, self.memory)
@@ -110,13 +112,17 @@ class OnHost:
         """Note [unit-sized gradient staging]: the chunk leaves the device once, at the
         boundary, into a host tensor of this unit's size that the update consumes and drops;
         accumulation across micro-steps stays on the device, so the host never holds a
-        full-size fp32 gradient beside master and state (what exhausts DeepSpeed's host)."""
-        return host_gradient(record)
+        full-size fp32 gradient beside master and state (what exhausts DeepSpeed's host).
+        On a GPU, pinned and copied on a stream of its own (Note [gradient copies])."""
+        return self.copies.take(record)
+
+    def prefetch(self, record: UnitRecord) -> None:
+        """The gradient is final (backward): start its copy to the host."""
+        self.copies.start(record)
 
     # Master and state are always in memory, as OnDevice's: nothing to read in, wait for or
     # write back, and the same blocking publish (borrowed, not inherited: no base class).
     resident = OnDevice.resident
-    prefetch = OnDevice.prefetch
     settle = OnDevice.settle
     publish = OnDevice.publish
 

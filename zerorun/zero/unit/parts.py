@@ -187,6 +187,12 @@ class UpdatePart:
     square: torch.Tensor | None = None
     updated: bool = False
     pending: Future | None = field(default=None, repr=False)
+    # Note [gradient copies] in offload/grad_copy.py: a CUDA event on the training stream where
+    # the gradient chunk became final at the boundary backward; None on the CPU or until then.
+    final: object | None = field(default=None, repr=False)
+
+    def mark_final(self, event) -> None:
+        self.final = event
 
     def submit(self, pending: Future) -> None:
         if self.pending is not None:
@@ -213,4 +219,4 @@ class UpdatePart:
         """After the step: the next window starts with no piece and no update."""
         if self.pending is not None:
             raise InternalError(f"unit {self.index}: window closed with its early update pending")
-        self.square, self.updated = None, False
+        self.square, self.updated, self.final = None, False, None

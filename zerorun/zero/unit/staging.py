@@ -33,13 +33,16 @@ _streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
 
 
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one copy stream of this GPU (made on first use)."""
+def copy_stream(device: torch.device, streams: dict[int, torch.cuda.Stream] | None = None) -> torch.cuda.Stream:
+    """The one copy stream of this GPU in ``streams`` (made on first use): by default the
+    host-to-device one; offload/grad_copy.py keeps the device-to-host streams apart, so the two
+    directions run at once."""
+    streams = _streams if streams is None else streams
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
-        stream = _streams.get(index)
+        stream = streams.get(index)
         if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=index)
+            stream = streams[index] = torch.cuda.Stream(device=index)
         return stream
 
 
