@@ -9,7 +9,10 @@ the timing loop is one piece of code for all of them:
 
 Systems: "ddp" (torch DistributedDataParallel), "fsdp2" / "fsdp2-noreshard" (torch
 ``fully_shard`` with reshard_after_forward True / False, one unit per transformer block plus the
-root), and "zero0".."zero3" (zerorun at that stage). Also the measurement plumbing: one fresh
+root), "zero0".."zero3" (zerorun at that stage, "+cpu" etc. for offload) and, where DeepSpeed is
+installed, "ds1".."ds3" and "ds2+cpu" (ZeRO-Offload). ``call(module, tokens, targets) -> loss``
+says how a model is called (a Hugging Face model takes ``input_ids=``, ``labels=``); ``fused``
+gives every system the same AdamW kernel (None: fused on CUDA only, the previous default). Also the measurement plumbing: one fresh
 world of spawned processes per system (so memory peaks never leak from one system into the
 next), per-step timing, and peak resident memory.
 """
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 SYSTEMS = ("ddp", "fsdp2", "fsdp2-noreshard", "zero0", "zero1", "zero2", "zero3")
+DEEPSPEED = ("ds1", "ds2", "ds3", "ds2+cpu")
 # zerorun with offload: "zero2+cpu", "zero3+cpu+params", "zero2+nvme" ... (scripts/bench_offload.py)
 OFFLOADS = {"cpu": {"offload_optimizer": {"device": "cpu"}},
             "nvme": {"offload_optimizer": {"device": "nvme"}},
@@ -52,7 +56,7 @@ def zerorun_system_config(system: str) -> dict:
 
 
 def is_system(name: str) -> bool:
-    if name in SYSTEMS:
+    if name in SYSTEMS or name in DEEPSPEED:
         return True
     try:
         zerorun_system_config(name)
@@ -90,31 +94,42 @@ class Trainer:
         return _unique_bytes(tensors)
 
 
+def call_positionally(module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return module(tokens, targets)
+
+
 class ZerorunTrainer:
-    def __init__(self, engine):
+    """zerorun's engine, or DeepSpeed's (the same three calls)."""
+
+    def __init__(self, engine, call: Callable = call_positionally):
         self.engine = engine
+        self.call = call
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = self.engine(tokens, targets)
+        loss = self.call(self.engine, tokens, targets)
         self.engine.backward(loss)
         self.engine.step()
         return loss.detach()
 
     def model_state_bytes(self) -> int:
-        return int(self.engine.memory_breakdown()["total"])
+        breakdown = getattr(self.engine, "memory_breakdown", None)
+        return int(breakdown()["total"]) if breakdown is not None else 0
 
 
 def build_trainer(system: str, model: nn.Module, *, lr: float, precision: str = "fp32",
-                  block_class: type | None = None, zerorun_config: dict | None = None):
+                  block_class: type | None = None, zerorun_config: dict | None = None,
+                  call: Callable = call_positionally, fused: bool | None = None):
     """Wrap ``model`` (already on its device, same init on every rank) for ``system``."""
     amp_dtype = {"fp32": None, "bf16": torch.bfloat16}[precision]
+    device = model_device(model)
+    fused = device.type == "cuda" if fused is None else fused
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [model_device(model)] if model_device(model).type == "cuda" else None
+        device_ids = [device] if device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
-        optimizer = _adamw(model.parameters(), lr, model_device(model))
-        return Trainer(wrapped, optimizer, wrapped, autocast_dtype=amp_dtype)
+        optimizer = _adamw(model.parameters(), lr, fused)
+        return Trainer(wrapped, optimizer, lambda t, y: call(wrapped, t, y), autocast_dtype=amp_dtype)
     if system.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -124,8 +139,8 @@ def build_trainer(system: str, model: nn.Module, *, lr: float, precision: str = 
         for block in blocks:
             fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
-        optimizer = _adamw(model.parameters(), lr, model_device(model))
-        return Trainer(model, optimizer, model)
+        optimizer = _adamw(model.parameters(), lr, fused)
+        return Trainer(model, optimizer, lambda t, y: call(model, t, y))
     if system.startswith("zero"):
         import zerorun
 
@@ -133,21 +148,39 @@ def build_trainer(system: str, model: nn.Module, *, lr: float, precision: str = 
         if precision != "fp32":
             config["precision"] = {"dtype": precision}
         _merge(config, zerorun_config or {})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        return ZerorunTrainer(zerorun.initialize(model, optimizer, config))
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        return ZerorunTrainer(zerorun.initialize(model, _adamw(model.parameters(), lr, fused), config), call)
+    if system in DEEPSPEED:
+        return ZerorunTrainer(_deepspeed_engine(system, model, lr, precision, fused), call)
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS + DEEPSPEED)}")
+
+
+def _deepspeed_engine(system: str, model: nn.Module, lr: float, precision: str, fused: bool):
+    """DeepSpeed at the stage ``system`` names, bf16 as asked. Its ZeRO-Offload steps on the host
+    with its own CPU Adam (it refuses another optimizer there); otherwise the same torch AdamW as
+    every other system."""
+    import deepspeed
+
+    stage, *extras = system[len("ds"):].split("+")
+    zero: dict = {"stage": int(stage)}
+    config: dict = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+                    "bf16": {"enabled": precision == "bf16"}, "steps_per_print": 10**9}
+    if "cpu" in extras:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": lr}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters(), lr, fused), config=config)
+    return engine
 
 
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _adamw(params, lr: float, device: torch.device):
-    # The fused kernel is PyTorch's fastest AdamW on CUDA (GUIDE §5's peer uses it); on CPU the
-    # default (foreach) is what a user gets.
-    if device.type == "cuda":
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    return torch.optim.AdamW(params, lr=lr)
+def _adamw(params, lr: float, fused: bool):
+    # The fused kernel is PyTorch's fastest AdamW on CUDA (GUIDE §5's peer uses it) and on the
+    # host (Note [host optimizer kernels]); bench_cpu.py keeps the CPU's default (foreach).
+    return torch.optim.AdamW(params, lr=lr, fused=True) if fused else torch.optim.AdamW(params, lr=lr)
 
 
 def _autocast(device: torch.device, dtype):
@@ -227,6 +260,7 @@ class RankResult:
     training_peak_rss_bytes: int
     model_state_bytes: int
     gpu_peak_bytes: int = 0
+    gpu_reserved_bytes: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -265,6 +299,7 @@ class SystemResult:
     training_peak_rss_mib: float | None = None
     model_state_mib: float | None = None
     gpu_peak_gib: float | None = None
+    gpu_reserved_gib: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
     error: str | None = None
@@ -283,6 +318,7 @@ def summarize(system: str, ranks: list[dict]) -> SystemResult:
         training_peak_rss_mib=max(r["training_peak_rss_bytes"] for r in ranks) / mib,
         model_state_mib=max(r["model_state_bytes"] for r in ranks) / mib,
         gpu_peak_gib=max(r["gpu_peak_bytes"] for r in ranks) / 1024 ** 3,
+        gpu_reserved_gib=max(r.get("gpu_reserved_bytes", 0) for r in ranks) / 1024 ** 3,
         first_loss=ranks[0]["losses"][0],
         last_loss=ranks[0]["losses"][-1],
     )
@@ -296,20 +332,27 @@ def merge_repeats(results: list[SystemResult]) -> SystemResult:
     merged = dataclasses.replace(good[0])
     for name in ("step_s", "step_cpu_s"):
         setattr(merged, name, statistics.median(getattr(r, name) for r in good))
-    for name in ("peak_rss_mib", "training_peak_rss_mib", "model_state_mib", "gpu_peak_gib"):
+    for name in ("peak_rss_mib", "training_peak_rss_mib", "model_state_mib", "gpu_peak_gib", "gpu_reserved_gib"):
         setattr(merged, name, max(getattr(r, name) for r in good))
     return merged
 
 
-def run_world(rank_fn: Callable, world: int, system: str, options: dict, workdir: Path) -> SystemResult:
-    """Run ``rank_fn(rank, world, system, options, init_file) -> RankResult`` in a fresh world."""
+def run_world(rank_fn: Callable, world: int, system: str, options: dict, workdir: Path,
+              preload: list[str] | None = None) -> SystemResult:
+    """Run ``rank_fn(rank, world, system, options, init_file) -> RankResult`` in a fresh world.
+
+    ``preload``: modules a fork server imports once, each world's ranks then forked from it (a
+    fresh process all the same, with no CUDA context and no process group: the server only
+    imported them), instead of every rank importing torch and transformers again."""
     import torch.multiprocessing as mp
 
     run_dir = workdir / system
     run_dir.mkdir(parents=True, exist_ok=True)
+    if preload:
+        mp.set_forkserver_preload(preload)
     try:
         mp.start_processes(_rank_entry, args=(rank_fn, world, system, options, str(run_dir)),
-                           nprocs=world, start_method="spawn", join=True)
+                           nprocs=world, start_method="forkserver" if preload else "spawn", join=True)
     except Exception as err:  # a failing system must not hide the others' numbers
         errors = sorted(run_dir.glob("error*.txt"))
         message = errors[0].read_text().strip().splitlines()[-1] if errors else str(err).strip().splitlines()[-1]

@@ -2,7 +2,8 @@
 # bash scripts/setup.sh [--test]
 #
 # Creates .venv beside this repo and installs zerorun into it (editable). torch: kept if the
-# venv already has one (GPU users install their own CUDA build first); otherwise pip installs
+# venv already has one, or if $PYTHON has one (the venv then sees the system's packages: a GPU
+# image's CUDA torch is reused, and nothing it has is fetched); otherwise pip installs
 # torch==2.13.0 from the configured package index: from PyPI on Linux x86_64 that is the CUDA
 # build with its NVIDIA libraries (several GB; it runs on CPU too), where a local CPU wheel is
 # offered first (our CI machine's pip has one) it is the CPU build. ZERORUN_TORCH_INDEX=URL
@@ -17,13 +18,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+    if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
+        # A machine whose Python already has torch (a GPU image's CUDA build): the venv sees it and
+        # what sits beside it, so nothing is downloaded that is already there (GUIDE.md section 6).
+        "$PYTHON" -m venv --system-site-packages .venv
+    else
+        "$PYTHON" -m venv .venv
+    fi
+fi
+# Without a package index (a GPU machine with no network) pip cannot fetch build tools: install
+# from what is there (--no-index --no-build-isolation) when the ordinary install fails.
+pip_install() { .venv/bin/python -m pip install -q "$@" || .venv/bin/python -m pip install -q --no-index --no-build-isolation "$@"; }
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install -q ${ZERORUN_TORCH_INDEX:+--index-url "$ZERORUN_TORCH_INDEX"} "torch==${ZERORUN_TORCH_VERSION:-2.13.0}"
 fi
 if [ "${1:-}" = "--test" ]; then
-    .venv/bin/python -m pip install -q -e ".[test]"
+    pip_install -e ".[test]"
     if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client) >/dev/null
     fi
@@ -36,5 +48,5 @@ if [ "${1:-}" = "--test" ]; then
             || echo "setup.sh: slurmdbd/mariadb-server not installed; the Slurm accounting test will skip" >&2
     fi
 else
-    .venv/bin/python -m pip install -q -e .
+    pip_install -e .
 fi
