@@ -36,3 +36,14 @@ def busy_machine(request):
     for burner in burners:
         burner.kill()
         burner.wait()
+
+
+@pytest.fixture(autouse=True)
+def no_device_bound_yet():
+    """Each test starts as a fresh worker: no engine has bound a device (``device.bind``), so a
+    test of the environment's device choice never sees another test's engine."""
+    from zerorun.worker import device
+
+    device._bound = None
+    yield
+    device._bound = None

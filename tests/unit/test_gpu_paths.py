@@ -272,3 +272,20 @@ def test_offloading_placements_stage_through_gradient_copies():
     home.copies.start = started.append  # type: ignore[method-assign]
     home.prefetch("record")  # type: ignore[arg-type]
     assert started == ["record"]
+
+
+def test_telemetry_reads_the_gpu_the_engine_bound_not_the_environments_guess(monkeypatch):
+    """The telemetry thread picked its GPU from the environment alone: with a gloo group the
+    script started and its model built on cuda:1 (the engine keeps it there) it read GPU 0, and
+    for a worker the engine put on the CPU it still read a GPU."""
+    from zerorun.telemetry.recorder import _cuda_index
+    from zerorun.worker import device
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: True, device_count=lambda: 2))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(device, "_bound", None)
+    assert _cuda_index(fake, environ={"LOCAL_RANK": "0"}) == 0  # before initialize: the environment's guess
+    device.bind(device.DeviceChoice("cuda:1", "the model was built there, beside a gloo group"))
+    assert _cuda_index(fake, environ={"LOCAL_RANK": "0"}) == 1
+    device.bind(device.DeviceChoice("cpu", "a gloo group the script started, the model on the CPU"))
+    assert _cuda_index(fake, environ={"LOCAL_RANK": "0"}) is None

@@ -310,10 +310,15 @@ def _may_use_cuda(environ=os.environ) -> bool:
 
 def _cuda_index(torch, environ=os.environ) -> int | None:
     """This worker's GPU by the device contract, or None (a CPU worker, or an environment that
-    names a GPU it does not have: telemetry says cpu rather than fail the worker)."""
+    names a GPU it does not have: telemetry says cpu rather than fail the worker). Once the
+    engine bound its device, that one: the environment alone misses the group and the model's
+    device (a script's gloo group beside a model it built on a GPU)."""
     from zerorun.errors import ZerorunError
-    from zerorun.worker.device import choose_device
+    from zerorun.worker.device import bound, choose_device
 
+    chosen = bound()  # the engine's choice, group and model included, once initialize made it
+    if chosen is not None:
+        return chosen.index
     try:
         choice = choose_device(environ, lambda: torch.cuda.device_count() if torch.cuda.is_available() else 0)
     except ZerorunError:

@@ -222,11 +222,24 @@ def this_worker(group_backend: str | None = None, environ: Mapping[str, str] | N
 
 def bind(choice: DeviceChoice) -> None:
     """Make this worker's GPU the current one, so collectives, ``all_gather_object`` and
-    allocations without a device land on it (every rank would use cuda:0 otherwise)."""
+    allocations without a device land on it (every rank would use cuda:0 otherwise); and
+    remember the choice for the telemetry thread (``bound``)."""
+    global _bound
+    _bound = choice
     if choice.is_cuda:
         import torch
 
         torch.cuda.set_device(choice.index)
+
+
+_bound: DeviceChoice | None = None
+
+
+def bound() -> DeviceChoice | None:
+    """The device the engine bound this worker to (``bind``), None before: what the process
+    group and the model's device decided, which the environment alone cannot tell (a group the
+    script started with gloo, a model it built on another GPU)."""
+    return _bound
 
 
 def rng_devices(device: torch.device) -> list[int]:
