@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_systems import DEEPSPEED, SYSTEMS, RankResult, build_trainer, run_world, time_steps  # noqa: E402
+from gpu_report import rows  # noqa: E402
 
 ZERORUN = ("zero1", "zero2", "zero3", "zero2+cpu")
 DEFAULT_SYSTEMS = ("fsdp2", "ddp", *ZERORUN, "ds2", "ds3", "ds2+cpu")
@@ -138,21 +139,6 @@ def rank_main(rank: int, world: int, system: str, options: dict, init_file: str)
 
 def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
-
-
-def rows(results: list[dict]) -> list[dict]:
-    """Each system's figures and their ratios against FSDP2 in the same run (pure)."""
-    base = next((r for r in results if r["system"] == "fsdp2" and r.get("status") == "ok"), None)
-    out = []
-    for r in results:
-        row = dict(r)
-        if r.get("status") == "ok":
-            row["tflops"] = 6 * r["params"] * r["tokens_per_step"] / r["step_s"] / 1e12
-            for key in ("step_s", "gpu_peak_gib", "gpu_reserved_gib", "host_peak_gib"):
-                value, peer = r.get(key), (base or {}).get(key)
-                row[f"{key}_x"] = value / peer if value and peer else None
-        out.append(row)
-    return out
 
 
 def render(found: dict) -> str:

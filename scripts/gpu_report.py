@@ -15,8 +15,6 @@ import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 GROUPS = {"test_cuda_parity": "parity (stages 0-3, fp32/bf16, offload none/cpu/nvme, world 1 and 2)",
           "test_cuda_findings": "issue 32 and 41 findings (device, backend, checkpoints, telemetry, RNG, seed, exit)",
           "test_cuda_one_gpu": "one GPU: NCCL at world 1, zerorun --gpus 1, HF checkpointing, pinned offload",
@@ -62,8 +60,6 @@ def bench_rows(path: Path) -> list[tuple[str, str, str]]:
     ZeRO-Offload step)."""
     if not path.is_file():
         return [("bench_gpu.py", "not run", f"{path.name} missing")]
-    from bench_gpu import rows
-
     found = json.loads(path.read_text())
     preset = found.get("options", {}).get("preset", "?")
     by_system = {r["system"]: r for r in rows(found["results"])}
@@ -74,6 +70,21 @@ def bench_rows(path: Path) -> list[tuple[str, str, str]]:
             out.append((name, "not installed" if row.get("status") == "not installed" else "FAIL", row.get("error", "")))
             continue
         out.append((name, _verdict(system, row, by_system), _figures(row)))
+    return out
+
+
+def rows(results: list[dict]) -> list[dict]:
+    """Each system's figures and their ratios against FSDP2 in the same run (pure)."""
+    base = next((r for r in results if r["system"] == "fsdp2" and r.get("status") == "ok"), None)
+    out = []
+    for r in results:
+        row = dict(r)
+        if r.get("status") == "ok":
+            row["tflops"] = 6 * r["params"] * r["tokens_per_step"] / r["step_s"] / 1e12
+            for key in ("step_s", "gpu_peak_gib", "gpu_reserved_gib", "host_peak_gib"):
+                value, peer = r.get(key), (base or {}).get(key)
+                row[f"{key}_x"] = value / peer if value and peer else None
+        out.append(row)
     return out
 
 
