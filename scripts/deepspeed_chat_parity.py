@@ -124,8 +124,11 @@ def _env(extra_path: list[str]) -> dict[str, str]:
 def run_zerorun(name: str, fixture: Path, workdir: Path, timeout_s: float = 600) -> tuple[list[float], str]:
     step, stage, extra = RUNS[name]
     out = workdir / f"zerorun-{name}"
+    # DeepSpeed-Chat's --enable_tensorboard too: its config dict (built in the script) asks for
+    # event files, which zerorun's launcher writes (docs/telemetry.md, "Monitoring export").
+    tensorboard = ["--enable_tensorboard", "--tensorboard_path", str(workdir / f"tb-{name}")]
     command = [str(Path(sys.executable).with_name("zerorun")), "--nproc", "2", "--no-dashboard", "--as-deepspeed",
-               str(DATA / STEP_SCRIPTS[step]), *step_args(step, stage, extra, fixture, out)]
+               str(DATA / STEP_SCRIPTS[step]), *step_args(step, stage, extra, fixture, out), *tensorboard]
     done = subprocess.run(command, cwd=workdir, env=_env([str(ROOT)]), capture_output=True, text=True,
                           timeout=timeout_s)
     output = done.stdout + done.stderr

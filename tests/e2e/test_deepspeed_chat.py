@@ -116,6 +116,16 @@ def test_deepspeed_chat_step_runs_unchanged_like_deepspeed(chat, name):
     if step == "sft":
         ppl = [float(v) for v in re.findall(r"ppl: ([0-9.]+)", output)]
         assert len(ppl) == 2 and ppl[1] < ppl[0] * 0.9, ppl
+    # --enable_tensorboard: the launcher wrote the script's DeepSpeed tensorboard section's files,
+    # in DeepSpeed-Chat's output_path/job_name, read back with tensorboard's own reader.
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = workdir / f"tb-{name}" / "ds_tensorboard_logs" / f"step{1 if step == 'sft' else 2}_model_tensorboard"
+    accumulator = event_accumulator.EventAccumulator(str(events))
+    accumulator.Reload()
+    written = [e.value for e in accumulator.Scalars("train/loss")]
+    assert written and all(math.isfinite(v) for v in written)
+    assert {"rank0/memory_bytes", "rank1/memory_bytes"} <= set(accumulator.Tags()["scalars"])
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """pytest tests/unit/test_cli_aliases_and_help.py — the CLI habits newcomers bring from DeepSpeed and torchrun.
 
-Aliases (--num_gpus, --deepspeed_config, --nproc_per_node, --nnodes, underscores), --version, --help,
+Aliases (--num_gpus, --deepspeed_config, --nproc_per_node, --nnodes, underscores), torchrun's
+--max_restarts, --standalone and --rdzv_* (accepted or refused with what to use), --version, --help,
 ``zerorun env``, did-you-mean for a misspelt subcommand, --dry-run of a GPU job on a machine
 without GPUs; through ``main`` in-process (as typer's CliRunner would); the real subprocess is in tests/e2e.
 """
@@ -16,6 +17,8 @@ import pytest
 from zerorun.cli.env import render
 from zerorun.cli.main import main, route
 from zerorun.cli.run import canonical_option, resolve_nproc_per_node, split_argv
+from zerorun.cli.torchrun_options import rendezvous
+from zerorun.errors import LaunchError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -163,3 +166,34 @@ def test_help_names_the_launch_options_and_shows_no_bool_type_for_flags(capsys, 
         assert code == 0 and "<bool>" not in out, argv
     code, run_help, _ = run_main(["run", "--help"], capsys)
     assert "--dry-run" in run_help and "<int>" in run_help  # options that take a value keep their type
+
+
+def test_torchrun_spellings_are_accepted_where_they_mean_something(workdir, capsys):
+    code, out, err = run_main(["--nproc_per_node", "2", "--max_restarts", "2", "--rdzv_backend",
+                               "c10d", "--rdzv_endpoint", "localhost:29411", "--rdzv_id", "job7", "--dry-run",
+                               "train.py"], capsys)
+    assert code == 0, err
+    assert "MASTER_ADDR=localhost" in out and "MASTER_PORT=29411" in out
+    assert "--rdzv-id job7: accepted" in err
+    code, out, err = run_main(["--nproc", "2", "--standalone", "--rdzv-endpoint", "h:1", "--dry-run", "train.py"], capsys)
+    assert code == 0 and "MASTER_ADDR=h" not in out and "--rdzv-endpoint h:1 ignored" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--rdzv-backend", "etcd"], ["--rdzv-backend etcd", "--rdzv-endpoint HOST:PORT"]),
+    (["--rdzv-conf", "join_timeout=900"], ["--rdzv-conf", "--startup-timeout"]),
+    (["--rdzv-endpoint", "host:port"], ["port must be a number"]),
+    (["--standalone", "--hostfile", "hosts"], ["--standalone runs on this host only"]),
+])
+def test_what_has_no_meaning_is_refused_in_one_line_with_what_to_use(workdir, capsys, args, words):
+    code, out, err = run_main(["--nproc", "2", *args, "--dry-run", "train.py"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert all(word in err for word in words), err
+
+
+def test_rendezvous_is_pure_and_keeps_a_port_given_apart():
+    assert rendezvous(standalone=False, backend="static", endpoint="node1", rdzv_id=None, conf=None,
+                      master_addr=None, master_port=1234, hostfile=None) == ("node1", 1234, [])
+    with pytest.raises(LaunchError):
+        rendezvous(standalone=False, backend=None, endpoint="a:1", rdzv_id=None, conf=None, master_addr="b",
+                   master_port=None, hostfile=None)

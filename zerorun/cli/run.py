@@ -30,7 +30,7 @@ from zerorun.errors import JobFailed, LaunchError
 
 # Our options that take no value; every other option takes one (unless written --opt=value).
 FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume", "--local-rank-arg",
-                          "--no-local-rank-arg", "--as-deepspeed"})
+                          "--no-local-rank-arg", "--as-deepspeed", "--standalone"})
 MODULE_OPTIONS = ("-m", "--module")
 
 
@@ -46,7 +46,8 @@ OUR_OPTIONS = frozenset({
     "--nproc", "--gpus", "--module", "--hostfile", "--include", "--exclude", "--num-nodes", "--master-addr",
     "--master-port", "--ssh-port", "--ssh-opt", "--env-file", "--config", "--set", "--run-dir",
     "--no-dashboard", "--dry-run", "--grace", "--help", "--local-rank-arg", "--no-local-rank-arg", "--launcher",
-    "--as-deepspeed", "--accelerate-config",
+    "--as-deepspeed", "--accelerate-config", "--max-restarts", "--standalone", "--rdzv-backend", "--rdzv-endpoint",
+    "--rdzv-id", "--rdzv-conf",
 })
 # Spellings only DeepSpeed's launcher uses: a job started with them gets --local_rank=N appended
 # to the script's arguments, as DeepSpeed's launcher does (unless --no-local-rank-arg).
@@ -192,6 +193,15 @@ def register(app: typer.Typer) -> None:
             help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
                  "ssh, or local (this machine only, ignoring Slurm).",
         ),
+        max_restarts: int = typer.Option(
+            0, "--max-restarts", metavar="N", min=0,
+            help="After a worker failure start the whole job again, from the last complete checkpoint "
+                 "(checkpoint.dir), up to N times, waiting 1, 2, 4 ... s (torchrun's --max_restarts)."),
+        standalone: bool = typer.Option(False, "--standalone", help="torchrun's: this host, a free port (the default)."),
+        rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="torchrun's: c10d or static (etcd is refused)."),
+        rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun's: HOST[:PORT] = --master-addr/--master-port."),
+        rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun's job id: accepted, no effect."),
+        rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", help="torchrun's: refused (join_timeout is --startup-timeout)."),
     ) -> None:
         from zerorun.launch.prepare import LaunchOptions, dry_run_text, prepare
         from zerorun.launch.run_job import execute
@@ -215,6 +225,11 @@ def register(app: typer.Typer) -> None:
             if not startup_timeout >= 0:
                 raise LaunchError(f"--startup-timeout must be 0 (never) or a number of seconds, got {startup_timeout}")
             overrides["telemetry.startup_timeout_s"] = startup_timeout
+        from zerorun.cli.torchrun_options import rendezvous
+
+        master_addr, master_port, rdzv_notes = rendezvous(
+            standalone=standalone, backend=rdzv_backend, endpoint=rdzv_endpoint, rdzv_id=rdzv_id, conf=rdzv_conf,
+            master_addr=master_addr, master_port=master_port, hostfile=hostfile)
         options = LaunchOptions(
             target=job_target, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
@@ -231,14 +246,22 @@ def register(app: typer.Typer) -> None:
             job.notes.append(f"--dry-run: the {options.gpus} GPU(s) per host are not checked on this machine")
         else:
             job = prepare(options)
-        job.notes[:0] = accelerate_notes
+        job.notes[:0] = accelerate_notes + rdzv_notes
+        if max_restarts and job.step_role is not None:
+            raise LaunchError("--max-restarts: under srun each node's launcher would restart on its own",
+                              hint="let Slurm restart the job: checkpoint.on_signal and checkpoint.requeue "
+                                   "(docs/launch.md, Slurm), or sbatch --requeue")
         for note in job.notes:
             print(f"zerorun: note: {note}", file=sys.stderr)
+        check_monitor_packages(job.config_json)
         if dry_run:
             print(dry_run_text(job))
             return
         print(f"zerorun: run directory {job.plan.run_dir}", file=sys.stderr, flush=True)
-        result = execute(job)
+        job, result, causes = run_with_restarts(job, max_restarts, prepare, execute)
+        restarts = f"; {restart_summary(causes, max_restarts)}" if max_restarts else ""
+        if result.ok and restarts:
+            print(f"zerorun: the job finished{restarts}", file=sys.stderr)
         if not result.started:
             # Note [signals from the first instant]: a stopping signal came before any worker ran.
             print(f"zerorun: {stop_reason(job, result.signal)} before any worker started; nothing was started",
@@ -267,7 +290,58 @@ def register(app: typer.Typer) -> None:
             who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
             if failure.rank is not None:
                 stopped = stopped.replace("every worker", "every other worker")
-            raise JobFailed(f"{who} failed: {failure.reason}; {stopped} (logs in {logs})")
+            raise JobFailed(f"{who} failed: {failure.reason}; {stopped} (logs in {logs}){restarts}")
+
+
+def run_with_restarts(job, max_restarts: int, prepare, execute):
+    """Note [restart from the checkpoint] (launch/restarts.py): execute the job; after a worker's
+    failure, again from the last checkpoint, up to ``max_restarts`` times. Returns the last
+    attempt's job and result and the cause of each restart."""
+    import json
+    import time
+
+    from zerorun.launch import restarts
+
+    first_run_dir = job.plan.run_dir
+    resume = bool(json.loads(job.config_json).get("checkpoint", {}).get("dir"))
+    causes: list[str] = []
+    if max_restarts:
+        restarts.set_restart_count(0)
+    result = execute(job)
+    while len(causes) < max_restarts and restarts.restartable(result):
+        causes.append(restarts.cause_text(result.failure))
+        restart = len(causes)
+        wait = restarts.backoff_s(restart)
+        where = "from the last complete checkpoint" if resume else "from the start (no checkpoint.dir)"
+        print(f"zerorun: restart {restart} of {max_restarts} in {wait:g} s, {where}, after {causes[-1]}",
+              file=sys.stderr, flush=True)
+        time.sleep(wait)
+        restarts.set_restart_count(restart)
+        job = prepare(restarts.restart_options(job.options, first_run_dir, restart, resume))
+        print(f"zerorun: run directory {job.plan.run_dir} (restart {restart})", file=sys.stderr, flush=True)
+        result = execute(job)
+    return job, result, causes
+
+
+def restart_summary(causes: list[str], max_restarts: int) -> str:
+    from zerorun.launch.restarts import summary
+
+    return summary(causes, max_restarts)
+
+
+def check_monitor_packages(config_json: str) -> None:
+    """The config's monitor section asks for a writer whose package is missing: say so before
+    anything starts (a config the script gives ``initialize`` itself gets a warning instead)."""
+    import json
+
+    from zerorun.errors import ConfigError
+    from zerorun.telemetry.monitor import missing_packages
+
+    missing = missing_packages(json.loads(config_json).get("monitor") or {})
+    if missing:
+        raise ConfigError(f"the config's monitor section needs {' and '.join(missing)}, which is not installed",
+                          hint="pip install 'zerorun[monitor]'" + (" wandb" if "wandb" in missing else "")
+                          + ", or set monitor.<writer>.enabled: false")
 
 
 def stopped_clause(leftovers: dict[str, str]) -> str:

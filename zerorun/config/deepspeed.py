@@ -143,6 +143,11 @@ CHECKPOINT = {
         "checkpoint_serialization", "writer")},
 }
 
+# DeepSpeed's monitor sections, with its meanings: the launcher writes them (telemetry/monitor.py).
+MONITOR_TENSORBOARD = {key: Map(f"monitor.tensorboard.{key}") for key in ("enabled", "output_path", "job_name")}
+MONITOR_CSV = {key: Map(f"monitor.csv.{key}") for key in ("enabled", "output_path", "job_name")}
+MONITOR_WANDB = {key: Map(f"monitor.wandb.{key}") for key in ("enabled", "project", "group", "team")}
+
 ZERO_OPTIMIZATION = {
     "stage": Map("zero.stage"),
     "overlap_comm": Map("zero.overlap_comm"),
@@ -233,8 +238,9 @@ TOP_LEVEL: dict[str, Any] = {
     "wall_clock_breakdown": Note(TELEMETRY),
     "memory_breakdown": Note(TELEMETRY),
     "dump_state": Note(NO_EFFECT),
-    "tensorboard": Note(TELEMETRY), "wandb": Note(TELEMETRY), "csv_monitor": Note(TELEMETRY),
-    "comet": Note(TELEMETRY), "comms_logger": Note(TELEMETRY), "flops_profiler": Note(TELEMETRY),
+    "tensorboard": Section(MONITOR_TENSORBOARD), "wandb": Section(MONITOR_WANDB),
+    "csv_monitor": Section(MONITOR_CSV),
+    "comet": Note(TELEMETRY + "; tensorboard, wandb and csv_monitor are written"), "comms_logger": Note(TELEMETRY), "flops_profiler": Note(TELEMETRY),
     "zero_allow_untested_optimizer": Note("zerorun shards any torch.optim optimizer"),
     "zero_force_ds_cpu_optimizer": Note("zerorun steps offloaded shards with the torch optimizer; " + NO_EFFECT),
     "activation_checkpointing": Note(

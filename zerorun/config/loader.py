@@ -22,7 +22,7 @@ from zerorun.config.schema import ZerorunConfig
 from zerorun.errors import ConfigError
 
 # Sections that exist only in the zerorun format; next to DeepSpeed keys they mean a mixed file.
-ZERORUN_ONLY_KEYS = frozenset({"zero", "precision", "batch", "telemetry", "seed"})
+ZERORUN_ONLY_KEYS = frozenset({"zero", "precision", "batch", "telemetry", "monitor", "seed"})
 
 
 def load_config(

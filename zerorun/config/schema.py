@@ -129,6 +129,48 @@ class TelemetryConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    """TensorBoard event files in ``output_path/job_name/`` (DeepSpeed's ``tensorboard`` section)."""
+
+    enabled: bool = False
+    # DeepSpeed's meaning: the parent folder, relative to where zerorun starts (empty: there).
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass
+class CsvConfig:
+    """One CSV file per series in ``output_path/job_name/`` (DeepSpeed's ``csv_monitor``)."""
+
+    enabled: bool = False
+    output_path: str = ""  # as tensorboard.output_path
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass
+class WandbConfig:
+    """A Weights & Biases run (DeepSpeed's ``wandb``): needs ``pip install wandb``."""
+
+    enabled: bool = False
+    project: str = "deepspeed"
+    group: str | None = None
+    team: str | None = None  # the W&B entity
+
+
+@dataclass
+class MonitorConfig:
+    """Training series exported by the launcher (telemetry/monitor.py, docs/telemetry.md)."""
+
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    csv: CsvConfig = field(default_factory=CsvConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensorboard.enabled or self.csv.enabled or self.wandb.enabled
+
+
+@dataclass
 class CheckpointConfig:
     """Sharded checkpoints: written every ``interval_steps`` optimizer steps (0 = only when asked)."""
 
@@ -155,6 +197,7 @@ class ZerorunConfig:
         default_factory=ActivationCheckpointingConfig
     )
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     seed: int | None = None
     # What loading noticed but did not reject (DeepSpeed keys accepted without effect, "auto"

@@ -536,6 +536,8 @@ class JobWideView(JobView):
 class NodeView(JobView):
     """A node other than 0: its workers' lines, and their events forwarded to node 0's view."""
 
+    writes_monitor = False  # node 0's view writes the job's series (Note [one writer])
+
     def __init__(self, *, nodes: tuple[str, ...], node_rank: int, per_node: int, **kwargs):
         super().__init__(**kwargs)
         self.node_rank = node_rank

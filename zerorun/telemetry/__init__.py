@@ -10,6 +10,8 @@ Contract with the runtime (zerorun/zero):
     rec.set_total_steps(n)          # engine.set_total_steps(n): each step message carries it
     rec.record_activity(what, n)    # "saving" and the bytes written so far (None: done); each
                                     # sample carries it, so a long save counts as progress
+    rec.announce_monitor(section)   # rank 0: the config's ``monitor`` section, for the launcher
+                                    # to write (telemetry/monitor.py, Note [one writer])
 Collectives reach the recorder as an observer of zerorun.zero.comm.collectives.
 
 Contract with the launcher: workers write newline-delimited JSON messages to the file
@@ -45,6 +47,9 @@ class NullRecorder:
     def send_sample(self) -> None:
         pass
 
+    def announce_monitor(self, section: dict) -> None:
+        pass
+
 
 _recorder = None
 _created = False
@@ -62,3 +67,26 @@ def get_recorder():
                 _recorder = recorder_from_env()
                 _created = True
     return _recorder if _recorder is not None else NullRecorder()
+
+
+def announce_monitor(monitor_config, rank: int) -> None:
+    """Rank 0 tells the launcher which monitor files to write (Note [one writer] in monitor.py):
+    the section as a dict, with relative ``output_path``s made absolute here, in the worker's own
+    directory. Without a launcher nothing is written, and rank 0 says so once."""
+    import dataclasses
+    import os
+    import sys
+
+    if rank != 0 or not monitor_config.enabled:
+        return
+    section = dataclasses.asdict(monitor_config)
+    for part in section.values():
+        if "output_path" in part:
+            part["output_path"] = os.path.abspath(os.path.expanduser(part["output_path"] or ""))
+    recorder = get_recorder()
+    if not recorder.enabled:
+        print("zerorun: note: the monitor section (tensorboard, csv, wandb) is written by the zerorun launcher "
+              "from its telemetry; started without it (or with telemetry.enabled: false) nothing is written",
+              file=sys.stderr, flush=True)
+        return
+    recorder.announce_monitor(section)

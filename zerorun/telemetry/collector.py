@@ -148,7 +148,10 @@ class Collector:
 
     def __init__(self, *, token: str, world_size: int, run_dir: Path | None = None,
                  total_steps: int | None = None, hang_after_s: float = 30.0,
-                 output_lines: int = 200, clock=time.monotonic):
+                 output_lines: int = 200, clock=time.monotonic, listener=None):
+        """``listener``: called with every accepted record (token removed), after the collector
+        applied it and outside its lock: the launcher's monitor writer (telemetry/monitor.py)."""
+        self.listener = listener
         self.world_size = world_size
         self.total_steps = total_steps
         self.hang_after_s = hang_after_s
@@ -196,6 +199,8 @@ class Collector:
                 self._append(message)
             except OSError:
                 pass  # disk full or run dir gone: the file misses a record, the dashboard goes on
+        if self.listener is not None:
+            self.listener(message)
         return True
 
     def add_output(self, rank: int, line: str) -> None:

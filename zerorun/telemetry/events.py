@@ -18,6 +18,9 @@ and one of these kinds (fields beyond the envelope):
              waited_s (seconds of the step the training thread was blocked on collectives: the
              comm share is waited_s / step_time_s, Note [comm share] in recorder.py)
              (``t`` is when the step ended; steps are written in a burst before each sample)
+    monitor  monitor: the ``monitor`` config section ({tensorboard, csv, wandb}: each a mapping
+             of strings, booleans and nulls), sent once by rank 0's engine when the script
+             gave ``initialize`` its own config (telemetry/monitor.py, Note [one writer])
     bye      sent at interpreter exit, after the last sample
 
 Both sides import this module: ``encode`` on the worker, ``validate`` in the collector.
@@ -34,7 +37,7 @@ VERSION = 1
 # The collector drops any line longer than this; the worker keeps its messages well below it.
 MAX_LINE_BYTES = 64 * 1024
 
-KINDS = ("hello", "sample", "step", "bye")
+KINDS = ("hello", "sample", "step", "monitor", "bye")
 
 _MEM_KEYS = ("rss", "rss_peak", "pinned", "cuda_allocated", "cuda_reserved", "cuda_peak")
 _STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens", "total_steps", "waited_s")
@@ -131,7 +134,24 @@ def _check_bye(m: dict) -> None:
     pass
 
 
-_CHECKS = {"hello": _check_hello, "sample": _check_sample, "step": _check_step, "bye": _check_bye}
+MONITOR_SECTIONS = {"tensorboard": ("enabled", "output_path", "job_name"), "csv": ("enabled", "output_path", "job_name"),
+                    "wandb": ("enabled", "project", "group", "team")}
+
+
+def _check_monitor(m: dict) -> None:
+    section = m.get("monitor")
+    if not isinstance(section, dict) or not set(section) <= set(MONITOR_SECTIONS):
+        raise SchemaError("bad monitor")
+    for name, part in section.items():
+        if not isinstance(part, dict) or not set(part) <= set(MONITOR_SECTIONS[name]):
+            raise SchemaError(f"bad monitor.{name}")
+        for value in part.values():
+            if not (value is None or isinstance(value, bool) or (isinstance(value, str) and len(value) <= 4096)):
+                raise SchemaError(f"bad monitor.{name} value")
+
+
+_CHECKS = {"hello": _check_hello, "sample": _check_sample, "step": _check_step, "monitor": _check_monitor,
+           "bye": _check_bye}
 
 
 # JSON integers are unbounded; anything past 64 bits is not a real count, step or byte size

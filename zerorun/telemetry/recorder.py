@@ -172,6 +172,13 @@ class Recorder:
         with self._lock:
             self._activity = None if what is None else {"what": str(what), "bytes": int(nbytes)}
 
+    def announce_monitor(self, section: dict) -> None:
+        """The config's ``monitor`` section, sent once by rank 0 (zerorun.telemetry.announce_monitor)."""
+        try:
+            self._send("monitor", monitor=section)
+        except Exception:
+            pass
+
     def set_memory_breakdown(self, breakdown: dict) -> None:
         with self._lock:
             self._breakdown = {str(k): _number(v) for k, v in dict(breakdown).items()}

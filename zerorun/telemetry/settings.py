@@ -45,3 +45,16 @@ def env_number(name: str, kind, default=None, env=os.environ):
         raise ConfigError(f"{name}={raw!r} is not a positive {'integer' if kind is int else 'number'}",
                           hint=f"unset {name} or set it to e.g. {'100' if kind is int else '30'}")
     return value
+
+
+def monitor_section(config_path: str | Path | None) -> dict | None:
+    """The ``monitor`` section of a launcher-written config.json when some sink in it is enabled."""
+    if not config_path:
+        return None
+    try:
+        section = json.loads(Path(config_path).read_text()).get("monitor") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    enabled = isinstance(section, dict) and any(
+        isinstance(part, dict) and part.get("enabled") for part in section.values())
+    return section if enabled else None

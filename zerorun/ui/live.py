@@ -21,19 +21,27 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.live import Live
 
 from zerorun.telemetry.collector import Collector
-from zerorun.telemetry.settings import env_number, telemetry_config
+from zerorun.telemetry.settings import env_number, monitor_section, telemetry_config
 from zerorun.ui import render as draw
+
+if TYPE_CHECKING:
+    from zerorun.telemetry.monitor import Monitor
 
 # How often the plain mode checks for a new hang; status lines come every status_interval_s.
 _TICK_S = 0.5
 
 
 class JobView:
+    # Note [one writer] in telemetry/monitor.py: the view that sees the whole job writes the
+    # monitor series; a node that forwards its ranks to node 0 (launch/job_view.py) does not.
+    writes_monitor = True
+
     def __init__(self, *, run_dir: Path, token: str, world_size: int, dashboard: bool, stream=None,
                  total_steps: int | None = None, hang_after_s: float | None = None,
                  status_interval_s: float = 10.0):
@@ -51,7 +59,12 @@ class JobView:
         if hang_after_s is None:
             hang_after_s = env_number("ZERORUN_HANG_AFTER_S", float, config.hang_after_s)
         self.collector = Collector(token=token, world_size=world_size, run_dir=self.run_dir,
-                                   total_steps=total_steps, hang_after_s=hang_after_s)
+                                   total_steps=total_steps, hang_after_s=hang_after_s, listener=self._on_record)
+        self.monitor: Monitor | None = None
+        self._monitor_lock = threading.Lock()
+        section = monitor_section(self.run_dir / "config.json")
+        if section is not None:
+            self._open_monitor(section, base=Path.cwd())
         self.status_interval_s = status_interval_s
         self._console: Console | None = None
         self._live: Live | None = None
@@ -85,6 +98,29 @@ class JobView:
     def on_telemetry(self, host: str, raw_line: bytes) -> None:
         self.collector.ingest(host, raw_line)
 
+    def _on_record(self, record: dict) -> None:
+        """Every accepted record: to the monitor writer, or, from rank 0's engine, the monitor
+        section of a config the script gave ``initialize`` itself (its paths already absolute)."""
+        with self._monitor_lock:
+            if self.monitor is not None:
+                self.monitor.add(record)
+                return
+        if record.get("kind") == "monitor" and record.get("rank") == 0:
+            self._open_monitor(record["monitor"], base=Path.cwd())
+
+    def _open_monitor(self, section: dict, *, base: Path) -> None:
+        from zerorun.telemetry.monitor import Monitor, open_sinks
+
+        if not self.writes_monitor:
+            return
+        sinks, problems = open_sinks(section, base=base, run_dir=self.run_dir)
+        for problem in problems:
+            self.on_output("launcher", -1, f"zerorun: warning: {problem}")
+        with self._monitor_lock:
+            if self.monitor is None and sinks:
+                self.monitor = Monitor(self.world_size, sinks,
+                                       warn=lambda text: self.on_output("launcher", -1, f"zerorun: warning: {text}"))
+
     def on_worker_exit(self, host: str, rank: int, returncode: int) -> None:
         self.collector.worker_exited(rank, returncode)
 
@@ -111,6 +147,9 @@ class JobView:
             if words is not None:
                 self._console.print(words)
         self.collector.close()
+        with self._monitor_lock:
+            if self.monitor is not None:
+                self.monitor.close()
 
     # Two hooks for a node whose ranks are shown by another launcher (launch/job_view.py).
     def shows_status(self) -> bool:

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
-from zerorun.telemetry import get_recorder
+from zerorun.telemetry import announce_monitor, get_recorder
 from zerorun.zero import full_state, param_access
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
@@ -93,6 +93,8 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
 
         warn_overridden(engine.config, optimizer, config if launcher_config and not from_launcher else None,
                         launcher_config, world_size=engine.world_size)
+        if not from_launcher:  # the launcher opened its own config's monitor files at start
+            announce_monitor(engine.config.monitor, engine.rank)
     checkpoint_schedule.claim_on_start(engine)  # checkpoint.dir in use or unusable: refused now
     checkpoint_schedule.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/schedule.py)
     return engine
