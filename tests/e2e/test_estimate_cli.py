@@ -128,7 +128,7 @@ BAD_INPUTS = {
     "bad stage": ["--params", "7B", "--stage", "4"],
     "bad precision": ["--params", "7B", "--precision", "fp8"],
     "bad memory unit": ["--params", "7B", "--gpu-memory", "80XB"],
-    "half the activation flags": ["--params", "7B", "--micro-batch", "2"],
+    "half the activation flags": ["--params", "7B", "--seq-len", "128"],
     "measure without a model": ["--params", "7B", "--measure"],
     "bad model target": ["--model", "no_such_module_xyz:build"],
     "missing config": ["--params", "7B", "--config", "/nonexistent.yaml"],

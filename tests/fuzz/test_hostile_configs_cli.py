@@ -172,12 +172,27 @@ def test_a_hostile_environment_is_one_line_before_any_worker_starts(workdir, cap
 
 
 @pytest.mark.slow
-def test_the_real_launcher_checks_optimizer_values_in_its_child_python(workdir):
-    (workdir / "c.yaml").write_text("optimizer: {type: AdamW, params: {lr: -1.0}}\n")
+def test_the_real_launcher_checks_optimizer_names_and_the_workers_their_values(workdir):
+    """Note [no torch in the launcher] (zerorun/config/torch_signatures.py): a misspelt keyword
+    is refused before start without torch; a value torch refuses is refused by the workers'
+    initialize, before the first step, naming the key."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERORUN_", "SLURM_"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    done = subprocess.run([sys.executable, "-m", "zerorun", "--nproc", "2", "--no-dashboard", "--config", "c.yaml",
-                           "train.py"], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+
+    def launch(config: str):
+        (workdir / "c.yaml").write_text(config)
+        return subprocess.run([sys.executable, "-m", "zerorun", "--nproc", "2", "--no-dashboard", "--config", "c.yaml",
+                               "train.py"], cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+
+    done = launch("optimizer: {type: AdamW, params: {lrr: 0.1}}\n")
     assert done.returncode == 2, done.stderr
-    assert "optimizer.params = {'lr': -1.0}: torch.optim.AdamW refuses them: Invalid learning rate: -1.0" in done.stderr
+    assert "optimizer.params.lrr: torch.optim.AdamW takes no such argument (did you mean 'lr'?)" in done.stderr
     assert not (workdir / "worker_started").exists()
+    (workdir / "train.py").write_text("import torch, zerorun\n"
+                                      "open('worker_started', 'w').close()\n"
+                                      "zerorun.initialize(torch.nn.Linear(2, 2))\n"
+                                      "open('first_step', 'w').close()\n")
+    done = launch("optimizer: {type: AdamW, params: {lr: -1.0}}\n")
+    assert done.returncode != 0
+    assert "optimizer.params = {'lr': -1.0}: torch.optim.AdamW refuses them: Invalid learning rate: -1.0" in done.stdout
+    assert (workdir / "worker_started").exists() and not (workdir / "first_step").exists()

@@ -211,3 +211,28 @@ def test_rates_go_blank_when_steps_stop_for_longer_than_a_hang():
     assert collector.snapshot().samples_per_s is None
     collector.worker_exited(0, 0)  # the summary after the run shows what the rank did
     assert collector.snapshot().samples_per_s == 8.0
+
+
+def test_a_straggler_is_tagged_only_when_its_lag_lasts():
+    """Note [a lag that lasts]: steps arrive in per-rank bursts once a second, so a healthy rank's
+    step trails by two or more now and then; only a lag that persists is a straggler."""
+    clock = FakeClock(100.0)
+    c = Collector(token=TOKEN, world_size=2, clock=clock)
+
+    def steps(rank, upto):
+        for n in range(1, upto + 1):
+            c.ingest("n", line(msg("step", rank, step=n, step_time_s=0.01, samples=4)))
+
+    steps(0, 40)
+    steps(1, 37)  # rank 1's burst for the last second has not arrived yet
+    assert not any(r.straggler for r in c.snapshot().ranks)
+    clock.now += 1.0
+    steps(1, 40)  # it arrives: level again, and the earlier lag is forgotten
+    assert not any(r.straggler for r in c.snapshot().ranks)
+    clock.now += 1.0
+    for second in range(6):  # rank 1 really falls behind, and stays behind
+        steps(0, 60 + 20 * second)
+        steps(1, 45 + 10 * second)
+        clock.now += 1.0
+        tagged = c.snapshot().ranks[1].straggler
+        assert tagged == (second >= 5), second

@@ -90,12 +90,14 @@ def test_the_launcher_gives_every_worker_the_shim(tmp_path):
     (tmp_path / "train.py").write_text("")
     options = LaunchOptions(target=Target(script="train.py"), nproc=2, as_deepspeed=True)
     job = prepare(options, environ={"PYTHONPATH": "/mine"}, cwd=str(tmp_path))
-    for worker in job.plan.workers:
-        assert worker.env["PYTHONPATH"] == f"{as_deepspeed.SHIM_DIR}{os.pathsep}/mine"
+    from zerorun.launch.plan import BOOT_DIR
+
+    for worker in job.plan.workers:  # the shim, then worker/boot (telemetry from the start), then the user's
+        assert worker.env["PYTHONPATH"] == os.pathsep.join([str(as_deepspeed.SHIM_DIR), BOOT_DIR, "/mine"])
     assert any(note.startswith("--as-deepspeed: the workers' `import deepspeed` is zerorun.deepspeed")
                for note in job.notes)
     plain = prepare(LaunchOptions(target=Target(script="train.py"), nproc=2), environ={}, cwd=str(tmp_path))
-    assert all("PYTHONPATH" not in worker.env for worker in plain.plan.workers)
+    assert all(worker.env["PYTHONPATH"] == BOOT_DIR for worker in plain.plan.workers)
 
 
 def test_the_cli_takes_as_deepspeed_as_a_flag_before_the_script():

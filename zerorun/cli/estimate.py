@@ -8,7 +8,9 @@ The formulas behind every column are in docs/estimate.md.
 
 from __future__ import annotations
 
+
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -224,13 +226,23 @@ def resolve_activations(request: EstimateRequest, file_activation: dict):
     checkpointing = request.activation_checkpointing
     if checkpointing is None:
         checkpointing = file_activation.get("checkpointing", False)
-    if micro_batch is None and request.seq_len is None:
+    seq_len = request.seq_len
+    if micro_batch is None and seq_len is None:
         return None
-    if micro_batch is None or request.seq_len is None:
+    if micro_batch is None:
         raise PlannerError("activations need both --micro-batch and --seq-len")
-    if micro_batch < 1 or request.seq_len < 1:
-        raise PlannerError(f"--micro-batch and --seq-len must be positive (got {micro_batch}, {request.seq_len})")
-    return ActivationJob(micro_batch=micro_batch, seq_len=request.seq_len, checkpointing=checkpointing)
+    if seq_len is None:
+        # A micro-batch without a length (every init template and config names one): a common
+        # length rather than an error, said, so the activations row is not taken for the model's.
+        seq_len = DEFAULT_SEQ_LEN
+        print(f"zerorun: note: activations at --seq-len {DEFAULT_SEQ_LEN} (the default; give --seq-len for "
+              "your model's)", file=sys.stderr)
+    if micro_batch < 1 or seq_len < 1:
+        raise PlannerError(f"--micro-batch and --seq-len must be positive (got {micro_batch}, {seq_len})")
+    return ActivationJob(micro_batch=micro_batch, seq_len=seq_len, checkpointing=checkpointing)
+
+
+DEFAULT_SEQ_LEN = 2048
 
 
 def _run_measurement(request: EstimateRequest, plan, ranks: int, steps: int):

@@ -7,16 +7,14 @@ every step are collected and raised together, each under the key path the user w
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
 from zerorun.config import build as typed
-from zerorun.config import deepspeed, rules, sources
+from zerorun.config import deepspeed, rules, sources, torch_signatures
 from zerorun.config.problems import Problem, Problems
 from zerorun.config.schema import ZerorunConfig
 from zerorun.errors import ConfigError
@@ -42,9 +40,9 @@ def load_config(
     environ: where ZERORUN_<SECTION>__<KEY> variables are read; os.environ by default, {} to
         ignore the environment (a config the launcher already resolved). A ZerorunConfig source
         is already resolved, so by default the environment is not applied to it again.
-    torch_in_child: check optimizer/scheduler class names in a short-lived child process
-        unless torch is already imported here (the launcher: it never needs torch itself, and
-        importing it would multiply its resident memory for the whole job).
+    torch_in_child: unless torch is already imported here, check optimizer/scheduler names and
+        keywords against a table instead of torch (the launcher: it never needs torch itself;
+        the workers check the values, Note [no torch in the launcher] in torch_signatures.py).
     """
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
                                    or world_size < 1):
@@ -105,46 +103,26 @@ def _load(label: str, data: Any, notes: list[str], world_size: int | None,
     problems.extend(type_problems)
     # A badly typed value was replaced by its default, which is in range: ranges can run anyway.
     rules.check_ranges(config, problems)
-    if not type_problems:  # combinations would judge those stand-in defaults: wait for a clean file
+    # Combinations would judge the stand-in default of a badly typed value: they wait for a clean
+    # file. An unknown key stands in for nothing (its value is simply not used), so the rest is
+    # judged now and every problem comes in one round.
+    if not [p for p in type_problems.items if not p.message.startswith("unknown key")]:
         rules.check_combinations(config, problems)
         if torch_in_child and "torch" not in sys.modules:
-            _check_torch_names_in_child(config, problems)
+            torch_signatures.check_names(config, problems)  # Note [no torch in the launcher]
         else:
             rules.check_torch_names(config, problems)
         if not any(p.path.startswith("batch.") for p in problems.items):
             config.batch = rules.resolve_batch(config.batch, world_size, problems)
     problems.items = [_as_written(problem, aliases) for problem in problems.items]
     problems.raise_if_any(label)
+    checkpointing = config.activation_checkpointing
+    if checkpointing.modules and not checkpointing.enabled:
+        unused = (f"activation_checkpointing.modules lists {', '.join(checkpointing.modules)} but "
+                  "activation_checkpointing.enabled is false: nothing is recomputed; set enabled: true")
+        notes = notes + [unused] if unused not in notes else notes  # a config loaded again keeps its notes
     config.notes = notes
     return config
-
-
-def _check_torch_names_in_child(config: ZerorunConfig, problems: Problems) -> None:
-    """``rules.check_torch_names`` run by a child Python, so this process never imports torch."""
-    if config.optimizer is None and config.scheduler is None:
-        return
-    sections = {key: typed.to_dict(config)[key] for key in ("optimizer", "scheduler")}
-    try:
-        done = subprocess.run([sys.executable, "-c", "from zerorun.config.loader import _torch_names_child; "
-                               "_torch_names_child()"], input=json.dumps(sections).encode(),
-                              capture_output=True, timeout=300)
-        found = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return  # no torch to ask (or it failed): the workers check again when they load the config
-    for path, message, value in found:
-        problems.add(path, message, *([] if value == [] else [value]))
-
-
-def _torch_names_child() -> None:
-    """The child's side: read the optimizer/scheduler sections as JSON, print the problems as JSON."""
-    from zerorun.config.problems import _MISSING
-
-    sections = json.loads(sys.stdin.read())
-    config = typed.build(ZerorunConfig, sections, "", Problems())
-    found = Problems()
-    rules.check_torch_names(config, found)
-    print(json.dumps([[p.path, p.message, [] if p.value is _MISSING else p.value] for p in found.items],
-                     default=str))
 
 
 def _as_written(problem: Problem, aliases: dict[str, str]) -> Problem:

@@ -38,17 +38,23 @@ MAX_YAML_VALUES = 100_000
 MAX_YAML_DEPTH = 64
 
 
-def launcher_config_file(given: str | None, cwd: str) -> tuple[str | None, str | None]:
-    """(the config file the launcher reads, a note saying where it came from) (pure but for one
+def launcher_config_file(given: str | None, cwd: str, script: str | None = None) -> tuple[str | None, str | None]:
+    """(the config file the launcher reads, a note saying where it came from) (pure but for
     ``isfile``). --config wins; without it, ``zerorun.yaml`` in the working directory, which is
-    what the init template's ``python train.py`` reads; else none (defaults)."""
+    what the init template's ``python train.py`` reads, else the one beside the script (``zerorun
+    init DIR`` writes both there, and ``zerorun --nproc 2 DIR/train.py`` is run from elsewhere);
+    else none (defaults)."""
     import os
 
     if given:
         return os.path.join(cwd, given), None
-    beside = os.path.join(cwd, DEFAULT_CONFIG_NAME)
-    if os.path.isfile(beside):
-        return beside, f"using config {beside} (no --config given: the {DEFAULT_CONFIG_NAME} of the working directory)"
+    here = os.path.join(cwd, DEFAULT_CONFIG_NAME)
+    if os.path.isfile(here):
+        return here, f"using config {here} (no --config given: the {DEFAULT_CONFIG_NAME} of the working directory)"
+    if script:
+        beside = os.path.join(os.path.dirname(os.path.join(cwd, script)), DEFAULT_CONFIG_NAME)
+        if os.path.isfile(beside):
+            return beside, f"using config {beside} (no --config given: the {DEFAULT_CONFIG_NAME} beside the script)"
     return None, None
 
 

@@ -24,9 +24,10 @@ setting (``batch.micro_batch_size`` for ``train_micro_batch_size_per_gpu`` and s
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from zerorun.config.deepspeed import looks_like_deepspeed
 from zerorun.errors import ConfigError
@@ -125,10 +126,26 @@ def read_config(source: Any) -> dict:
     raise ConfigError(f"a zerorun config must be a file path, JSON text or a dict, not {type(source).__name__}")
 
 
-def fill_from_args(config: dict, args) -> dict:
+def fill_from_args(config: dict, args, environ: Mapping[str, str] | None = None) -> dict:
     """Step 1 (the arguments exist): a copy of ``config`` with the argument-derived autos filled.
-    Raises AutoConfigMismatch listing every concrete value that disagrees with the arguments."""
+    Raises AutoConfigMismatch listing every concrete value that disagrees with the arguments.
+    ``environ`` (os.environ by default): where the launcher's WORLD_SIZE is read (check_world)."""
+    check_world(args, os.environ if environ is None else environ)
     return apply_rules(config, args, {}, ARGUMENT_RULES)
+
+
+def check_world(args, environ: Mapping[str, str]) -> None:
+    """Trainer's world size against the job's: on a machine without GPUs, TrainingArguments
+    without ``use_cpu`` does not join the launcher's process group and counts one rank, and every
+    batch size derived from it is the job's divided by its ranks. Said here, at the cause, not
+    later as "train_batch_size = 8: must equal ... = 16"."""
+    launched = environ.get("WORLD_SIZE", "")
+    seen = getattr(args, "world_size", None)
+    if launched.isdigit() and int(launched) > 1 and seen == 1:
+        raise ConfigError(f"Trainer sees world size 1, but this job has {launched} ranks (WORLD_SIZE={launched}): "
+                          "TrainingArguments did not join the job's process group",
+                          hint="on a machine without GPUs pass use_cpu=True (--use_cpu), so that every rank "
+                               "joins it with gloo")
 
 
 def fill_from_model(config: dict, args, *, hidden_size: int | None, num_training_steps: int,

@@ -9,8 +9,10 @@ torchrun and DeepSpeed do, so scripts written for them see the same numbering.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from zerorun.errors import LaunchError
 from zerorun.launch.device import ENV_NAME as DEVICE_ENV
@@ -190,6 +192,8 @@ def build_plan(
                 "PYTHONUNBUFFERED": "1",
                 # Stacks on SIGABRT: what the launcher shows for a hung job (Note [hang timeout]).
                 "PYTHONFAULTHANDLER": "1",
+                # Note [any script is visible]: telemetry from the worker's first moment.
+                "PYTHONPATH": worker_pythonpath(forwarded_env, inherited_env),
             }
             user_set_threads = "OMP_NUM_THREADS" in inherited_env or "OMP_NUM_THREADS" in (forwarded_env or {})
             threads = worker_threads(threads_per_worker, device_kind, is_local_host(host, local_names), host_cpus,
@@ -219,6 +223,18 @@ def build_plan(
 
 
 SECRET_KEYS = ("ZERORUN_RUN_TOKEN",)
+
+# Note [any script is visible] (zerorun/worker/boot/sitecustomize.py): first on every worker's
+# PYTHONPATH, it starts the worker's telemetry before the script runs, so a script that never
+# calls zerorun.initialize still shows its memory. A remote host whose zerorun lives elsewhere
+# finds no such folder and goes without (its workers report from initialize on, as before).
+BOOT_DIR = str(Path(__file__).resolve().parents[1] / "worker" / "boot")
+
+
+def worker_pythonpath(forwarded_env: dict[str, str] | None, inherited_env: dict[str, str] | None) -> str:
+    """BOOT_DIR, then the PYTHONPATH the worker would have had (forwarded, else inherited)."""
+    rest = (forwarded_env or {}).get("PYTHONPATH") or (inherited_env or {}).get("PYTHONPATH") or ""
+    return BOOT_DIR + (os.pathsep + rest if rest else "")
 
 
 def plan_to_dict(plan: LaunchPlan, *, hide_secrets: bool = True) -> dict:

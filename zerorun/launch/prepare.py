@@ -246,7 +246,7 @@ def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapp
     from zerorun.config import load_config
     from zerorun.config.sources import launcher_config_file
 
-    config_source, config_note = launcher_config_file(options.config, cwd)
+    config_source, config_note = launcher_config_file(options.config, cwd, options.target.script)
     config = load_config(
         config_source, world_size=world_size, overrides=options.config_overrides or None, environ=environ,
         torch_in_child=True,
@@ -271,7 +271,7 @@ def _worker_env_for_options(plan: LaunchPlan, options: LaunchOptions, config, en
         from zerorun.deepspeed.as_deepspeed import shadowed_deepspeed, worker_env
 
         for worker in plan.workers:
-            worker.env.update(worker_env({**environ, **plan.forwarded_env}))
+            worker.env.update(worker_env({**environ, **plan.forwarded_env, **worker.env}))  # after worker/boot's PYTHONPATH
         real = shadowed_deepspeed()
         notes.append("--as-deepspeed: the workers' `import deepspeed` is zerorun.deepspeed"
                      + (f"; the installed {real} is not used by this job" if real else ""))

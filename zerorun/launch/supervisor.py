@@ -348,7 +348,9 @@ class Supervisor:
         if collector is not None:
             ranks = collector.snapshot(output_lines=0).ranks
             for view in ranks:
-                if view.step is not None or view.entered_seq is not None or view.comm:
+                # A sample alone says the worker runs, not that it joined the rendezvous (its
+                # recorder starts with the interpreter: Note [any script is visible]).
+                if view.step is not None or (view.entered_seq or -1) >= 0 or view.comm:
                     self._watch.rank_started(view.rank, now)
             # A checkpoint being written moves ``activity`` (bytes so far): progress too.
             self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)

@@ -66,7 +66,10 @@ def get_recorder():
 
                 _recorder = recorder_from_env()
                 _created = True
-    return _recorder if _recorder is not None else NullRecorder()
+    if _recorder is None:
+        return NullRecorder()
+    _recorder.observe_collectives()  # started before the engine existed (worker/boot): see its collectives
+    return _recorder
 
 
 def announce_monitor(monitor_config, rank: int) -> None:

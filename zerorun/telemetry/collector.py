@@ -165,6 +165,7 @@ class Collector:
         self._dropped = dict.fromkeys(DROP_REASONS, 0)
         self._accepted = 0
         self._metrics_file: TextIO | None = None
+        self._straggling_since: dict[int, float] = {}  # Note [a lag that lasts]
 
     # --- input -------------------------------------------------------------------------
     def ingest(self, host: str, raw_line: bytes | str) -> bool:
@@ -270,12 +271,21 @@ class Collector:
             state.activity = (activity["what"], activity["bytes"]) if activity else None
 
     # --- output ------------------------------------------------------------------------
+    def _lasting(self, candidates: set[int], now: float) -> set[int]:
+        """Note [a lag that lasts]: the ranks that have looked like stragglers for at least
+        STRAGGLER_LASTING_S. Steps reach the launcher in bursts, one per sampling interval and
+        rank, so in a healthy job one rank's reported step trails another's by up to a second
+        (two or more steps of a fast loop), and one sample's comm shares swing: judged on one
+        snapshot, 5 of 6 status lines of a healthy 3,000-step run said STRAGGLER."""
+        self._straggling_since = {rank: self._straggling_since.get(rank, now) for rank in candidates}
+        return {rank for rank, since in self._straggling_since.items() if now - since >= STRAGGLER_LASTING_S}
+
     def snapshot(self, output_lines: int = 20) -> Snapshot:
         with self._lock:
             now = self._clock()
             views = [_rank_view(s, now, self.hang_after_s) for s in self._ranks.values()]
             hang = detect_hang(views, self.hang_after_s)
-            stragglers = find_stragglers(views) | set(hang.missing if hang else ())
+            stragglers = self._lasting(find_stragglers(views), now) | set(hang.missing if hang else ())
             # A rank that has exited holds nobody back any more (its exit code tells its story).
             views = [_with_straggler(v, v.rank in stragglers and v.exit_code is None) for v in views]
             steps = [v.step for v in views if v.step is not None]
@@ -428,6 +438,8 @@ def merge_comm(per_rank) -> tuple[CommStat, ...]:
 STRAGGLER_COMM_GAP = 0.15
 # Or it is visibly behind: this many optimizer steps fewer than the leader.
 STRAGGLER_STEP_LAG = 2
+# Either for this long before the rank is tagged (Note [a lag that lasts]).
+STRAGGLER_LASTING_S = 5.0
 
 
 def find_stragglers(ranks: list[RankView]) -> set[int]:

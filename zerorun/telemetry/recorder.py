@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import resource
+import stat
 import sys
 import threading
 import time
@@ -113,25 +114,35 @@ class Recorder:
 
     # --- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
-        """Send hello, subscribe to collectives, start the sampling thread, flush at exit."""
-        from zerorun.zero.comm import collectives
-
+        """Send hello, start the sampling thread, flush at exit; observe zerorun's collectives
+        once their module is loaded (Note [any script is visible]: a worker's recorder starts
+        before the script, and must not import torch before the script does)."""
         self._send("hello", pid=self._pid, world_size=self._world_size, **_device_info())
-        collectives.add_observer(self)
-        self._poll_collectives = collectives.poll_timings
+        self.observe_collectives()
         self._thread = threading.Thread(target=self._sample_loop, name="zerorun-telemetry", daemon=True)
         self._thread.start()
         atexit.register(self.close)
 
+    def observe_collectives(self) -> None:
+        """Subscribe to zerorun.zero.comm.collectives if something has imported it (idempotent;
+        ``get_recorder`` calls it, so the engine's first collective is seen)."""
+        if self._poll_collectives is not None:
+            return
+        collectives = sys.modules.get("zerorun.zero.comm.collectives")
+        if collectives is None:
+            return
+        collectives.add_observer(self)
+        self._poll_collectives = collectives.poll_timings
+
     def close(self) -> None:
         """Stop sampling and send a last sample and a ``bye`` (idempotent)."""
-        from zerorun.zero.comm import collectives
-
         if self._stop.is_set():
             return
         self._stop.set()
         self._poll()  # what the GPU finished by now is still told to this recorder
-        collectives.remove_observer(self)
+        collectives = sys.modules.get("zerorun.zero.comm.collectives")
+        if collectives is not None:
+            collectives.remove_observer(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval_s + 1)
         self.send_sample()
@@ -274,6 +285,7 @@ class Recorder:
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            self.observe_collectives()
             self.send_sample()
 
     def _send(self, kind: str, **fields) -> None:
@@ -368,6 +380,15 @@ def recorder_from_env(env=os.environ) -> Recorder | None:
     fd = env.get("ZERORUN_TELEMETRY_FD")
     if not fd:
         return None
+    # Note [any script is visible]: only the worker itself reports. A process it starts (a
+    # DataLoader worker spawned, a compiler, a subprocess of the script) does not get the pipe;
+    # the variable is taken out of the worker's environment below, so it does not inherit that
+    # either, and an fd of that number that is no pipe is never written to.
+    try:
+        if not stat.S_ISFIFO(os.fstat(int(fd)).st_mode):
+            return None
+    except (OSError, ValueError):
+        return None
     from zerorun.telemetry.settings import telemetry_config
 
     config = telemetry_config(env.get("ZERORUN_CONFIG"))
@@ -387,6 +408,8 @@ def recorder_from_env(env=os.environ) -> Recorder | None:
     except (ValueError, OSError):
         return None
     recorder.start()
+    if env is os.environ:
+        os.environ.pop("ZERORUN_TELEMETRY_FD", None)  # this process's alone (above)
     return recorder
 
 
