@@ -73,16 +73,24 @@ def adapter_key(name: str, adapter: str) -> str | None:
 def model_names(config_dir: Path) -> tuple[set[str], set[str]] | None:
     """(names a state dict of the directory's model must hold, every name it may hold: tied
     aliases too), from its config's architecture built on the meta device; None when the config
-    names no architecture transformers has."""
+    names no architecture transformers has, or when transformers cannot read it (then nothing is
+    checked: the output is written as before)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(config_dir))
-    classes = [getattr(transformers, arch, None) for arch in (getattr(config, "architectures", None) or [])]
-    cls = next((c for c in classes if c is not None), None)
-    if cls is None:
+    try:
+        if Path(config_dir).is_dir():
+            config = transformers.AutoConfig.from_pretrained(str(config_dir))
+        else:  # --hf-config: a config.json of its own
+            fields = json.loads(Path(config_dir).read_text())
+            config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        classes = [getattr(transformers, arch, None) for arch in (getattr(config, "architectures", None) or [])]
+        cls = next((c for c in classes if c is not None), None)
+        if cls is None:
+            return None
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception:  # transformers' refusals are many types; an unreadable config is not ours to judge
         return None
-    with torch.device("meta"):
-        model = cls(config)
     first = {name for name, _ in model.named_parameters()}
     every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     buffers = set(model.state_dict().keys()) - every
