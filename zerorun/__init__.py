@@ -27,6 +27,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'zerorun' has no attribute {name!r}")
 
 
+def uneven_inputs(engine):
+    """``with zerorun.uneven_inputs(engine):`` the same as ``engine.join()``: an eval loop whose
+    ranks have different numbers of batches (Note [uneven inputs] in zerorun/zero/uneven.py)."""
+    from zerorun.zero.uneven import uneven_inputs as _uneven_inputs
+
+    return _uneven_inputs(engine)
+
+
 def leave_together(group=None):
     """End a script's process group: a barrier, then destroy it without gloo's exit abort
     (Note [clean exit] in zerorun/zero/comm/process_group.py). The engine does this by itself at

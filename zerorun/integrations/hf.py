@@ -24,9 +24,9 @@ Checkpoints: ``save_model`` gathers the whole model (every rank calls it; rank 0
 (``engine.save_checkpoint``, where the runtime has it; else the model alone, with a warning),
 which ``resume_from_checkpoint`` and ``load_best_model_at_end`` load back with
 ``engine.load_checkpoint``. Evaluation runs the model itself: at stage 3 its
-modules gather their parameters in forward hooks. ``generate`` at stage 3 needs
-``synced_gpus=True`` when ranks may generate different numbers of tokens (every rank must run
-every forward, since each forward gathers collectively).
+modules gather their parameters in forward hooks. ``generate`` at stage 3 runs with
+``synced_gpus=True`` unless told otherwise (every rank must run every forward, since each
+forward gathers collectively: Note [synced generate] in zero/uneven.py).
 
 This subclass overrides a few private Trainer methods (``_prepare_for_training``,
 ``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler``, ``_load_from_checkpoint``,

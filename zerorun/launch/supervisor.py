@@ -288,7 +288,9 @@ class Supervisor:
                 # Only the first failure is the root cause: ranks that die after we began
                 # stopping are its consequences (or our own TERM) -- unless the first one's own
                 # error named this rank as the cause (watchdog.cause_named).
-                failure = Failure(host, rank, describe_exit(rc), rc, list(self._tails[rank]))
+                tail = list(self._tails[rank])
+                stated = watchdog.job_cause_stated(tail)  # the closing line then names it
+                failure = Failure(host, rank, describe_exit(rc) + (f": {stated}" if stated else ""), rc, tail)
                 if self._failure is None:
                     self._fail(failure)
                     self._named_cause = watchdog.cause_named(failure.log_tail)

@@ -184,6 +184,20 @@ _NAMES_CAUSE = (re.compile(r"zerorun: error: rank \d+: .* failed on rank (\d+) \
                 re.compile(r"zerorun: error: rank (\d+) \(pid \d+\) (?:exited|closed its inbox)"))
 
 
+# A worker's own error that is the job's cause in itself, whichever rank printed it first: the
+# ranks' collectives disagreed (Note [collective agreement] in zerorun/zero/comm/agreement.py).
+_JOB_CAUSE = re.compile(r"zerorun: error: (collective mismatch, .*)")
+
+
+def job_cause_stated(lines: list[str]) -> str | None:
+    """The job-wide cause a worker's last lines state (a collective mismatch), or None."""
+    for line in reversed(lines[-20:]):
+        found = _JOB_CAUSE.search(line)
+        if found:
+            return found.group(1).rstrip()
+    return None
+
+
 def cause_named(lines: list[str]) -> int | None:
     """The rank a worker's last lines name as the cause of its own failure, or None."""
     for line in reversed(lines[-20:]):

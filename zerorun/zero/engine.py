@@ -28,7 +28,7 @@ from zerorun.zero import full_state, param_access
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
-from zerorun.zero.comm import collectives
+from zerorun.zero.comm import agreement, collectives
 from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI, engine_built
 from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
@@ -43,6 +43,7 @@ from zerorun.zero.unit.record import Home, UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
 from zerorun.zero.update import UnitUpdater
+from zerorun.zero import uneven
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
 from zerorun.worker import device as worker_device
 
@@ -82,8 +83,9 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
         raise RuntimeConfigError("the model has no parameters to train")
     pg = resolve_process_group(first.device)  # this worker's device: a model built elsewhere moves there
     cfg = load_config(cfg, world_size=pg.world_size)
-    engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
-                    model_parameters=model_parameters, state_home_for=state_home_for)
+    with agreement.phase("setup"):
+        engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
+                        model_parameters=model_parameters, state_home_for=state_home_for)
     if engine.rank == 0:  # one warning per job, not one per rank
         from zerorun.config.precedence import warn_overridden
 
@@ -95,8 +97,9 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
                         launcher_config, world_size=engine.world_size)
         if not from_launcher:  # the launcher opened its own config's monitor files at start
             announce_monitor(engine.config.monitor, engine.rank)
-    checkpoint_schedule.claim_on_start(engine)  # checkpoint.dir in use or unusable: refused now
-    checkpoint_schedule.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/schedule.py)
+    with agreement.phase("setup"):
+        checkpoint_schedule.claim_on_start(engine)  # checkpoint.dir in use or unusable: refused now
+        checkpoint_schedule.resume_from_config(engine)  # checkpoint.resume (zero/checkpoint/schedule.py)
     return engine
 
 
@@ -221,6 +224,15 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                                enabled=state_home_for is not None
                                or "nvme" in (cfg.zero.offload_param.device, cfg.zero.offload_optimizer.device)):
             partition = self._build_units(model, optimizer, cfg, materializer, state_home_for)
+        # Note [collective agreement] in comm/agreement.py: what this engine's collectives say
+        self.collective_number = agreement.new_engine_number()
+        units = [record.unit for record in self.records + self.frozen_records]
+        for unit in units:
+            unit.collective_id = (self.collective_number, unit.index)
+        agreement.register_units(self.collective_number, {unit.index: agreement.unit_label(unit.names) for unit in units})
+        self._uneven: uneven.UnevenInputs | None = None  # engine.join() while open
+        if self.stage == 3 and self.pg.world_size > 1:
+            uneven.sync_generate(model)  # Note [synced generate] in uneven.py
         self.gatherer = None
         if self.stage == 3 and partition.module_units:
             record_of = {r.index: r for r in self.records + self.frozen_records}
@@ -332,6 +344,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
     def forward(self, *args, **kwargs):
         if self.dtype != torch.float32:
             args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        if self._uneven is not None:  # Note [uneven inputs] in uneven.py
+            self._uneven.before_forward(args, kwargs)
         tensors = tensors_in((args, kwargs))  # a tuple batch counts its first tensor
         if tensors and tensors[0].dim() > 0:
             self._window_samples += tensors[0].shape[0]
@@ -340,6 +354,10 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backpropagate ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
         ``scale_wrt_gas=False`` skips the division, as in DeepSpeed."""
+        with agreement.phase("backward"):
+            self._backward(loss, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.communicate = boundary
         if boundary:
@@ -359,6 +377,10 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self.micro_steps += 1
         if not boundary:
             return
+        with agreement.phase("step"):
+            self._step()
+
+    def _step(self) -> None:
         if self.gatherer is not None:
             # Nothing gathered may outlive the update unrefreshed, and the gather pool goes:
             # between steps a unit is its shard alone (Note [gather pool] in unit/storage.py).
@@ -398,6 +420,11 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
 
     def eval(self) -> Engine:
         return self.train(False)
+
+    def join(self) -> uneven.UnevenInputs:
+        """``with engine.join(): for batch in mine: engine(batch)`` under no_grad: ranks with
+        fewer eval batches shadow the others' forwards (Note [uneven inputs] in uneven.py)."""
+        return uneven.UnevenInputs(self)
 
     # -- inspection -----------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -446,13 +473,15 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The whole, unsharded model state dict (every rank must call this); stage 3 gathers
         one unit at a time (zero/full_state.py)."""
-        return full_state.full_state_dict(self, rank0_only)
+        with agreement.phase("checkpoint"):
+            return full_state.full_state_dict(self, rank0_only)
 
     # -- checkpoints (zero/checkpoint/save.py, load.py) ------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
         """Write a sharded checkpoint to ``save_dir/tag`` (default ``global_step{N}``); every rank."""
-        self._check_same_checkpoint_dir(save_dir, tag)
-        return checkpoint_save.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
+        with agreement.phase("checkpoint"):
+            self._check_same_checkpoint_dir(save_dir, tag)
+            return checkpoint_save.save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -461,9 +490,10 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         returns (path, client_state), (None, None) when there is no checkpoint yet.
         ``load_module_strict`` (DeepSpeed's keyword, passed by Trainer) is accepted: a zerorun
         checkpoint of this model holds every parameter, so the load is always strict."""
-        return checkpoint_load.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                                          load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_module_only=load_module_only)
+        with agreement.phase("checkpoint"):
+            return checkpoint_load.load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                                   load_lr_scheduler_states=load_lr_scheduler_states,
+                                                   load_module_only=load_module_only)
 
     def set_total_steps(self, n: int) -> None:
         """Tell the dashboard how many optimizer steps the run will take (progress bar and ETA)."""

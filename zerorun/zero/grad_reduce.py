@@ -228,7 +228,7 @@ class GradReducer:
             full = gradient.full
             if full is None:  # nothing arrived on this rank; other ranks may contribute
                 full = self._create_full(record)
-            handle = collectives.all_reduce(full, group=self.group, async_op=True)
+            handle = collectives.all_reduce(full, group=self.group, async_op=True, unit=unit.collective_id)
             self._in_flight.append((record, handle, None))
             return
         bucket, written, buffer = gradient.hand_over_bucket()
@@ -240,10 +240,11 @@ class GradReducer:
         # The window's first contribution reduces straight into the accumulator.
         out = into if into is not None else torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
         if self.quantize_block is None:
-            handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True)
+            handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True, unit=unit.collective_id)
         else:
             handle = collectives.quantized_reduce_scatter(out, bucket, group=self.group,
-                                                          block=self.quantize_block, async_op=True)
+                                                          block=self.quantize_block, async_op=True,
+                                                          unit=unit.collective_id)
         self._in_flight.append((record, handle, (out, bucket, buffer)))
         # Note [in flight by events]
         while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0][1].finished_on_device()):

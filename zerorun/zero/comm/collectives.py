@@ -63,6 +63,10 @@ references too. gloo with CUDA tensors (two ranks sharing one GPU, the cuda test
 torch's own ordering: its ``wait()`` blocks the host and orders the current stream.
 The cuda test tier checks all of this on a GPU (tests/cuda/test_cuda_comm_stream.py; NCCL at
 world 2 needs two GPUs).
+
+Every collective says what it is (``unit=``, and the phase it is issued in) and the ranks check
+that they agree before any output is used: Note [collective agreement] in agreement.py, which
+says how the descriptors travel on each transport (``_agreement`` below picks).
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from zerorun.zero.comm import agreement
+from zerorun.zero.comm.agreement import Descriptor
 from zerorun.zero.comm.event_ledger import EventLedger
 from zerorun.zero.comm.host_channel import host_channel, usable as host_channel_usable
 from zerorun.zero.comm.ring import Ring
@@ -167,10 +173,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Handle:
     """An issued collective on the CPU path: ``wait()`` blocks until it is done and reports it once."""
 
-    __slots__ = ("_work", "_seq", "_op", "_nbytes", "_start", "_done")
+    __slots__ = ("_work", "_seq", "_op", "_nbytes", "_start", "_done", "_agreed")
 
-    def __init__(self, work, seq: int, op: str, nbytes: int, start: float):
+    def __init__(self, work, seq: int, op: str, nbytes: int, start: float, agreed=None):
         self._work, self._seq, self._op, self._nbytes, self._start = work, seq, op, nbytes, start
+        self._agreed = agreed  # the ranks' descriptor check, when it travels apart from the data
         self._done = False
 
     def wait(self, *, blocked_since: float | None = None) -> None:
@@ -178,6 +185,8 @@ class Handle:
         if self._done:
             return
         entered = time.perf_counter() if blocked_since is None else blocked_since
+        if self._agreed is not None:
+            self._agreed.wait()  # raises CollectiveMismatch before the output is handed back
         if self._work is not None:
             self._work.wait()
         self._done = True
@@ -232,8 +241,11 @@ DONE = _Done()
 Issued = Handle | StreamHandle | _Done  # what every collective below returns
 
 
-def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_stream=None, buffers=()):
-    """``on_stream``: the GPU whose communication stream runs it (Note [streams]), or None."""
+def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_stream=None, buffers=(),
+           descriptor: Descriptor, group):
+    """``on_stream``: the GPU whose communication stream runs it (Note [streams]), or None.
+    ``transport(seq, descriptor)`` carries the descriptor with the data; else it travels apart
+    (``_agreement``)."""
     seq = next_sequence()
     handle: Handle | StreamHandle
     if on_stream is not None:
@@ -247,11 +259,48 @@ def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_str
     else:
         notify_started(seq, op, nbytes)
         start = time.perf_counter()
-        work = transport(seq) if transport is not None else call(async_op)
-        handle = Handle(work, seq, op, nbytes, start)  # None when torch already finished it
+        if transport is not None and transport.carries_descriptor:
+            work, agreed = transport(seq, descriptor), None
+        else:
+            agreed = _agreement(group, descriptor, seq)  # issued first: Note [collective agreement]
+            work = transport(seq, None) if transport is not None else call(async_op or agreed is not None)
+        handle = Handle(work, seq, op, nbytes, start, agreed)  # work None when torch already finished it
     if not async_op:
         handle.wait(blocked_since=start)
     return handle
+
+
+class _SideCheck:
+    """Without a host channel: every rank's descriptor through a gloo all-gather of HEADER_NUMEL
+    int64 each, compared when waited."""
+
+    __slots__ = ("_work", "_gathered", "_mine", "_group")
+
+    def __init__(self, group, descriptor: Descriptor):
+        size = dist.get_world_size(group)
+        self._mine, self._group = descriptor, group
+        header = torch.tensor(descriptor.encode(), dtype=torch.int64)
+        self._gathered = torch.empty(size * agreement.HEADER_NUMEL, dtype=torch.int64)
+        self._work = _all_gather_flat(self._gathered, header, group=group, async_op=True)
+
+    def wait(self) -> None:
+        self._work.wait()
+        rows = self._gathered.view(-1, agreement.HEADER_NUMEL).tolist()
+        size = len(rows)
+        ranks = [r if self._group is None else dist.get_global_rank(self._group, r) for r in range(size)]
+        agreement.check([Descriptor.decode(row) for row in rows], ranks)
+
+
+def _agreement(group, descriptor: Descriptor, seq: int):
+    """The ranks' check of a collective whose transport does not carry its descriptor: a round of
+    the group's host channel (it then orders every collective of the group), else a side
+    all-gather through gloo; None on NCCL (Note [collective agreement])."""
+    if dist.get_backend(group) != "gloo":
+        return None
+    channel = host_channel(group)
+    if channel is not None:
+        return channel.submit("check", None, None, seq, descriptor)
+    return _SideCheck(group, descriptor)
 
 
 def _stream_device(tensor: torch.Tensor, group) -> torch.device | None:
@@ -267,17 +316,40 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_reduce(tensor: torch.Tensor, *, group, op=ReduceOp.SUM, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, *, group, op=ReduceOp.SUM, async_op: bool = False,
+               unit: tuple[int, int] | None = None):
     if group_size(group) == 1:
         return DONE
     return _issue(
         "all_reduce", _nbytes(tensor),
         lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op,
         on_stream=_stream_device(tensor, group), buffers=(tensor,),
+        descriptor=agreement.describe("all_reduce", tensor, unit, _op_code(op)), group=group,
     )
 
 
-def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group):
+def _op_code(op) -> int:
+    """A reduce op as a number every rank computes alike (the descriptor's ``extra``)."""
+    for code, name in enumerate(("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")):
+        if op == getattr(ReduceOp, name, None):
+            return code
+    return 99
+
+
+class _Transport:
+    """How a CPU collective moves its bytes: ``(seq, descriptor) -> work``; ``carries_descriptor``:
+    whether the descriptor travels with the data (the host channel) or apart (the ring)."""
+
+    __slots__ = ("_start", "carries_descriptor")
+
+    def __init__(self, start, carries_descriptor: bool):
+        self._start, self.carries_descriptor = start, carries_descriptor
+
+    def __call__(self, seq: int, descriptor: Descriptor | None):
+        return self._start(seq, descriptor)
+
+
+def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group) -> _Transport | None:
     """gloo on CPU: ranks that share a host move the bytes through shared memory
     (comm/host_channel.py), others through our point-to-point ring (comm/ring.py); both beat
     gloo's own flat collectives. None: let torch run it (NCCL)."""
@@ -285,11 +357,12 @@ def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group):
         return None
     channel = host_channel(group)  # opened by the group's first collective here, on every rank
     if channel is not None and host_channel_usable(output, input):
-        return lambda seq: channel.submit(kind, output, input, seq)
-    return lambda seq: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF)
+        return _Transport(lambda seq, d: channel.submit(kind, output, input, seq, d), True)
+    return _Transport(lambda seq, _: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF), False)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False,
+                   unit: tuple[int, int] | None = None):
     """Sum ``input`` over the group; rank r receives elements [r*n, (r+1)*n), n = output.numel()."""
     if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
@@ -300,10 +373,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op
         lambda a: _reduce_scatter_flat(output, input, group=group, async_op=a), async_op,
         transport=_cpu_transport("reduce_scatter", output, input, group),
         on_stream=_stream_device(output, group), buffers=(output, input),
+        descriptor=agreement.describe("reduce_scatter", input, unit), group=group,
     )
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False,
+               unit: tuple[int, int] | None = None):
     """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's slice
     of ``output`` (in place)."""
     if group_size(group) == 1:
@@ -315,6 +390,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bo
         lambda a: _all_gather_flat(output, input, group=group, async_op=a), async_op,
         transport=_cpu_transport("all_gather", output, input, group),
         on_stream=_stream_device(output, group), buffers=(output, input),
+        descriptor=agreement.describe("all_gather", output, unit), group=group,
     )
 
 
@@ -325,13 +401,15 @@ def broadcast(tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
         "broadcast", _nbytes(tensor),
         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), async_op,
         on_stream=_stream_device(tensor, group), buffers=(tensor,),
+        descriptor=agreement.describe("broadcast", tensor, None, src), group=group,
     )
 
 
 def barrier(*, group) -> None:
     if group_size(group) == 1:
         return
-    _issue("barrier", 0, lambda a: dist.barrier(group=group, async_op=a), False)
+    _issue("barrier", 0, lambda a: dist.barrier(group=group, async_op=a), False,
+           descriptor=agreement.describe("barrier", None, None), group=group)
 
 
 # --- ZeRO++: quantized collectives -----------------------------------------------------------
@@ -371,19 +449,19 @@ class QuantizedHandle:
 
 
 def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, *, group, block: int,
-                         async_op: bool = False):
+                         async_op: bool = False, unit: tuple[int, int] | None = None):
     """all_gather with every rank's part block-quantized on the way (Note [quantized collectives])."""
     from zerorun.zero.comm import quantize
 
     size = group_size(group)
     if size == 1:
-        return all_gather(output, input, group=group, async_op=async_op)
+        return all_gather(output, input, group=group, async_op=async_op, unit=unit)
     rank, n = dist.get_rank(group), input.numel()
     part = quantize.packed_nbytes(n, block)
     packed = torch.empty(size * part, dtype=torch.uint8, device=input.device)
     mine = packed[rank * part : (rank + 1) * part]
     quantize.pack(input, block, mine)  # before the issue: ``input`` may be a slice of ``output``
-    inner = all_gather(packed, mine, group=group, async_op=True)
+    inner = all_gather(packed, mine, group=group, async_op=True, unit=unit)  # the packed bytes' descriptor
 
     def finish() -> None:
         for r in range(size):
@@ -396,14 +474,14 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, *, group, bl
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, block: int,
-                             async_op: bool = False):
+                             async_op: bool = False, unit: tuple[int, int] | None = None):
     """reduce_scatter with the chunks other ranks own block-quantized (Note [quantized collectives])."""
     from zerorun.zero.comm import quantize
     from zerorun.zero.comm.quantized_exchange import Exchange
 
     size = group_size(group)
     if size == 1:
-        return reduce_scatter(output, input, group=group, async_op=async_op)
+        return reduce_scatter(output, input, group=group, async_op=async_op, unit=unit)
     rank, n = dist.get_rank(group), output.numel()
     part = quantize.packed_nbytes(n, block)
     send = torch.empty(size * part, dtype=torch.uint8, device=input.device)
@@ -413,7 +491,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group
     own = input[rank * n : (rank + 1) * n].float()  # read now: the caller may reuse ``input`` after wait()
     received = torch.empty_like(send)
     inner = _issue("reduce_scatter_q", (size - 1) * part, None, True,
-                   transport=lambda seq: Exchange(send, received, part, group, tag=seq & 0x7FFFFFFF))
+                   transport=_Transport(lambda seq, _: Exchange(send, received, part, group, tag=seq & 0x7FFFFFFF), False),
+                   descriptor=agreement.describe("reduce_scatter_q", input, unit), group=group)
 
     def finish() -> None:
         total = torch.zeros(n, dtype=torch.float32, device=output.device)

@@ -25,6 +25,13 @@ of round t-1 from every peer, and a peer sends that only once it has read everyt
 t-2, the last round that used the slot. Bytes from one sender arrive in the order sent, so
 counting them says which round each belongs to.
 
+Note [descriptor headers]: beside its data slots an outbox holds one 64-byte header per slot.
+The first round of a collective writes this rank's descriptor of it (comm/agreement.py) into the
+header of the slot it fills; after that round's READY every rank reads every peer's header and
+compares before copying any peer's data out, so a mismatch is raised on every rank in the same
+round, before any value is used (Note [collective agreement] in agreement.py). A collective
+the channel does not carry sends its descriptor in a round of its own with no data (``check``).
+
 Note [sum order]: a reduce-scatter adds the ranks' contributions in rank order, x0 + x1 + ...,
 on every rank, so a reduced chunk has the same bits whichever rank reduced it (for 2 ranks,
 the bits of the ring's own + received).
@@ -42,6 +49,7 @@ import os
 import queue
 import secrets
 import select
+import struct
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -50,7 +58,8 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import ZerorunError
-from zerorun.zero.comm import shm_names
+from zerorun.zero.comm import agreement, shm_names
+from zerorun.zero.comm.agreement import HEADER_BYTES, Descriptor
 from zerorun.zero.comm.shm_names import channel_wanted
 
 SLOTS = 2  # Note [rounds]: exactly two
@@ -59,6 +68,9 @@ PEER_CHECK_S = 1.0
 MAX_RANKS = 256  # a token is the sender's rank in one byte
 SHM_DIR = shm_names.SHM_DIR
 _HEADER = 64  # the outbox's first bytes hold its owner's nonce, checked by every peer
+_DATA = _HEADER + SLOTS * HEADER_BYTES  # then one descriptor header per slot (Note [descriptor headers])
+_OUTBOX_BYTES = _DATA + SLOTS * SLOT_BYTES
+_HEADER_FORMAT = f"<{agreement.HEADER_NUMEL}q"
 
 
 class PeerExited(ZerorunError, RuntimeError):
@@ -141,7 +153,7 @@ def _open(group) -> HostChannel | None:
             with os.fdopen(fd, "r+b") as outbox:
                 # Reserve the pages now: a sparse file on a full tmpfs would pass here and
                 # raise SIGBUS at the first write into a slot, mid-training.
-                os.posix_fallocate(outbox.fileno(), 0, _HEADER + SLOTS * SLOT_BYTES)
+                os.posix_fallocate(outbox.fileno(), 0, _OUTBOX_BYTES)
                 outbox.write(nonce.encode())
             inbox_path = shm_names.inbox_path(outbox_path)
             os.mkfifo(inbox_path, 0o600)
@@ -192,6 +204,7 @@ class HostChannel:
         self.files = [path for info in everyone for path in (info["outbox"], info["inbox"])]
         self._token = bytes([rank])  # READY, Note [rounds]
         global_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+        self.global_ranks = [global_rank(r) for r in range(self.size)]
         # Each rank's outbox, mapped; viewed as tensors only for the length of a round, so the
         # channel holds no tensor between collectives (a transport's buffer, like gloo's socket
         # buffers or NCCL's, outside what a count of live tensors sees; peak RSS counts it).
@@ -201,7 +214,7 @@ class HostChannel:
         try:
             for r, info in enumerate(everyone):
                 with open(info["outbox"], "r+b") as outbox:
-                    mapped = mmap.mmap(outbox.fileno(), _HEADER + SLOTS * SLOT_BYTES)
+                    mapped = mmap.mmap(outbox.fileno(), _OUTBOX_BYTES)
                 self._maps.append(mapped)
                 if mapped[: len(info["nonce"])] != info["nonce"].encode():
                     raise OSError(f"rank {r}'s outbox is another file here (another /dev/shm)")
@@ -222,14 +235,18 @@ class HostChannel:
             raise
         self.ready = dict.fromkeys(self.outbox_of, 0)  # tokens received and not yet used, by sender
         self.round = 0
+        self._pending: Descriptor | None = None  # to send with the next round (the first of a collective)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._failure: BaseException | None = None
         self._worker = threading.Thread(target=self._run, name="zerorun-host-channel", daemon=True)
         self._worker.start()
 
     # -- the caller's side ----------------------------------------------------------------------
-    def submit(self, kind: str, output: torch.Tensor, input: torch.Tensor, seq: int) -> Transfer:
-        transfer = Transfer(kind, output, input, seq)
+    def submit(self, kind: str, output: torch.Tensor | None, input: torch.Tensor | None, seq: int,
+               descriptor: Descriptor | None = None) -> Transfer:
+        """``kind``: all_gather, reduce_scatter, or check (a round with ``descriptor`` alone).
+        With a descriptor, the ranks compare theirs first (Note [descriptor headers])."""
+        transfer = Transfer(kind, output, input, seq, descriptor)
         if self._failure is not None:
             transfer.fail(self._failure)
         else:
@@ -264,12 +281,16 @@ class HostChannel:
                 transfer.fail(self._failure)
                 continue
             try:
-                if transfer.kind == "all_gather":
+                self._pending = transfer.descriptor
+                if transfer.kind == "check" or transfer.input.numel() == 0:
+                    self._exchange_ready()  # the descriptors alone
+                elif transfer.kind == "all_gather":
                     self._all_gather(transfer.output, transfer.input)
                 else:
                     self._reduce_scatter(transfer.output, transfer.input)
             except BaseException as err:  # handed to the waiting caller
-                self._failure = err if isinstance(err, PeerExited) else RuntimeError(
+                # a peer that left, a mismatch: one line of their own (zerorun errors)
+                self._failure = err if isinstance(err, ZerorunError) else RuntimeError(
                     f"host channel {transfer.kind} #{transfer.seq} failed: {err}")
                 transfer.fail(self._failure)
                 continue
@@ -317,14 +338,24 @@ class HostChannel:
 
     def _slot(self, owner: int, slot: int, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:
         return torch.frombuffer(self._maps[owner], dtype=dtype, count=count,
-                                offset=_HEADER + slot * SLOT_BYTES + offset)
+                                offset=_DATA + slot * SLOT_BYTES + offset)
 
     def _exchange_ready(self) -> None:
-        """Note [rounds]: tell every peer our slot is written, wait until theirs are."""
+        """Note [rounds]: tell every peer our slot is written, wait until theirs are. The
+        collective's first round carries its descriptor (Note [descriptor headers]), checked
+        here before the caller reads any peer's data."""
+        descriptor, self._pending = self._pending, None
+        header = _HEADER + (self.round % SLOTS) * HEADER_BYTES
+        if descriptor is not None:
+            struct.pack_into(_HEADER_FORMAT, self._maps[self.rank], header, *descriptor.encode())
         self._send(self._token)
         for p in self.peers:
             self._take_ready(p)
         self.round += 1
+        if descriptor is not None:
+            agreement.check([descriptor if r == self.rank
+                             else Descriptor.decode(list(struct.unpack_from(_HEADER_FORMAT, self._maps[r], header)))
+                             for r in range(self.size)], self.global_ranks)
 
     def _send(self, token: bytes) -> None:
         for p in self.peers:
@@ -355,10 +386,11 @@ class HostChannel:
 class Transfer:
     """One issued collective: ``wait()`` returns when the worker has finished it, or raises what stopped it."""
 
-    __slots__ = ("kind", "output", "input", "seq", "_done", "_error")
+    __slots__ = ("kind", "output", "input", "seq", "descriptor", "_done", "_error")
 
-    def __init__(self, kind: str, output: torch.Tensor, input: torch.Tensor, seq: int):
-        self.kind, self.output, self.input, self.seq = kind, output, input, seq
+    def __init__(self, kind: str, output: torch.Tensor | None, input: torch.Tensor | None, seq: int,
+                 descriptor: Descriptor | None = None):
+        self.kind, self.output, self.input, self.seq, self.descriptor = kind, output, input, seq, descriptor
         self._done = threading.Event()
         self._error: BaseException | None = None
 

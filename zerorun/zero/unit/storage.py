@@ -153,6 +153,9 @@ class FlatUnit:
     ):
         self.index = index
         self.group_index = group_index
+        # What its collectives say they gather (Note [collective agreement] in comm/agreement.py):
+        # (engine number, index), the engine number set by the engine that owns the unit.
+        self.collective_id: tuple[int, int] = (-1, index)
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.layout = UnitLayout(
@@ -270,10 +273,11 @@ class FlatUnit:
         elif source.device != self.device:  # a host shard: Note [copy stream] in unit/staging.py
             source = self._staged_shard = staging.stage(source, self.device)
         if self.quantize_block is None:
-            self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True)
+            self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True,
+                                                         unit=self.collective_id)
         else:  # the shard stays exact; only the gathered copy forward/backward read is rounded
             self._gather_handle = collectives.quantized_all_gather(
-                self.full, source, group=group, block=self.quantize_block, async_op=True)
+                self.full, source, group=group, block=self.quantize_block, async_op=True, unit=self.collective_id)
         self._move(ParamState.GATHERING)
 
     @contextlib.contextmanager
@@ -339,7 +343,7 @@ class FlatUnit:
             raise InternalError(f"unit {self.index}: refresh of a {self.state.name} unit (only replicated units refresh)")
         if self.layout.world_size == 1:
             return collectives.DONE
-        return collectives.all_gather(self.full, self.shard, group=group, async_op=True)
+        return collectives.all_gather(self.full, self.shard, group=group, async_op=True, unit=self.collective_id)
 
     def param_nbytes(self) -> int:
         alive = self.full.untyped_storage().nbytes()
