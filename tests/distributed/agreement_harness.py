@@ -103,6 +103,14 @@ def record(seen: dict, key: str, value) -> None:
     seen.setdefault(key, []).append(value)
 
 
+def train_on(engine, inputs: tuple, seen: dict) -> None:
+    """One training step on ``inputs``, its loss recorded under "train"."""
+    loss = engine(*inputs)
+    record(seen, "train", loss.item())
+    engine.backward(loss)
+    engine.step()
+
+
 def _rank(rank: int, init_file: str, out_dir: str, body_name: str, module_name: str) -> None:
     import importlib
 
@@ -127,10 +135,12 @@ def _rank(rank: int, init_file: str, out_dir: str, body_name: str, module_name: 
                              "hint": getattr(err, "hint", None), "at": time.monotonic(),
                              "traceback": traceback.format_exc()[-3000:]}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
-        if failed:  # the world is broken: leave without the exit barrier
+        if failed:
+            # The world is broken, as a script's would be after the error: the rank ends here, as
+            # a script's process ends with it (no exit barrier, no destroy waiting on a peer's
+            # collective that gloo still has in flight, such as the ring's receives).
             close_host_channels(finished=False)
-            dist.destroy_process_group()
-            return
+            os._exit(0)
 
 
 def run_world(tmp: Path, body_name: str, module_name: str) -> dict[int, dict]:

@@ -10,6 +10,8 @@ another rank's different collective and trained on with wrong values, or hung. N
 raises ``CollectiveMismatch`` at that collective, within seconds, naming each rank's collective
 and the likely cause, and every loss computed before it equals plain torch's (1e-5 relative).
 With ``generate``'s default (synced at stage 3) the same uneven lengths give plain torch's tokens.
+The branch case runs twice: descriptors in the host channel's slot headers, and without a
+channel (``ZERORUN_HOST_CHANNEL=0``: the ring, descriptors in a side all-gather through gloo).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import time
 import pytest
 import torch
 
-from agreement_harness import WORLD, Reference, build_model, engine_for, eval_batch, record, run_world, train_batch, batch
+from agreement_harness import (
+    WORLD, Reference, batch, build_model, engine_for, eval_batch, record, run_world, train_batch, train_on,
+)
 
 MISMATCH_WITHIN_S = 10.0
 
@@ -30,7 +34,9 @@ def _check_losses(seen: dict, reference: list[list[float]]) -> None:
         assert loss == pytest.approx(reference[step][seen["rank"]], rel=1e-5), (step, seen["rank"])
 
 
-def _mismatch(results: dict[int, dict]) -> str:
+def _stopped(tmp_path, body: str) -> tuple[dict[int, dict], str]:
+    """Run ``body`` on both ranks; what they saw, and the mismatch that stopped both."""
+    results = run_world(tmp_path, body, __name__)
     messages = []
     for rank, seen in results.items():
         error = seen.get("error")
@@ -40,32 +46,25 @@ def _mismatch(results: dict[int, dict]) -> str:
         messages.append(error["message"])
     assert messages[0] == messages[1]  # both ranks name the same pair of collectives
     assert all(f"rank {r}: " in messages[0] for r in range(WORLD))
-    return messages[0]
+    return results, messages[0]
 
 
 # --- an extra eval forward on one rank -----------------------------------------------------------
 def extra_eval_forward(rank: int, seen: dict) -> None:
     engine = engine_for(build_model())
-    loss = engine(*train_batch(0, rank))
-    record(seen, "train", loss.item())
-    engine.backward(loss)
-    engine.step()
+    train_on(engine, train_batch(0, rank), seen)
     seen["diverged_at"] = time.monotonic()
     engine.eval()
     with torch.no_grad():
         for index in range(2 + rank):  # rank 1 runs one eval batch more
             record(seen, "eval", engine(*eval_batch(index, rank)).item())
     engine.train()
-    loss = engine(*train_batch(1, rank))
-    record(seen, "train", loss.item())
-    engine.backward(loss)
-    engine.step()
+    train_on(engine, train_batch(1, rank), seen)
 
 
 @pytest.mark.timeout(900)
 def test_an_extra_eval_forward_on_one_rank_is_stopped(tmp_path):
-    results = run_world(tmp_path, "extra_eval_forward", __name__)
-    message = _mismatch(results)
+    results, message = _stopped(tmp_path, "extra_eval_forward")
     assert "in eval" in message and "in forward" in message
     assert "engine.join()" in results[0]["error"]["hint"]
     reference = Reference()
@@ -80,16 +79,15 @@ def test_an_extra_eval_forward_on_one_rank_is_stopped(tmp_path):
 def branch_on_one_rank(rank: int, seen: dict) -> None:
     engine = engine_for(build_model())
     seen["diverged_at"] = time.monotonic()
-    loss = engine(*batch(77 + rank, (0, 1, 2) if rank == 0 else (0, 1)))  # branch 2 only on rank 0
-    record(seen, "train", loss.item())
-    engine.backward(loss)
-    engine.step()
+    train_on(engine, batch(77 + rank, (0, 1, 2) if rank == 0 else (0, 1)), seen)  # branch 2 only on rank 0
 
 
 @pytest.mark.timeout(900)
-def test_a_branch_run_on_one_rank_only_is_stopped(tmp_path):
-    results = run_world(tmp_path, "branch_on_one_rank", __name__)
-    message = _mismatch(results)
+@pytest.mark.parametrize("channel", ["host channel", "gloo side check"])
+def test_a_branch_run_on_one_rank_only_is_stopped(tmp_path, monkeypatch, channel):
+    if channel == "gloo side check":  # ranks that share no memory: the ring, and descriptors through gloo
+        monkeypatch.setenv("ZERORUN_HOST_CHANNEL", "0")
+    results, message = _stopped(tmp_path, "branch_on_one_rank")
     assert "(module 'branches.2')" in message and "(module 'head')" in message
     assert "set_z3_leaf_modules" in results[1]["error"]["hint"]
     for seen in results.values():
@@ -149,8 +147,7 @@ def test_generate_of_different_lengths_is_synced_by_default(tmp_path):
 @pytest.mark.timeout(900)
 def test_generate_without_synced_gpus_is_stopped(tmp_path):
     pytest.importorskip("transformers")
-    results = run_world(tmp_path, "generate_unsynced", __name__)
-    message = _mismatch(results)
+    results, message = _stopped(tmp_path, "generate_unsynced")
     assert "in generate" in message
     assert "synced_gpus=True" in results[0]["error"]["hint"]
     for seen in results.values():

@@ -14,16 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agreement_harness import Reference, build_model, engine_for, eval_batch, record, run_world, train_batch
+from agreement_harness import Reference, build_model, engine_for, eval_batch, record, run_world, train_batch, train_on
 
 EVAL_BATCHES = {0: 2, 1: 3}
-
-
-def _train(engine, step: int, rank: int, seen: dict) -> None:
-    loss = engine(*train_batch(step, rank))
-    record(seen, "train", loss.item())
-    engine.backward(loss)
-    engine.step()
 
 
 def uneven_eval(rank: int, seen: dict) -> None:
@@ -31,7 +24,7 @@ def uneven_eval(rank: int, seen: dict) -> None:
     from zerorun.errors import UsageError
 
     engine = engine_for(build_model())
-    _train(engine, 0, rank, seen)
+    train_on(engine, train_batch(0, rank), seen)
     engine.eval()
     with torch.no_grad(), engine.join():
         for index in range(EVAL_BATCHES[rank]):
@@ -43,7 +36,7 @@ def uneven_eval(rank: int, seen: dict) -> None:
     except UsageError as err:
         seen["refused"] = str(err)
     for step in (1, 2):
-        _train(engine, step, rank, seen)
+        train_on(engine, train_batch(step, rank), seen)
 
 
 @pytest.mark.timeout(900)

@@ -173,11 +173,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class Handle:
     """An issued collective on the CPU path: ``wait()`` blocks until it is done and reports it once."""
 
-    __slots__ = ("_work", "_seq", "_op", "_nbytes", "_start", "_done", "_agreed")
+    __slots__ = ("_work", "_seq", "_op", "_nbytes", "_start", "_done")
 
-    def __init__(self, work, seq: int, op: str, nbytes: int, start: float, agreed=None):
+    def __init__(self, work, seq: int, op: str, nbytes: int, start: float):
         self._work, self._seq, self._op, self._nbytes, self._start = work, seq, op, nbytes, start
-        self._agreed = agreed  # the ranks' descriptor check, when it travels apart from the data
         self._done = False
 
     def wait(self, *, blocked_since: float | None = None) -> None:
@@ -185,8 +184,6 @@ class Handle:
         if self._done:
             return
         entered = time.perf_counter() if blocked_since is None else blocked_since
-        if self._agreed is not None:
-            self._agreed.wait()  # raises CollectiveMismatch before the output is handed back
         if self._work is not None:
             self._work.wait()
         self._done = True
@@ -260,11 +257,11 @@ def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_str
         notify_started(seq, op, nbytes)
         start = time.perf_counter()
         if transport is not None and transport.carries_descriptor:
-            work, agreed = transport(seq, descriptor), None
+            work = transport(seq, descriptor)
         else:
-            agreed = _agreement(group, descriptor, seq)  # issued first: Note [collective agreement]
-            work = transport(seq, None) if transport is not None else call(async_op or agreed is not None)
-        handle = Handle(work, seq, op, nbytes, start, agreed)  # work None when torch already finished it
+            _agree_first(group, descriptor, seq)  # before any byte moves: Note [collective agreement]
+            work = transport(seq, None) if transport is not None else call(async_op)
+        handle = Handle(work, seq, op, nbytes, start)  # work None when torch already finished it
     if not async_op:
         handle.wait(blocked_since=start)
     return handle
@@ -291,16 +288,16 @@ class _SideCheck:
         agreement.check([Descriptor.decode(row) for row in rows], ranks)
 
 
-def _agreement(group, descriptor: Descriptor, seq: int):
-    """The ranks' check of a collective whose transport does not carry its descriptor: a round of
-    the group's host channel (it then orders every collective of the group), else a side
-    all-gather through gloo; None on NCCL (Note [collective agreement])."""
+def _agree_first(group, descriptor: Descriptor, seq: int) -> None:
+    """The ranks' check of a collective whose transport does not carry its descriptor, waited
+    before the collective is issued (gloo aborts the process when a peer sends another size): a
+    round of the group's host channel (it then orders every collective of the group), else a
+    side all-gather through gloo; nothing on NCCL (Note [collective agreement])."""
     if dist.get_backend(group) != "gloo":
-        return None
+        return
     channel = host_channel(group)
-    if channel is not None:
-        return channel.submit("check", None, None, seq, descriptor)
-    return _SideCheck(group, descriptor)
+    check = channel.submit("check", None, None, seq, descriptor) if channel is not None else _SideCheck(group, descriptor)
+    check.wait()
 
 
 def _stream_device(tensor: torch.Tensor, group) -> torch.device | None:
