@@ -66,7 +66,7 @@ world 2 needs two GPUs).
 
 Every collective says what it is (``unit=``, and the phase it is issued in) and the ranks check
 that they agree before any output is used: Note [collective agreement] in agreement.py, which
-says how the descriptors travel on each transport (``_agreement`` below picks).
+says how the descriptors travel on each transport (``_agree_first`` below, or the transport).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_str
            descriptor: Descriptor, group):
     """``on_stream``: the GPU whose communication stream runs it (Note [streams]), or None.
     ``transport(seq, descriptor)`` carries the descriptor with the data; else it travels apart
-    (``_agreement``)."""
+    (``_agree_first``)."""
     seq = next_sequence()
     handle: Handle | StreamHandle
     if on_stream is not None:
