@@ -1,4 +1,4 @@
-"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--worlds 1] [--out docs/zoo.md] — Hugging Face families on zerorun.
+"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--worlds 1] [--fine] [--out docs/zoo.md] — Hugging Face families on zerorun.
 
 Every model family in transformers' auto mappings for causal LM, masked LM, seq-to-seq LM and
 image classification is built from a tiny config on the CPU (``tiny_config``: the family's
@@ -9,6 +9,14 @@ own. All families share one 2-rank world, trained in turn (a world per family wo
 of its time starting processes and importing transformers); if a family takes the world down,
 a new world goes on with the next one. The table goes to ``--out`` (docs/zoo.md).
 
+``--fine`` runs the fine set instead (``fine_plan_jobs``, table in docs/zoo_fine.md): every module
+that holds parameters gathers its own unit (``allgather_bucket_size: 1``), as a real model's
+blocks and experts do, with the CPU gather pool on and off (off, units free and re-allocate
+their storage as CUDA units do); the text families also under Hugging Face's gradient
+checkpointing (reentrant and not); the MoE set (``MOE_FAMILIES``, with a plain per-expert MoE
+from scripts/zoo_plain_moe.py) on a batch whose rank-0 rows repeat one token, so that rank 0's
+routers leave experts idle that rank 1 runs. Each job is a family at a stage under a ``Setting``.
+
 Outcomes: ``passed``; ``failed`` (zerorun raised, or the losses differ: the error's first line);
 ``skipped`` (the tiny config does not build, or plain torch cannot train the model on the inputs
 generated here: a family that needs audio, a package we lack, or inputs beyond token ids or
@@ -17,7 +25,7 @@ layer-drop and batch statistics would otherwise differ between a rank's half bat
 whole batch under any data parallelism, which is not what is compared.
 
 tests/integrations/test_model_zoo.py runs a named sample of these by default and the whole zoo
-under ``-m long``.
+(and the fine set) under ``-m zoo``.
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ TASKS = {
     "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
 }
+# The MoE set: families whose experts run only when routed to, trained on a skewed batch.
+MOE_FAMILIES = ("causal-lm/mixtral", "causal-lm/qwen2_moe", "causal-lm/olmoe", "seq2seq-lm/switch_transformers",
+                "causal-lm/plain_moe")
+PLAIN_MOE = "plain_moe"  # scripts/zoo_plain_moe.py: one nn.Linear per expert
 LORA_FAMILIES = ("llama", "opt")  # causal LMs that also run as PEFT LoRA: "llama+lora", "opt+lora"
 LORA_SUFFIX = "+lora"
 
@@ -87,11 +99,52 @@ class Family:
         return f"{self.task}/{self.model_type}"
 
 
+@dataclass(frozen=True)
+class Setting:
+    """How a family is trained beyond the plain loop (the same for plain torch, where it applies).
+
+    plan: "default" (the engine's unit plan) or "fine" (``allgather_bucket_size: 1``: every
+    module holding parameters gathers its own unit, as the blocks and experts of a real model
+    do). checkpointing: "" or Hugging Face's ``gradient_checkpointing_enable`` with
+    "reentrant" / "non-reentrant", or "zerorun" (our own, config ``activation_checkpointing``
+    over the model's ``_no_split_modules``). pool: False switches the CPU gather pool off, so
+    units free and re-allocate their storage as CUDA units do (the GPU path, emulated).
+    use_cache: each forward asks for the key/value cache. skew: rank 0's rows repeat one token
+    (its routers leave experts idle). compile: torch.compile before or after ``initialize``."""
+
+    plan: str = "default"
+    checkpointing: str = ""
+    pool: bool = True
+    use_cache: bool = False  # each forward asks for the key/value cache (the tiny configs turn it off)
+    skew: bool = False  # rank 0's rows repeat one token: its routers leave experts idle
+    compile: str = ""  # "before" / "after" initialize: torch.compile of the model (COMPILE_BACKEND)
+
+
+    @property
+    def tag(self) -> str:
+        parts = [self.plan] if self.plan != "default" else []
+        parts += [f"ckpt={self.checkpointing}"] if self.checkpointing else []
+        parts += [] if self.pool else ["no-pool"]
+        parts += ["use_cache"] if self.use_cache else []
+        parts += ["skew"] if self.skew else []
+        parts += [f"compile-{self.compile}"] if self.compile else []
+        return ",".join(parts)
+
+
+DEFAULT = Setting()
+Job = tuple["Family", int, Setting]
+CHECKPOINTING = ("reentrant", "non-reentrant", "zerorun")
+# Dynamo and AOT autograd as torch.compile runs them, without inductor's code generation, which
+# takes minutes per graph on two shared cores and changes no hook or gather.
+COMPILE_BACKEND = os.environ.get("ZERORUN_ZOO_COMPILE_BACKEND", "aot_eager")
+
+
 @dataclass
 class Outcome:
     family: str
     stage: int
     status: str  # passed / failed / skipped
+    setting: str = ""  # Setting.tag
     detail: str = ""
     losses: list[float] | None = None
     reference: list[float] | None = None
@@ -112,6 +165,7 @@ def all_families() -> list[Family]:
                 class_name = class_name[0]
             found.append(Family(task, model_type, class_name))
     found += [Family("causal-lm", t + LORA_SUFFIX, by_name(found, "causal-lm", t).class_name) for t in LORA_FAMILIES]
+    found.append(Family("causal-lm", PLAIN_MOE, "PlainMoe"))
     return found
 
 
@@ -191,6 +245,11 @@ def build_model(family: Family, variant: int = 0):
     """The family's model class on a tiny config, seeded, in eval mode with dropout off."""
     import transformers
 
+    if family.model_type == PLAIN_MOE:
+        from zoo_plain_moe import PlainMoe
+
+        torch.manual_seed(0)
+        return PlainMoe(VOCAB).float().eval()
     config = tiny_config(family.model_type, variant)
     cls = getattr(transformers, family.class_name)
     try:  # counted on the meta device first: building a model too big to train here takes minutes
@@ -216,8 +275,10 @@ def build_model(family: Family, variant: int = 0):
     return model.float().eval()
 
 
-def batch(family: Family, config, step: int, rows: slice) -> dict:
-    """Step ``step``'s global batch (the same on every rank), rows ``rows`` of it."""
+def batch(family: Family, config, step: int, rows: slice, setting: Setting = DEFAULT) -> dict:
+    """Step ``step``'s global batch (the same on every rank), rows ``rows`` of it. With
+    ``setting.skew`` rank 0's rows repeat one token, so that their hidden states, and the
+    experts a router picks for them, are alike; ``setting.use_cache`` asks for the cache."""
     generator = torch.Generator().manual_seed(1000 + step)
     if family.task == "image-classification":
         channels = getattr(config, "num_channels", CHANNELS)
@@ -229,10 +290,13 @@ def batch(family: Family, config, step: int, rows: slice) -> dict:
     vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", VOCAB)
     low = min(4, vocab - 1)  # past the special ids the tiny config keeps below 4
     ids = torch.randint(low, vocab, (GLOBAL_BATCH, SEQ), generator=generator)
+    if setting.skew:
+        ids[_rank_rows(0)] = low
+    cache = {"use_cache": True} if setting.use_cache else {}
     if family.task == "seq2seq-lm":
         labels = torch.randint(low, vocab, (GLOBAL_BATCH, SEQ), generator=generator)
-        return {"input_ids": ids[rows], "labels": labels[rows]}
-    return {"input_ids": ids[rows], "labels": ids[rows]}
+        return {"input_ids": ids[rows], "labels": labels[rows], **cache}
+    return {"input_ids": ids[rows], "labels": ids[rows], **cache}
 
 
 def _loss(output) -> torch.Tensor:
@@ -250,7 +314,17 @@ def _rank_rows(rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def reference_losses(family: Family, model) -> list[float]:
+def prepare(model, setting: Setting):
+    """Hugging Face's gradient checkpointing on ``model`` (plain torch and zerorun alike); it
+    recomputes only in training mode, so such a model trains with dropout already at 0."""
+    if setting.checkpointing in ("reentrant", "non-reentrant"):
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": setting.checkpointing == "reentrant"})
+        model.train()
+    return model
+
+
+def reference_losses(family: Family, model, setting: Setting = DEFAULT) -> list[float]:
     """Plain torch, one process, the whole global batch per step, AdamW. The batch's gradient
     is taken as the mean of its halves' gradients, the way any data-parallel run forms it: the
     same value as one backward over the whole batch, with the rounding of the split, which
@@ -263,7 +337,7 @@ def reference_losses(family: Family, model) -> list[float]:
     for step in range(STEPS):
         total = 0.0
         for rank in range(WORLD):
-            loss = _loss(model(**batch(family, config, step, _rank_rows(rank))))
+            loss = _loss(model(**batch(family, config, step, _rank_rows(rank), setting)))
             (loss / WORLD).backward()
             total += float(loss.detach()) / WORLD
         optimizer.step()
@@ -272,21 +346,41 @@ def reference_losses(family: Family, model) -> list[float]:
     return losses
 
 
-def zerorun_losses(family: Family, model, stage: int, rank: int) -> list[float]:
+def zerorun_config(model, stage: int, setting: Setting) -> dict:
+    zero: dict = {"stage": stage, "param_persistence_threshold": 0}
+    if setting.plan == "fine":
+        zero["allgather_bucket_size"] = 1
+    config: dict = {"zero": zero}
+    if setting.checkpointing == "zerorun":
+        config["activation_checkpointing"] = {"enabled": True, "modules": list(model._no_split_modules or [])}
+    return config
+
+
+def zerorun_losses(family: Family, model, stage: int, rank: int, setting: Setting = DEFAULT) -> list[float]:
     """zerorun at ``stage`` on this world: each rank a half of the global batch; the logged
     loss is the mean over ranks, which is the global batch's mean (equal rows and tokens)."""
     import torch.distributed as dist
 
     import zerorun
+    from zerorun.zero.unit.storage import GatherPool
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
-    engine = zerorun.initialize(model, optimizer, {"zero": {"stage": stage, "param_persistence_threshold": 0}})
+    pooled = GatherPool.SUPPORTED
+    GatherPool.SUPPORTED = pooled and setting.pool  # the gatherer reads it when it is built
+    if setting.compile == "before":
+        model = torch.compile(model, backend=COMPILE_BACKEND)
+    try:
+        engine = zerorun.initialize(model, optimizer, zerorun_config(model, stage, setting))
+    finally:
+        GatherPool.SUPPORTED = pooled
+    if setting.compile == "after":
+        engine.module.compile(backend=COMPILE_BACKEND)
     config = model.config
     rows = _rank_rows(rank)
     losses = []
     for step in range(STEPS):
-        loss = _loss(engine(**batch(family, config, step, rows)))
+        loss = _loss(engine(**batch(family, config, step, rows, setting)))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
@@ -295,13 +389,13 @@ def zerorun_losses(family: Family, model, stage: int, rank: int) -> list[float]:
     return (mean / WORLD).tolist()
 
 
-def _plain_torch(family: Family) -> tuple[str, object]:
+def _plain_torch(family: Family, setting: Setting = DEFAULT) -> tuple[str, object]:
     """On one rank: the first shrink variant that builds and that plain torch trains, with its
     losses; else why not (the first variant's reason)."""
     reasons = []
     for variant in range(len(VARIANTS)):
         try:
-            model = build_model(family, variant)
+            model = prepare(build_model(family, variant), setting)
         except TooBig as error:
             reasons.append(str(error))
             continue
@@ -309,7 +403,7 @@ def _plain_torch(family: Family) -> tuple[str, object]:
             reasons.append(f"tiny config does not build: {first_line(error)}")
             continue
         try:
-            reference = reference_losses(family, model)
+            reference = reference_losses(family, model, setting)
         except Exception as error:
             reasons.append(f"plain torch cannot train it on generated inputs: {first_line(error)}")
             continue
@@ -319,14 +413,14 @@ def _plain_torch(family: Family) -> tuple[str, object]:
     return "skip", reasons[0]
 
 
-def run_family(family: Family, stage: int, rank: int) -> Outcome:
+def run_family(family: Family, stage: int, rank: int, setting: Setting = DEFAULT) -> Outcome:
     """Rank 0 finds the tiny model plain torch trains and its losses, and tells the other rank;
     then both build that model and train it with zerorun."""
     import torch.distributed as dist
 
     started = time.perf_counter()
-    outcome = Outcome(family.name, stage, "skipped")
-    status: list = [_plain_torch(family) if rank == 0 else None]
+    outcome = Outcome(family.name, stage, "skipped", setting.tag)
+    status: list = [_plain_torch(family, setting) if rank == 0 else None]
     dist.broadcast_object_list(status, src=0)
     kind, value = status[0]
     if kind == "skip":
@@ -334,10 +428,10 @@ def run_family(family: Family, stage: int, rank: int) -> Outcome:
     else:
         variant, outcome.reference = value
         try:
-            model = build_model(family, variant)
+            model = prepare(build_model(family, variant), setting)
             outcome.trainable = (sum(p.numel() for p in model.parameters() if p.requires_grad),
                                  sum(p.numel() for p in model.parameters()))
-            outcome.losses = zerorun_losses(family, model, stage, rank)
+            outcome.losses = zerorun_losses(family, model, stage, rank, setting)
         except Exception as error:
             outcome.status, outcome.error_type, outcome.detail = "failed", type(error).__name__, first_line(error)
         else:
@@ -362,13 +456,13 @@ def _resident_mib() -> int:
         return 0
 
 
-def _world_tag(jobs: list[tuple[Family, int]]) -> str:
+def _world_tag(jobs: list[Job]) -> str:
     """Names one world's files: each world starts at a different job, and a crashed world's
     log must survive the next one (the families it finished are read from it)."""
     return f"{len(jobs)}-{jobs[0][0].name.replace('/', '_')}"
 
 
-def _worker(rank: int, out_dir: str, jobs: list[tuple[Family, int]]) -> None:
+def _worker(rank: int, out_dir: str, jobs: list[Job]) -> None:
     import warnings
 
     import torch.distributed as dist
@@ -383,17 +477,17 @@ def _worker(rank: int, out_dir: str, jobs: list[tuple[Family, int]]) -> None:
     from zerorun.zero.comm.process_group import leaving_together
 
     with leaving_together(), open(Path(out_dir) / f"rank{rank}-{_world_tag(jobs)}.jsonl", "a") as log:
-        for family, stage in jobs:
-            log.write(json.dumps({"start": family.name, "stage": stage}) + "\n")
+        for family, stage, setting in jobs:
+            log.write(json.dumps({"start": family.name, "stage": stage, "setting": setting.tag}) + "\n")
             log.flush()
-            outcome = run_family(family, stage, rank)
+            outcome = run_family(family, stage, rank, setting)
             gc.collect()  # the family's model, engine and hooks, before the next one is built
             outcome.rss_mib = _resident_mib()
             log.write(json.dumps(asdict(outcome)) + "\n")
             log.flush()
 
 
-def run_zoo(jobs: list[tuple[Family, int]], out_dir: Path) -> list[Outcome]:
+def run_zoo(jobs: list[Job], out_dir: Path) -> list[Outcome]:
     """Run ``jobs`` in 2-rank worlds, a new world after any family that ends one."""
     import torch.multiprocessing as mp
 
@@ -413,13 +507,13 @@ def run_zoo(jobs: list[tuple[Family, int]], out_dir: Path) -> list[Outcome]:
         done += finished
         remaining = remaining[len(finished):]
         if crash is not None and remaining:
-            family, stage = remaining.pop(0)
-            done.append(Outcome(family.name, stage, "failed", f"the world ended while it ran: {crash}",
+            family, stage, setting = remaining.pop(0)
+            done.append(Outcome(family.name, stage, "failed", setting.tag, f"the world ended while it ran: {crash}",
                                 error_type="WorldCrash"))
     return done
 
 
-def run_zoo_parallel(jobs: list[tuple[Family, int]], out_dir: Path, worlds: int) -> list[Outcome]:
+def run_zoo_parallel(jobs: list[Job], out_dir: Path, worlds: int) -> list[Outcome]:
     """``jobs`` dealt over ``worlds`` 2-rank worlds that run at once (a family's outcome does not
     depend on its world: each is built, seeded and trained on its own), in the jobs' order."""
     from concurrent.futures import ThreadPoolExecutor
@@ -428,8 +522,20 @@ def run_zoo_parallel(jobs: list[tuple[Family, int]], out_dir: Path, worlds: int)
         return run_zoo(jobs, out_dir)
     with ThreadPoolExecutor(worlds) as pool:
         parts = list(pool.map(lambda i: run_zoo(jobs[i::worlds], out_dir / f"world{i}"), range(worlds)))
-    place = {(family.name, stage): n for n, (family, stage) in enumerate(jobs)}
-    return sorted((o for part in parts for o in part), key=lambda o: place[(o.family, o.stage)])
+    place = {(family.name, stage, setting.tag): n for n, (family, stage, setting) in enumerate(jobs)}
+    return sorted((o for part in parts for o in part), key=lambda o: place[(o.family, o.stage, o.setting)])
+
+
+def fine_plan_jobs(families: list[Family]) -> list[Job]:
+    """The ``fine`` set at stage 3: every family with every module its own unit, with the gather
+    pool on and off (the GPU path emulated); the text families also under Hugging Face's
+    gradient checkpointing, reentrant and not, pool off; the MoE set on a skewed batch."""
+    text = [f for f in families if f.task != "image-classification"]
+    jobs = [(f, 3, Setting("fine", pool=pool)) for pool in (True, False) for f in families]
+    jobs += [(f, 3, Setting("fine", kind, pool=False)) for kind in ("reentrant", "non-reentrant") for f in text]
+    moe = [f for f in families if f.name in MOE_FAMILIES]
+    jobs += [(f, 3, Setting("fine", pool=pool, skew=True)) for pool in (True, False) for f in moe]
+    return jobs
 
 
 # -- the table -----------------------------------------------------------------------------
@@ -444,9 +550,9 @@ def summary(outcomes: list[Outcome]) -> dict[str, int]:
 def write_table(outcomes: list[Outcome], path: Path, command: str) -> None:
     import transformers
 
-    by_stage: dict[int, list[Outcome]] = {}
+    by_stage: dict[tuple[int, str], list[Outcome]] = {}
     for outcome in outcomes:
-        by_stage.setdefault(outcome.stage, []).append(outcome)
+        by_stage.setdefault((outcome.stage, outcome.setting), []).append(outcome)
     lines = [
         "# Model zoo: Hugging Face families on zerorun",
         "",
@@ -463,10 +569,10 @@ def write_table(outcomes: list[Outcome], path: Path, command: str) -> None:
         "rank's half batch and the whole batch under any data parallelism).",
         "",
     ]
-    for stage, group in sorted(by_stage.items(), reverse=True):  # stage 3 first: the zoo; lower stages a sample
+    for (stage, setting), group in sorted(by_stage.items(), key=lambda kv: (-kv[0][0], kv[0][1])):  # stage 3 first
         counts = summary(group)
         share = counts["passed"] / counts["built"] if counts["built"] else 0.0
-        lines += [f"## Stage {stage}", "",
+        lines += [f"## Stage {stage}" + (f", {setting}" if setting else ""), "",
                   f"{counts['tried']} families tried, {counts['built']} built and trainable by plain torch, "
                   f"**{counts['passed']} passed** ({share:.1%} of those), {counts['failed']} failed, "
                   f"{counts['skipped']} skipped.", "",
@@ -483,23 +589,29 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, action="append", help="ZeRO stage(s) to run (default 3)")
     parser.add_argument("--only", default="", help="comma-separated families (task/model_type or model_type)")
-    parser.add_argument("--out", type=Path, default=Path("docs/zoo.md"))
+    parser.add_argument("--out", type=Path, help="the table (default docs/zoo.md; with --fine docs/zoo_fine.md)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/zerorun-model-zoo"))
     parser.add_argument("--worlds", type=int, default=1, help="2-rank worlds run at once, the families dealt over them")
+    parser.add_argument("--fine", action="store_true",
+                        help="the fine set instead (every module its own unit; checkpointing, pool off, MoE skew)")
     args = parser.parse_args(argv)
+    args.out = args.out or Path("docs/zoo_fine.md" if args.fine else "docs/zoo.md")
     families = all_families()
     if args.only:
         families = select(families, [n.strip() for n in args.only.split(",") if n.strip()])
     stages = args.stage or [3]
     if any(s not in (0, 1, 2, 3) for s in stages):
         parser.error("--stage must be 0, 1, 2 or 3")
-    jobs = [(family, stage) for stage in stages for family in families]
+    jobs: list[Job] = [(family, stage, DEFAULT) for stage in stages for family in families]
+    if args.fine:
+        jobs = fine_plan_jobs(families)
     started = time.perf_counter()
     if args.worlds < 1:
         parser.error("--worlds must be at least 1")
     outcomes = run_zoo_parallel(jobs, args.work / str(os.getpid()), args.worlds)
     command = "python scripts/model_zoo.py" + "".join(f" --stage {s}" for s in args.stage or []) + \
-        (f" --only {args.only}" if args.only else "") + (f" --worlds {args.worlds}" if args.worlds > 1 else "")
+        (f" --only {args.only}" if args.only else "") + (f" --worlds {args.worlds}" if args.worlds > 1 else "") + \
+        (" --fine" if args.fine else "")
     write_table(outcomes, args.out, command)
     for stage in stages:
         counts = summary([o for o in outcomes if o.stage == stage])

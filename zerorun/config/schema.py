@@ -49,6 +49,9 @@ class ZeroConfig:
     # Stage 3: a unit used again within this many elements of other gathers stays gathered
     # between the two uses (DeepSpeed's stage3_max_reuse_distance, and its default).
     max_reuse_distance: int = 1_000_000_000
+    # Stage 3: module class names gathered as one unit when they run (Note [expert blocks] in
+    # zero/unit/leaf.py); expert blocks are found from their structure without it.
+    leaf_modules: list[str] = field(default_factory=list)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     # ZeRO++ (DeepSpeed's zero_quantized_*; Note [quantized collectives] in comm/collectives.py):

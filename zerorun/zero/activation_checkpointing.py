@@ -8,12 +8,10 @@ Driven by ``config.activation_checkpointing`` (``enabled`` + ``modules``, class 
 Contract with the engine (zerorun/zero/engine.py, param_gather.py):
 - ``initialize`` calls ``apply_from_config(model, config.activation_checkpointing)`` before it
   builds its stage-3 hooks (so hooks and partition see the final module classes).
-- Stage 3's forward hooks consult ``is_recomputing()``: True while backward re-runs a
-  checkpointed module's forward. Then the pre-hook must not record execution order nor
-  prefetch "the next forward module", and the post-hook must NOT release the gathered
-  parameters: the backward of that very module runs next and reads the tensors the
-  recomputation saved, which alias the gathered storage (releasing it leaves them with a
-  storage of size 0). They are released as usual when their gradients arrive / backward ends.
+- Stage 3 (param_gather.py) sees a recomputation of any kind, this one included, as the pass
+  state RECOMPUTE (Note [pass state] in zero/gather_pass.py): units are gathered for it, not
+  recorded into the forward order, and not released at its end (the tensors it saves alias the
+  gathered storage); ``is_recomputing()`` is True while this module's recomputation runs.
 
 Note [checkpoint at __call__, not at forward]. Stage 3 gathers a module's parameters in forward
 pre-hooks and releases them in forward post-hooks. If we only replaced ``module.forward``, the
@@ -29,6 +27,14 @@ forward under no_grad, so the hooks stage 3 puts on module outputs (to gather pa
 before each module's backward) are never installed, and when no input of the wrapped module
 requires grad its parameters get no gradient at all. Both variants preserve the RNG state, so
 dropout masks are identical in the recomputation.
+
+Note [no cache in a recomputed call]. A layer that writes a key/value cache (T5's blocks with
+``use_cache=True``, their default) writes it again when it is recomputed, so the recomputation
+sees a longer cache than the forward did and torch refuses it (``CheckpointError``: recomputed
+values have different metadata). A checkpointed call in training therefore runs without a cache,
+as Hugging Face's own gradient checkpointing does: ``use_cache`` is False and the cache
+arguments (``cache``, ``layer_past``, ``past_key_value(s)``) are None, except for a layer that
+says it only reads the cache (``_can_checkpoint_with_cache``).
 
 Note [no early stop]. By default the non-reentrant checkpoint aborts the recomputation as soon as
 it has rebuilt every tensor backward needs, by raising out of the middle of the forward. The
@@ -121,6 +127,7 @@ def _checkpointed_class(original: type) -> type:
             # Nothing is saved for backward under no_grad/inference_mode: checkpointing would
             # only add overhead.
             return call_with_hooks(*args, **kwargs)
+        kwargs = _without_cache(self, kwargs)  # Note [no cache in a recomputed call]
         # Note [no early stop]: the flag is read here, at forward time, for this checkpoint.
         with set_checkpoint_early_stop(False):
             return checkpoint(call_with_hooks, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
@@ -133,6 +140,21 @@ def _checkpointed_class(original: type) -> type:
     )
     _checkpointed_classes[original] = cls
     return cls
+
+
+_CACHE_ARGUMENTS = ("cache", "layer_past", "past_key_value", "past_key_values")
+
+
+def _without_cache(module: nn.Module, kwargs: dict) -> dict:
+    """Note [no cache in a recomputed call]."""
+    changed = dict(kwargs)
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_ARGUMENTS:
+            if changed.get(name) is not None:
+                changed[name] = None
+    return changed
 
 
 def is_checkpointed(module: nn.Module) -> bool:

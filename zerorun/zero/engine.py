@@ -35,6 +35,7 @@ from zerorun.zero.construct import Materializer
 from zerorun.zero.host_memory import return_large_frees_to_os, trim_host_heap, trim_interval
 from zerorun.zero.grad_reduce import GradReducer, ReducePolicy
 from zerorun.zero.param_gather import ParamGatherer, tensors_in
+from zerorun.zero.unit.leaf import check_leaf_names
 from zerorun.zero.unit.partition import build_partition
 from zerorun.zero.precision import LossScaler, model_dtype
 from zerorun.zero.comm.process_group import ProcessGroupInfo, resolve_process_group
@@ -295,6 +296,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             bucket_numel=cfg.zero.reduce_bucket_size,
             persistence_threshold=cfg.zero.param_persistence_threshold,
             min_unit_numel=min(cfg.zero.allgather_bucket_size, STAGE3_UNIT_CAP), alignment=CHUNK_ALIGNMENT,
+            leaf_names=check_leaf_names(model, cfg.zero.leaf_modules),
             shard_home=param_home,
             before_unit=materializer.ensure if materializer else None,
         )

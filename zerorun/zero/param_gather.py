@@ -30,7 +30,7 @@ arrives only once every use has contributed (33.5 MB of the 33.7M GPT for all of
 after each sharing module's backward the shared unit is released, and gathered again only by a
 module whose backward reads it; an Embedding's backward needs only the indices, so it gathers
 nothing. "After the backward" is an identity autograd function on the module's inputs
-(``_AfterBackward``), which runs once the module's whole backward has produced their
+(``AfterBackward``, gather_plan.py), which runs once the module's whole backward has produced their
 gradients. A hook on the input tensor itself ran too early when that tensor is another
 gathering module's output: BART's decoder output feeds the tied head, and the tensor's hooks
 ran in registration order, the model's gather before the head's release, so the model's
@@ -63,20 +63,31 @@ the recorded order keeps nothing, and a forward without autograd keeps nothing a
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from zerorun.zero.activation_checkpointing import ForwardWithoutEarlyStop, is_recomputing
+from zerorun.zero.activation_checkpointing import ForwardWithoutEarlyStop
 from zerorun.errors import UsageError
 from zerorun.zero import param_access
+from zerorun.zero.gather_pass import PassState, PassTracker, in_backward
+from zerorun.zero.gather_plan import (
+    AfterBackward, gathers_still_wanted, plan_kept_units, reads_params_in_backward, tensors_in,
+)
 from zerorun.zero.gather_use import CallObserver, common_caller
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import GatherPool, ParamState
+
+
+def _eager(hook):
+    """Note [hooks outside the graph]: torch.compile of the model (before or after ``initialize``)
+    traces module calls and their hooks; ours gather and release storage through collectives,
+    which dynamo cannot trace. Disabled for dynamo, each runs eagerly at a graph break (a few
+    per module that gathers), and the graphs between them hold only the model's own compute."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class ParamGatherer:
@@ -108,6 +119,14 @@ class ParamGatherer:
         self._forward_wanted_from: list[dict[int, int]] = [{}]
         self._wanted_from: list[dict[int, int]] = [{}]
         self._finished: list[nn.Module] = []
+        # Note [pass state] (gather_pass.py): the pass now running; per recomputing call (a
+        # stack), the records it holds; backward's order as forward predicts it, and as this
+        # backward gathered (recomputations included), first appearances only.
+        self.passes = PassTracker()
+        self._recompute_held: list[list[UnitRecord]] = []
+        self._predicted_backward: list[nn.Module] = []
+        self._observed_backward: dict[nn.Module, None] = {}
+        self._recomputed = False
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
         # Note [gather follows use]: stranded uses found in this forward, per record: the module
@@ -118,7 +137,6 @@ class ParamGatherer:
         self._hooked: set[nn.Module] = set()
         # Note [reads outside forward] (param_access.py): units read during this forward outside
         # any gathering module, held (``in_use``) until its backward is over.
-        self._in_forward = False
         self._pinned: list[UnitRecord] = []
         # Note [reads outside forward]: per partitioned record, the switch that keeps its
         # parameters' reads seen while the unit stays gathered between uses in a forward
@@ -135,24 +153,28 @@ class ParamGatherer:
                 record.gathering.add_user()
         self.root = root
         self._no_early_stop = ForwardWithoutEarlyStop()  # Note [anyone's checkpoint]
-        root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
-        root.register_forward_hook(self._root_post_forward)
+        root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
+        root.register_forward_hook(_eager(self._root_post_forward))
 
     def _hook(self, module: nn.Module) -> None:
         if module not in self._hooked:
             self._hooked.add(module)
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-            module.register_forward_hook(self._post_forward)
+            module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
+            # always_call: a recomputation that torch stops early (it raises out of the forward once
+            # it has what backward needs) still lets go of what its calls hold.
+            module.register_forward_hook(_eager(self._post_forward), always_call=True)
 
     def _records_of(self, module: nn.Module) -> list[UnitRecord]:
         return self.module_records.get(module, [])
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
-        self._no_early_stop.begin()
+        if self.passes.state is not PassState.FORWARD and in_backward():
+            return  # the whole model recomputed: its calls are RECOMPUTE's (Note [pass state])
+        self.passes.move(PassState.FORWARD)
+        self._no_early_stop.begin()  # Note [anyone's checkpoint] (activation_checkpointing.py)
         if self.pool is not None:
             self.pool.expect(None)  # forward keeps what it releases: the next module takes it
-        self._in_forward = True
         self._recording = []
         self._finished = []
         self._calls = []
@@ -175,12 +197,14 @@ class ParamGatherer:
     def read(self, record: UnitRecord, param: nn.Parameter) -> UsageError | None:
         """Note [reads outside forward]: ``param`` of ``record``'s unit is read while no module
         call gathers it. In a forward: gather and hold it, and note the use for the plan."""
-        if not (self._in_forward or is_recomputing()):
+        if self.passes.state not in (PassState.FORWARD, PassState.RECOMPUTE):
             name = next(n for n, p in zip(record.unit.names, record.unit.params, strict=True) if p is param)
             return param_access.refusal(name)
         record.gathering.hold()
         self._pinned.append(record)
         record.unit.gather(self.group)
+        if self.passes.recomputing:
+            return None  # the plan is forward's: a recomputation repeats it
         self._unwatch(record)
         stack = self._observer.stack() if self._observer.active else None
         self._stranded.setdefault(record, []).append((None, stack))
@@ -194,7 +218,7 @@ class ParamGatherer:
         module that does not gather it (a parent's forward reading a tied weight) gathers and
         holds it like a read of a released unit (Note [reads outside forward])."""
         watch = self._watch.get(record)
-        if watch is not None and self._in_forward:
+        if watch is not None and self.passes.state is PassState.FORWARD:
             watch(True)
             self._watched.add(record)
 
@@ -251,6 +275,9 @@ class ParamGatherer:
         self._stranded = {}
 
     def _pre_forward(self, module, args, kwargs):
+        if self.passes.enter_call():
+            self._pre_recompute(module)
+            return None
         holds = self.holder_records.get(module)
         if holds:
             own = self._records_of(module)
@@ -260,63 +287,76 @@ class ParamGatherer:
         records = self.module_records.get(module)
         if not records:
             return None  # a holder whose units a running caller already gathered: the common path
-        recomputing = is_recomputing()
-        if not recomputing:
-            position = len(self._recording)
-            self._on_order = (self._on_order and position < len(self.forward_order)
-                              and self.forward_order[position] is module)
-            self._calls.append(position)
-            self._recording.append(module)
+        position = len(self._recording)
+        self._on_order = (self._on_order and position < len(self.forward_order)
+                          and self.forward_order[position] is module)
+        self._calls.append(position)
+        self._recording.append(module)
         for record in records:
             record.gathering.hold()
             record.unit.gather(self.group)
             self._unwatch(record)
-        if recomputing:
-            return None
         self._prefetch_forward(module)
         if torch.is_grad_enabled() and any(_released_after_backward(r) for r in records):
             return self._hook_inputs(module, args, kwargs)
         return None
 
+    def _pre_recompute(self, module: nn.Module) -> None:
+        """RECOMPUTE (Note [pass state]): the call holds its module's units, and those of its own
+        parameters no running call holds (Hugging Face checkpoints a layer's ``forward``, not its
+        call, so the layer's own hooks stay outside the recomputation)."""
+        held = list(self._records_of(module))
+        held += [r for r in self.holder_records.get(module, ()) if r.gathering.in_use == 0 and r not in held]
+        for record in held:
+            record.gathering.hold()
+            record.unit.gather(self.group)
+        self._recompute_held.append(held)
+        self._recomputed = True
+        if held:
+            self._note_backward(module)
+
     def _post_forward(self, module, args, output) -> None:
-        # Note [no release in recomputation] (zero/activation_checkpointing.py): the tensors a checkpoint
-        # recomputation saves alias the gathered storage and the module's backward runs next;
-        # its units are released when their gradients arrive or backward ends.
+        if self.passes.recomputing:
+            # Note [pass state]: no release in a recomputation; the tensors it saves alias the
+            # gathered storage and the region's backward runs next. Its units are released when
+            # their gradients arrive or backward ends.
+            for record in self._recompute_held.pop():
+                record.gathering.let_go()
+            self.passes.leave_call(True)
+            return
         records = self.module_records.get(module)
         if not records:
             return
-        recomputing = is_recomputing()
-        position = self._calls.pop() if not recomputing and self._calls else -1  # in forward_order
+        position = self._calls.pop() if self._calls else -1  # in forward_order
         for record in records:
             record.gathering.let_go()
             kept = self._on_order and position in record.gathering.keep_after  # Note [kept gathered]
-            if record.gathering.in_use == 0 and not recomputing:
+            if record.gathering.in_use == 0:
                 if kept:
                     self._watch_kept(record)
                 else:
                     record.unit.release()
-        if torch.is_grad_enabled() and not recomputing:
+        if torch.is_grad_enabled() and output is not None:
             self._finished.append(module)
             self._hook_outputs(module, output)
 
     def _root_post_forward(self, module, args, output) -> None:
+        if self.passes.state is not PassState.FORWARD:
+            return  # the whole model recomputed in backward (Note [pass state])
         self._no_early_stop.end()
-        self._in_forward = False
+        self.passes.move(PassState.BACKWARD if torch.is_grad_enabled() else PassState.IDLE)
         self._unwatch_all()
         if not torch.is_grad_enabled():
             self._unpin()
         if self._observer.active:
             self._plan_stranded()
         if self._finished:
-            backward = [m for m in reversed(self._finished) if _reads_params_in_backward(m)]
-            if backward != self.backward_order:
-                self.backward_order = backward
-                self._backward_position = {}
-                for position, m in enumerate(backward):
-                    self._backward_position.setdefault(m, position)
-                self._wanted_from = gathers_still_wanted(self._partitioned_sizes(backward))
+            backward = [m for m in reversed(self._finished) if reads_params_in_backward(m)]
+            if backward != self._predicted_backward:
+                self._predicted_backward = backward
+                self._follow_backward(backward)
         if self._recording != self.forward_order:
-            self.forward_order = self._recording
+            self.forward_order = list(self._recording)
             self._forward_wanted_from = gathers_still_wanted(self._partitioned_sizes(self.forward_order))
             keep_after, keep_for_backward = plan_kept_units(
                 [[r.index for r in self._records_of(m)] for m in self.forward_order],
@@ -343,6 +383,20 @@ class ParamGatherer:
         """Per module, the byte sizes of the partitioned units its call gathers."""
         return [[r.unit.full_nbytes for r in self._records_of(m) if r.unit.partitioned] for m in modules]
 
+    def _follow_backward(self, order: list[nn.Module]) -> None:
+        """Prefetch the next backwards along ``order`` (Note [execution order])."""
+        self.backward_order = order
+        self._backward_position = {}
+        for position, m in enumerate(order):
+            self._backward_position.setdefault(m, position)
+        self._wanted_from = gathers_still_wanted(self._partitioned_sizes(order))
+
+    def _note_backward(self, module: nn.Module) -> None:
+        """``module``'s units are gathered in backward (before its backward, or for its
+        recomputation): note the order, prefetch the next ones."""
+        self._observed_backward.setdefault(module, None)
+        self._prefetch_backward(module)
+
     def _prefetch_backward(self, module: nn.Module) -> None:
         """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s,
         and tell the pool what the rest of backward will still gather (Note [pools follow backward])."""
@@ -362,12 +416,14 @@ class ParamGatherer:
             return
 
         # This call's units: the end of forward may move a stranded unit to another module.
-        records = list(self._records_of(module)) if _reads_params_in_backward(module) else []
+        records = list(self._records_of(module)) if reads_params_in_backward(module) else []
 
         def before_backward(grad):
+            if self.passes.state is PassState.IDLE:
+                self.passes.move(PassState.BACKWARD)
             for record in records:
                 record.unit.gather(self.group)
-            self._prefetch_backward(module)
+            self._note_backward(module)
             return grad
 
         for tensor in tensors:
@@ -375,13 +431,13 @@ class ParamGatherer:
 
     def _hook_inputs(self, module: nn.Module, args, kwargs):
         """Release ``module``'s shared units once its backward is over (Note [shared units]):
-        its inputs pass through ``_AfterBackward``, whose backward runs when the module's whole
+        its inputs pass through ``AfterBackward``, whose backward runs when the module's whole
         backward has produced their gradients, and so before the backward hook of the module
         that made them (a tensor hook on the same input would run after that hook's gather)."""
         records = [r for r in self._records_of(module) if _released_after_backward(r)]
 
         def after_backward() -> None:
-            if not is_recomputing():
+            if not self.passes.recomputing:
                 for record in records:
                     if record.gathering.in_use == 0:
                         record.unit.release()
@@ -390,7 +446,7 @@ class ParamGatherer:
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
         if not positions:
             return None
-        passed = _AfterBackward.apply(after_backward, *(leaves[i] for i in positions))
+        passed = AfterBackward.apply(after_backward, *(leaves[i] for i in positions))
         for i, tensor in zip(positions, passed, strict=True):
             leaves[i] = tensor
         return pytree.tree_unflatten(leaves, spec)
@@ -401,8 +457,16 @@ class ParamGatherer:
             record.unit.release()
 
     def finish_backward(self) -> None:
+        """Backward is over. When it recomputed, the order it gathered in (recomputations
+        included) is the order the next backward prefetches by; forward's prediction knows no
+        recomputation."""
         self._unpin()
         self._release_idle()
+        if self._recomputed and list(self._observed_backward) != self.backward_order:
+            self._follow_backward(list(self._observed_backward))
+        self._observed_backward = {}
+        self._recomputed = False
+        self.passes.move(PassState.IDLE)
 
     def _release_idle(self, for_backward: bool = False) -> None:
         for record in self.records:
@@ -417,84 +481,13 @@ class ParamGatherer:
         self._release_idle()
         if self.pool is not None:
             self.pool.clear()
+        self.passes.move(PassState.IDLE)
 
     def pool_nbytes(self) -> int:
         return self.pool.nbytes() if self.pool is not None else 0
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward calls ``callback`` (Note [shared units])."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-def plan_kept_units(
-    order_units: list[list[int]], numel: dict[int, int], max_reuse_distance: int
-) -> tuple[dict[int, set[int]], set[int]]:
-    """Pure: Note [kept gathered] over one recorded forward.
-
-    ``order_units[p]`` lists the units the p-th module call gathers. Returns (position ->
-    units to hold after that call, units to hold from the end of forward into backward).
-    A unit is held after call p when a later call q uses it again and the other units gathered
-    by calls p+1..q-1 add up to at most ``max_reuse_distance`` elements.
-    """
-    keep_after: dict[int, set[int]] = {}
-    for p, units in enumerate(order_units):
-        for unit in units:
-            between: set[int] = set()
-            for q in range(p + 1, len(order_units)):
-                if unit in order_units[q]:
-                    if sum(numel[u] for u in between - {unit}) <= max_reuse_distance:
-                        keep_after.setdefault(p, set()).add(unit)
-                    break
-                between.update(order_units[q])
-    calls_with_units = [p for p, units in enumerate(order_units) if units]
-    if not calls_with_units:
-        return keep_after, set()
-    last = calls_with_units[-1]
-    keep_after.setdefault(last, set()).update(order_units[last])
-    return keep_after, set(order_units[last])
-
-
-def gathers_still_wanted(sizes_by_position: list[list[int]]) -> list[dict[int, int]]:
-    """Pure: for each position p of a recorded forward or backward (and one past the end), how
-    many gathers of each byte size positions p, p+1, ... make (Note [pools follow backward]).
-    ``sizes_by_position[p]`` lists the byte sizes of the partitioned units position p gathers."""
-    wanted: list[dict[int, int]] = [{}]  # built from the end, then reversed
-    for sizes in reversed(sizes_by_position):
-        counts = dict(wanted[-1])
-        for nbytes in sizes:
-            counts[nbytes] = counts.get(nbytes, 0) + 1
-        wanted.append(counts)
-    return wanted[::-1]
 
 
 def _released_after_backward(record: UnitRecord) -> bool:
     """A shared unit (Note [shared units]), or a frozen one, whose release no gradient's arrival
     triggers (Note [frozen units] in unit/partition.py): released once the module's backward is over."""
     return record.gathering.users > 1 or record.unit.frozen
-
-
-def _reads_params_in_backward(module: nn.Module) -> bool:
-    """An Embedding's backward needs only the indices (Note [shared units])."""
-    return not isinstance(module, nn.Embedding)
-
-
-def tensors_in(value) -> list[torch.Tensor]:
-    """Every tensor inside ``value``: torch's pytree walks tuples, lists, dicts, namedtuples and
-    Hugging Face outputs; a plain dataclass (a leaf to pytree) is opened by its fields."""
-    found = []
-    for leaf in pytree.tree_leaves(value):
-        if torch.is_tensor(leaf):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            found.extend(tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
-    return found

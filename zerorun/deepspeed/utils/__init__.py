@@ -1,4 +1,8 @@
-"""``deepspeed.utils``: ``logger``, ``log_dist``, ``RepeatingLoader`` and ``zero_to_fp32``."""
+"""``deepspeed.utils``: ``logger``, ``log_dist``, ``RepeatingLoader``, ``zero_to_fp32`` and the stage-3
+leaf modules (``set_z3_leaf_modules``, ``unset_z3_leaf_modules``, ``get_z3_leaf_modules``, ``z3_leaf_module``).
+
+Leaf modules are gathered whole when they run (Note [expert blocks] in zerorun/zero/unit/leaf.py);
+mark them before ``initialize``, which plans the units."""
 
 from __future__ import annotations
 
@@ -47,3 +51,29 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+def set_z3_leaf_modules(model, leaf_module_classes, raise_if_not_found: bool = True):
+    """Gather every module of these classes as one unit when it runs; returns the modules."""
+    from zerorun.zero.unit.leaf import set_leaf_modules
+
+    return set_leaf_modules(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model, leaf_module_classes, raise_if_not_found: bool = True):
+    from zerorun.zero.unit.leaf import set_leaf_modules
+
+    return set_leaf_modules(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def get_z3_leaf_modules(model):
+    """The modules marked as leaves (by ``set_z3_leaf_modules``)."""
+    from zerorun.zero.unit.leaf import marked_leaf_modules
+
+    return marked_leaf_modules(model)
+
+
+def z3_leaf_module(model) -> bool:
+    from zerorun.zero.unit.leaf import LEAF_ATTRIBUTE
+
+    return bool(getattr(model, LEAF_ATTRIBUTE, False))

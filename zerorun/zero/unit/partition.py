@@ -30,6 +30,7 @@ from torch import nn
 
 from zerorun.errors import RuntimeConfigError
 from zerorun.zero.unit.layout import ParamSpec, pack_buckets
+from zerorun.zero.unit.leaf import is_leaf
 from zerorun.zero.unit.storage import FROZEN_GROUP, FlatUnit
 
 from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units, stage3_units
@@ -81,6 +82,7 @@ def build_partition(
     bucket_numel: int,
     persistence_threshold: int,
     min_unit_numel: int = 0,
+    leaf_names: frozenset[str] = frozenset(),
     alignment: int = 1,
     shard_home=None,
     before_unit: Callable[[list[nn.Parameter]], None] | None = None,
@@ -106,7 +108,7 @@ def build_partition(
 
     assigned: set[int] = set()
     if stage == 3:
-        for owner, members in _coalesce_modules(model, persistence_threshold, min_unit_numel):
+        for owner, members in _coalesce_modules(model, persistence_threshold, min_unit_numel, leaf_names=leaf_names):
             by_group: dict[int, list[tuple[str, nn.Parameter]]] = {}
             for param in members:
                 assigned.add(id(param))
@@ -123,7 +125,8 @@ def build_partition(
     reduce_order = sorted(range(len(units)), key=lambda i: -min(registration[id(p)] for p in units[i].params))
     trainable = list(units)
     if stage == 3:  # Note [frozen units]: after the trainable ones, so those keep their indices
-        for owner, members in _coalesce_modules(model, persistence_threshold, min_unit_numel, trainable=False):
+        for owner, members in _coalesce_modules(model, persistence_threshold, min_unit_numel, trainable=False,
+                                                leaf_names=leaf_names):
             by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
             for param in members:
                 assigned.add(id(param))
@@ -145,9 +148,9 @@ def _buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int) -> list[l
             for bucket in pack_buckets([ParamSpec(n, p.numel()) for n, p in named], bucket_numel)]
 
 
-def module_tree(model: nn.Module) -> ModuleNode:
+def module_tree(model: nn.Module, leaf_names: frozenset[str] = frozenset()) -> ModuleNode:
     """The model as plain data for unit_plan.coalesce_units; a module reached twice appears once,
-    and a tied parameter has the same key wherever it is registered."""
+    and a tied parameter has the same key wherever it is registered. Leaves: unit/leaf.py."""
     seen: set[int] = set()
 
     def node(module: nn.Module, name: str) -> ModuleNode:
@@ -158,18 +161,20 @@ def module_tree(model: nn.Module) -> ModuleNode:
         )
         params = tuple(ParamNode(id(p), p.numel(), p.requires_grad, p.is_floating_point())
                        for p in module.parameters(recurse=False))
-        return ModuleNode(name, not isinstance(module, (nn.ModuleList, nn.ModuleDict)), params, children)
+        callable_ = not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        return ModuleNode(name, callable_, params, children, leaf=callable_ and is_leaf(module, leaf_names))
 
     return node(model, "")
 
 
 def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: int,
-                      trainable: bool = True) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+                      trainable: bool = True, leaf_names: frozenset[str] = frozenset(),
+                      ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """(owner module, parameters) of each partitioned unit from unit/plan.py's rules, over the
     trainable parameters or the frozen ones (Note [frozen units]); each parameter appears once."""
     modules = dict(model.named_modules())
     params: dict[Hashable, nn.Parameter] = {id(p): p for p in model.parameters()}
-    tree = module_tree(model)
+    tree = module_tree(model, leaf_names)
     if trainable:
         planned = stage3_units(tree, persistence_threshold, min_numel)
     else:

@@ -11,6 +11,11 @@ busy CPU; one per transformer block is what FSDP2 users wrap by hand. Smaller le
 travel upward as *pieces*, each remembering the callable module it came from; containers
 (ModuleList/ModuleDict) are never called, so they only pass pieces on; the root takes the rest.
 
+Note [leaf units]: a leaf module (an expert block: Note [expert blocks] in unit/leaf.py) is
+planned as if all of its subtree's parameters were its own: nothing inside it owns a unit, so
+whatever its children do, its parameters are gathered by its own call (or by an enclosing call
+that merged it as a piece), on every rank alike.
+
 Note [persistent units]: ``param_persistence_threshold`` applies to units, not to single
 parameters. A LayerNorm's weight inside a transformer block rides the block's gather at no
 extra cost, so it is sharded with the block (as FSDP2 shards it); kept whole it would cost every
@@ -55,6 +60,7 @@ class ModuleNode:
     callable: bool                     # False for containers that are never called
     params: tuple[ParamNode, ...]      # the module's own parameters, registration order
     children: tuple[ModuleNode, ...]
+    leaf: bool = False                 # gathered whole when it runs (Note [leaf units])
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,11 @@ def coalesce_units(root: ModuleNode, eligible: Callable[[ParamNode], bool], min_
 
     def visit(node: ModuleNode) -> list[tuple[str | None, list[ParamNode]]]:
         pieces: list[tuple[str | None, list[ParamNode]]] = []
-        for child in node.children:
-            pieces += visit(child)
+        if not node.leaf:
+            for child in node.children:
+                pieces += visit(child)
         own = []
-        for param in node.params:
+        for param in (_subtree_params(node) if node.leaf else node.params):
             if eligible(param) and param.key not in seen:
                 seen.add(param.key)
                 own.append(param)
@@ -101,6 +108,11 @@ def coalesce_units(root: ModuleNode, eligible: Callable[[ParamNode], bool], min_
     visit(root)
     owners = {name for name, _ in planned}
     return [PlannedUnit(name, tuple(params), _enclosing_owners(name, owners)) for name, params in planned]
+
+
+def _subtree_params(node: ModuleNode) -> list[ParamNode]:
+    """Note [leaf units]: a leaf's parameters, its children's included, in registration order."""
+    return list(node.params) + [p for child in node.children for p in _subtree_params(child)]
 
 
 def stage3_units(root: ModuleNode, persistence_threshold: int, min_numel: int) -> list[PlannedUnit]:
