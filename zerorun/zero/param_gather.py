@@ -197,14 +197,17 @@ class ParamGatherer:
     def read(self, record: UnitRecord, param: nn.Parameter) -> UsageError | None:
         """Note [reads outside forward]: ``param`` of ``record``'s unit is read while no module
         call gathers it. In a forward: gather and hold it, and note the use for the plan."""
-        if self.passes.state not in (PassState.FORWARD, PassState.RECOMPUTE):
+        # Autograd's own reads in backward count too: a compiled backward (AOT autograd) checks
+        # the parameters it saved.
+        in_autograd = self.passes.state is PassState.BACKWARD and in_backward()
+        if self.passes.state not in (PassState.FORWARD, PassState.RECOMPUTE) and not in_autograd:
             name = next(n for n, p in zip(record.unit.names, record.unit.params, strict=True) if p is param)
             return param_access.refusal(name)
         record.gathering.hold()
         self._pinned.append(record)
         record.unit.gather(self.group)
-        if self.passes.recomputing:
-            return None  # the plan is forward's: a recomputation repeats it
+        if self.passes.state is not PassState.FORWARD:
+            return None  # the plan is forward's: a recomputation or a backward repeats it
         self._unwatch(record)
         stack = self._observer.stack() if self._observer.active else None
         self._stranded.setdefault(record, []).append((None, stack))
