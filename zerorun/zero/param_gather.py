@@ -5,7 +5,9 @@ prefetch when one was issued) and prefetches the units of the module that ran ne
 previous forward; a post-hook releases them and, when autograd will come back, hooks the
 module's outputs so the units are gathered again right before the module's backward.
 Backward: units are released as soon as all their gradients have arrived (the reducer tells
-us), and anything still gathered is released when backward ends.
+us), and anything still gathered is released when backward ends. A recomputation for activation
+checkpointing, of any kind, is a pass state of its own (RECOMPUTE, Note [pass state] in
+gather_pass.py): its calls gather and hold their units, record nothing, and release nothing.
 
 Note [gather follows use]: a unit is planned with an owner (unit/plan.py), but a model may use
 a parameter without calling its owner's forward: OPT's ``OPTForCausalLM`` calls
