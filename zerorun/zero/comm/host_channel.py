@@ -395,7 +395,7 @@ class Transfer:
         self._error: BaseException | None = None
 
     def finish(self) -> None:
-        self.output = self.input = None  # type: ignore[assignment]  # the caller owns them again
+        self.output = self.input = None  # the caller owns them again
         self._done.set()
 
     def fail(self, error: BaseException) -> None:
