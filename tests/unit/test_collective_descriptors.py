@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_collective_agreement.py — descriptors, phases and the mismatch message
+"""pytest tests/unit/test_collective_descriptors.py — descriptors, phases and the mismatch message
 (zerorun/zero/comm/agreement.py), and the launcher's reading of a mismatch (launch/watchdog.py)."""
 
 from __future__ import annotations

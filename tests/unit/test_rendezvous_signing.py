@@ -1,4 +1,4 @@
-"""pytest tests/unit/test_rendezvous.py — the signed store and the pair proof (Note [authenticated rendezvous]).
+"""pytest tests/unit/test_rendezvous_signing.py — the signed store and the pair proof (Note [authenticated rendezvous]).
 
 The store's values are usable only when their tag proves the secret; two ranks that hold the
 same secret pass the pair proof, and a rank facing a peer without it (an impostor in a gloo

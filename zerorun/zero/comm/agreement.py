@@ -1,6 +1,6 @@
 """What a collective is, and the ranks' check that they agree on it before any value is used.
 
-    pytest tests/unit/test_collective_agreement.py tests/distributed/test_collective_agreement.py
+    pytest tests/unit/test_collective_descriptors.py tests/distributed/test_collective_agreement.py
 
 Note [collective agreement]: an SPMD runtime pairs the ranks' collectives by their order alone.
 When one rank does different work (an extra eval forward, ``generate`` of more tokens without

@@ -3,7 +3,7 @@ address, and a proof between every pair of ranks before any tensor moves.
 
 Used by comm/process_group.py (the engine's group) and deepspeed/comm.py (``init_distributed``)
 when the launcher asked for it (ZERORUN_RENDEZVOUS=signed beside ZERORUN_RUN_TOKEN); tests:
-tests/unit/test_rendezvous.py, tests/e2e/test_rendezvous.py.
+tests/unit/test_rendezvous_signing.py, tests/e2e/test_rendezvous.py.
 
 Note [authenticated rendezvous]: torch's env:// rendezvous is a TCPStore on MASTER_PORT that
 anyone who can reach the port may read (``list_keys``) and write, with no authentication, and
