@@ -84,7 +84,7 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a benchmark baseline (FSDP2 + HF recompute), not zerorun code: minutes on 2 cores
 @pytest.mark.timeout(600)
 def test_the_benchmarks_fsdp2_baseline_recomputes_what_its_forward_saw(tmp_path):
     found = spawn_and_collect(worker, tmp_path, 1)[0]
