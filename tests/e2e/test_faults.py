@@ -313,7 +313,10 @@ def test_hostile_inputs_are_one_line_each_about_as_fast_as_a_dry_run(tmp_path):
 
 FORGER = r'''
 import json, os, time
-fd, token, rank = int(os.environ["ZERORUN_TELEMETRY_FD"]), os.environ["ZERORUN_RUN_TOKEN"], int(os.environ["RANK"])
+from zerorun.telemetry import get_recorder
+# The boot recorder took the pipe's variable out of the environment (Note [any script is
+# visible]); a hostile script still finds the descriptor through the recorder it runs beside.
+fd, token, rank = get_recorder().writer.fd, os.environ["ZERORUN_RUN_TOKEN"], int(os.environ["RANK"])
 def send(**fields):
     os.write(fd, (json.dumps({"v": 1, "token": token, "host": "h", "t": time.time(), **fields}) + "\n").encode())
 if rank == 1:
