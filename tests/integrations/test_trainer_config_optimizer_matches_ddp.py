@@ -50,6 +50,9 @@ class _Capture:
     def set_total_steps(self, total_steps):
         pass
 
+    def observe_collectives(self):
+        pass  # get_recorder() subscribes the process's recorder to the collectives; this one keeps losses only
+
     def record_activity(self, what, nbytes):
         pass
 
