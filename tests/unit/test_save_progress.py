@@ -42,6 +42,9 @@ class _Activities:
     def set_total_steps(self, total_steps):
         pass
 
+    def observe_collectives(self):
+        pass  # get_recorder() subscribes the process's recorder to the collectives
+
 
 def test_a_save_reports_growing_bytes_then_ends_its_activity(tmp_path, monkeypatch):
     capture = _Activities()
