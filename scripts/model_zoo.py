@@ -9,7 +9,7 @@ own. All families share one 2-rank world, trained in turn (a world per family wo
 of its time starting processes and importing transformers); if a family takes the world down,
 a new world goes on with the next one. The table goes to ``--out`` (docs/zoo.md).
 
-``--fine`` runs the fine set instead (``fine_plan_jobs``, table in docs/zoo_fine.md): every module
+``--fine`` runs the fine set instead (``fine_plan_jobs``, its table written to docs/zoo_fine.md): every module
 that holds parameters gathers its own unit (``allgather_bucket_size: 1``), as a real model's
 blocks and experts do, with the CPU gather pool on and off (off, units free and re-allocate
 their storage as CUDA units do); the text families also under Hugging Face's gradient

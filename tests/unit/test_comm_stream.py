@@ -173,6 +173,7 @@ class FakeCudaTensor:
 
     is_cuda = True
     device = torch.device("cuda", 0)
+    dtype = torch.float32  # read by the collective's descriptor (Note [collective agreement])
 
     def numel(self):
         return 16
@@ -273,7 +274,7 @@ def _reducer_with_fake_collectives(monkeypatch, device_finished):
     waited: list[int] = []
     launched: list[int] = []
 
-    def reduce_scatter(output, input, *, group, async_op=False):
+    def reduce_scatter(output, input, *, group, async_op=False, unit=None):
         launched.append(len(launched))
         return FakeHandle(launched[-1], waited, device_finished)
 

@@ -2,7 +2,7 @@
 
 Used by checkpoint/save.py (``peft_configs``: a PEFT model's adapter configs go into the
 manifest) and checkpoint/consolidate.py (``--like`` / ``--hf-config``); tests:
-tests/e2e/test_consolidate_like.py.
+tests/unit/test_consolidate_like.py.
 
 Note [names that fit]: ``consolidate --like BASE`` wrote whatever names the engine's module had.
 For a PEFT model those are ``base_model.model.…q_proj.base_layer.weight`` and
