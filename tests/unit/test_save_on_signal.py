@@ -45,7 +45,7 @@ def train_step(engine):
 def test_sigusr1_saves_at_the_next_step_and_stops_the_worker(tmp_path, armed):
     engine = engine_for(tmp_path)
     train_step(engine)
-    assert not (tmp_path / "ckpt").exists()  # no signal, no save
+    assert not (tmp_path / "ckpt" / "latest").exists()  # no signal, no save (the directory itself is taken at start)
     os.kill(os.getpid(), signal.SIGUSR1)  # noted only: the process lives on
     with pytest.raises(SystemExit) as stopped:
         train_step(engine)
@@ -69,7 +69,7 @@ def test_in_a_slurm_job_the_first_sigterm_waits_for_the_verdict_and_is_no_save(t
     engine = engine_for(tmp_path)
     os.kill(os.getpid(), signal.SIGTERM)  # the test process lives on
     train_step(engine)
-    assert not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "ckpt" / "latest").exists()  # no save (the directory is taken at start)
     os.kill(os.getpid(), signal.SIGUSR1)  # the verdict: preempted, save
     with pytest.raises(SystemExit):
         train_step(engine)
