@@ -15,8 +15,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from gloo_world import spawn_and_collect
 
 STEPS = 5
 HOLD_S = 4.0  # how long rank 1 stays out of the final barrier
@@ -103,6 +105,48 @@ def test_two_ranks_stream_memory_comm_steps_and_a_hang(tmp_path):
     summary = text[text.index("zerorun summary"):]
     assert "broadcast s" in summary and "all_reduce s" in summary and "barrier s" in summary
     assert "(5×)" in summary and "samples/s" in summary
+
+
+def engine_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """A recorder started before zerorun's collectives were imported (worker/boot does that),
+    not yet subscribed to them: building an engine must subscribe it before its first one."""
+    import torch
+    import torch.distributed as dist
+
+    import zerorun
+    import zerorun.telemetry as telemetry
+
+    class Boot(telemetry.NullRecorder):
+        def __init__(self):
+            self.ops: list[str] = []
+
+        def observe_collectives(self):  # as Recorder.observe_collectives, the observer part
+            from zerorun.zero.comm import collectives
+
+            if self not in collectives._observers:
+                collectives.add_observer(self)
+
+        def collective_started(self, seq, op, nbytes):
+            pass
+
+        def collective_finished(self, seq, op, nbytes, seconds, waited):
+            self.ops.append(op)
+
+    boot = Boot()
+    telemetry._recorder, telemetry._created = boot, True
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # different weights: rank 0's are broadcast
+    zerorun.initialize(torch.nn.Linear(4, 3), None, {"zero": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"ops": boot.ops}))
+
+
+@pytest.mark.slow
+def test_every_rank_counts_the_engines_first_broadcast(tmp_path):
+    """Note [every collective counted] in zerorun/zero/engine.py: under srun on two nodes, node
+    1's rank showed "-" for broadcast in the summary (its recorder subscribed after it)."""
+    results = spawn_and_collect(engine_worker, tmp_path, 2)
+    for rank in (0, 1):
+        assert "broadcast" in results[rank]["ops"], (rank, results[rank])
 
 
 def _pump(view, host: str, read_fd: int) -> None:

@@ -82,6 +82,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
     first = next(model.parameters(), None)
     if first is None:
         raise RuntimeConfigError("the model has no parameters to train")
+    get_recorder()  # subscribed before any collective of ours: Note [every collective counted] in Engine
     pg = resolve_process_group(first.device)  # this worker's device: a model built elsewhere moves there
     cfg = load_config(cfg, world_size=pg.world_size)
     with agreement.phase("setup"):
@@ -199,6 +200,11 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                  state_home_for: Callable[[FlatUnit], Home] | None = None):
         self.config = cfg
         self.pg = pg
+        # Note [every collective counted]: the worker's recorder subscribes to our collectives
+        # before the first one (initialize's process group, the broadcast below). Subscribed
+        # later, a rank counted that broadcast only when its sampling thread happened to subscribe
+        # first, and the summary showed "-" for the other rank.
+        self._recorder = get_recorder()
         first = next(model.parameters())
         materializer = None
         on_meta = any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
@@ -267,7 +273,6 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self._window_loss: torch.Tensor | float = 0.0
         self._window_samples = 0
         self._step_started = time.perf_counter()
-        self._recorder = get_recorder()
         # Note [trim after step] in host_memory.py; 0 = never.
         self._trim_every = trim_interval(os.environ) if self.stage == 3 and self.pg.device.type == "cpu" else 0
         param_access.refuse_resizing(model, self.stage)  # Note [resize before initialize]
