@@ -438,3 +438,45 @@ def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a GPU worker: restored
     rng.load_rng(Reader(), manifest, 0)
     assert len(restored) == 1 and torch.equal(restored[0][0], torch.zeros(8))
+
+
+def test_a_rank_resumed_under_another_gpu_binding_gets_its_own_gpus_generator(monkeypatch):
+    """Note [own GPU's generator] (checkpoint/rng.py): saved on cuda:3 with four GPUs visible,
+    resumed with one GPU visible (cuda:0), the rank's generator is the one it saved. Before,
+    every visible GPU's state was saved and restored by index: cuda:0 got GPU 0's, another rank's."""
+    from zerorun.zero.checkpoint import rng
+
+    def state(index):
+        return torch.full((8,), index, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": state(int(device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [state(i) for i in range(4)])
+    saved = rng.torch_rng()
+
+    class Source:
+        def keys(self):
+            return list(saved)
+
+        def read(self, key):
+            return saved[key]
+
+    class Reader:
+        def file(self, name):
+            return Source()
+
+    restored: dict[int, torch.Tensor] = {}
+
+    def set_all(states):
+        restored.update(enumerate(states))
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.__setitem__(int(device), s))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+    manifest = {"ranks": [{"rng": json.loads(json.dumps(rng.python_rng()))}]}
+    rng.load_rng(Reader(), manifest, 0)
+    assert torch.equal(restored[0], state(3)), restored
