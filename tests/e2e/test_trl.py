@@ -1,19 +1,22 @@
 """pytest -m long tests/e2e/test_trl.py — TRL 1.16's SFTTrainer, DPOTrainer and RewardTrainer,
-unchanged, with a ``deepspeed=`` ZeRO-2 config full of "auto", under ``zerorun --nproc 2 --as-deepspeed``.
+unchanged, with ``deepspeed=`` ZeRO-2/ZeRO-3 configs full of "auto", under ``zerorun --nproc 2 --as-deepspeed``.
 
 The script (tests/data/trl/trl_script.py) imports nothing of zerorun; TRL's defaults stand,
 gradient checkpointing on among them, but for fp32. Models: a tiny Llama (untied head) and a
 tiny GPT-2 (tied), saved to local directories by the script itself. Each run is compared with
 the same script under torchrun DDP (2 CPU ranks): every logged loss within 1e-4 relative (fp32;
-the sharded and the DDP reductions sum in another order; observed: bit-equal). Full fine-tuning
-and LoRA (PEFT: the base frozen). DPO's reference model is TRL's ``prepare_deepspeed`` engine
-(stage 0 below ZeRO-3, as TRL asks).
+the sharded and the DDP reductions sum in another order; observed 2026-11-28 at ZeRO-2:
+bit-equal but DPO, 8.5e-8). Full fine-tuning and LoRA (PEFT: the base frozen). DPO's reference
+model is TRL's ``prepare_deepspeed`` engine (stage 0 below ZeRO-3, as TRL asks).
 
-ZeRO-3 (tests/data/trl/ds_zero3.json) waits for stage 3's recomputation under gradient
-checkpointing and its frozen-parameter partitioning (issue 37): a full fine-tune ends in SIGSEGV
-in the first backward today. Its assertions are in ``check_reference`` already: DPO's reference
-model at ZeRO-3, built with three dotted ``"zero_optimization.*"`` names at the top level of its
-config (ignored, as DeepSpeed ignores them), must hold at most 1/N of its bytes per rank.
+At ZeRO-3 (tests/data/trl/ds_zero3.json): SFT and DPO, full and LoRA, Llama and GPT-2, with the
+model recomputing under gradient checkpointing (``model_checkpointing``: TRL's default reached the
+model; stage 3 gathers again in the recomputation). Every logged loss within 1e-4 of DDP
+(observed 2026-11-28: four of six bit-equal, DPO Llama full 1.7e-7, SFT GPT-2 full 8.1e-8).
+DPO's reference model (full fine-tune; with LoRA the reference is the model with its adapters
+off), built by TRL with three dotted ``"zero_optimization.*"`` names at the top level of its
+config (ignored, as DeepSpeed ignores them), holds at most 1/N of its bytes per rank, 2% allowed
+for padding (``check_reference``; observed exactly 1/2). Each run takes 40-90 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ SCRIPT = DATA / "trl_script.py"
 BIN = Path(sys.executable).parent
 RTOL = 1e-4
 # TRAINER-MODEL-{full,lora}-{z2,z3}; each is compared with TRAINER-MODEL-{full,lora}-ddp.
-RUNS = ["sft-llama-full-z2", "sft-gpt2-lora-z2", "dpo-llama-full-z2", "reward-llama-full-z2"]
+RUNS = ["sft-llama-full-z2", "sft-gpt2-lora-z2", "dpo-llama-full-z2", "reward-llama-full-z2",
+        # ZeRO-3: full and LoRA, Llama and GPT-2, DPO's reference model partitioned (check_reference)
+        "sft-llama-full-z3", "sft-gpt2-lora-z3", "dpo-llama-full-z3", "dpo-gpt2-lora-z3", "sft-gpt2-full-z3",
+        "dpo-llama-lora-z3"]
 
 
 def parse(name: str) -> tuple[str, str, bool, int | None]:
@@ -87,8 +93,11 @@ def test_trl_trainer_on_zerorun_matches_ddp(trl_runs, name):
     assert ours["wrapped"] == "zerorun.zero.engine.Engine"
     assert ddp["wrapped"].endswith("DistributedDataParallel")
     assert ours["gradient_checkpointing"] and ddp["gradient_checkpointing"]  # TRL's default, kept
+    assert ours["model_checkpointing"] and ddp["model_checkpointing"]  # and the model recomputes
     assert len(ours["loss"]) == len(ddp["loss"]) == 4
-    assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(ours["loss"], ddp["loss"], strict=True)), (ours["loss"], ddp["loss"])
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours["loss"], ddp["loss"], strict=True))
+    print(f"{name}: largest relative loss difference to DDP {worst:.2e}")  # seen with -s
+    assert worst <= RTOL, (ours["loss"], ddp["loss"])
     if trainer == "dpo" and not lora:
         check_reference(ours, output, stage)
 
@@ -100,6 +109,7 @@ def check_reference(ours: dict, output: str, stage: int | None) -> None:
     assert reference["wrapped"] == "zerorun.zero.engine.Engine"
     if stage == 3:
         assert "'zero_optimization.reduce_bucket_size' (a dotted name at the top level): ignored" in output
+        print(f"reference model: {reference['held']} of {reference['whole']} bytes on rank 0")
         assert reference["held"] <= 0.5 * reference["whole"] * 1.02, reference
     else:  # stage 0, as TRL asks below ZeRO-3: whole on every rank
         assert reference["held"] >= reference["whole"], reference

@@ -115,6 +115,8 @@ def main():
     trainer.train()
     result = {"loss": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
               "gradient_checkpointing": bool(args.gradient_checkpointing),
+              # whether the model itself recomputes (PEFT's wrapper passes the attribute through)
+              "model_checkpointing": bool(getattr(trainer.model, "is_activation_checkpointing", False)),
               "wrapped": type(trainer.model_wrapped).__module__ + "." + type(trainer.model_wrapped).__name__}
     reference = getattr(trainer, "ref_model", None)
     if reference is not None and hasattr(reference, "memory_breakdown"):
