@@ -48,6 +48,8 @@ PPO_RUNS = {
     "ppo-stage2": ("ppo", 2, []),
     "ppo-stage2-hybrid": ("ppo", 2, ["--enable_hybrid_engine"]),
     "ppo-stage3-hybrid": ("ppo", 3, ["--enable_hybrid_engine"]),
+    # and with --actor_gradient_checkpointing, as 9 of the 12 launch scripts pass it
+    "ppo-stage3-hybrid-ckpt": ("ppo", 3, ["--enable_hybrid_engine", "--actor_gradient_checkpointing"]),
 }
 RUNS.update(PPO_RUNS)
 PPO_LINE = re.compile(r"Epoch: (\d+) \| Step: (\d+) \| PPO Epoch: \d+ \| Actor Loss: (\S+) \| Critic Loss: (\S+)")

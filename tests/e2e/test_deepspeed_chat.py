@@ -3,7 +3,8 @@ unchanged, under ``zerorun --nproc 2 --as-deepspeed``.
 
 Step 3 runs with the flags of DeepSpeed-Chat's run_1.3b.sh, ``--enable_hybrid_engine`` among them
 (the tests at the end): at stage 2 it equals the run without the flag in every loss and generated
-answer, and at stage 3 it runs to the end. The rest of this docstring is about steps 1 and 2.
+answer, and at stage 3 it runs to the end, with ``--actor_gradient_checkpointing`` too (equal to
+the stage-3 run without it). The rest of this docstring is about steps 1 and 2.
 
 The programs (tests/data/deepspeed_chat, SOURCE.md) import ``deepspeed`` by its own name and use
 what DeepSpeed-Chat uses: ``get_accelerator`` from the top level, ``ZeroParamStatus``,
@@ -264,3 +265,20 @@ def test_ppo_with_the_hybrid_engine_flag_runs_at_stage3(chat):
     assert len(ours) == 2 * 16 and all(math.isfinite(loss) for loss in ours)
     assert len(parity.ppo_answers(output)) == 16
     assert ours[:2] == pytest.approx(stage2[:2], rel=2 * BF16_STEP), (ours[:2], stage2[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.timeout(1500)
+def test_ppo_with_actor_gradient_checkpointing_at_stage3_equals_the_run_without_it(chat):
+    """``--actor_gradient_checkpointing`` (9 of the 12 step-3 launch scripts pass it) with the
+    hybrid engine at stage 3: DeepSpeed-Chat turns the actor's checkpointing on around each PPO
+    update through the engine (``engine.gradient_checkpointing_enable()``, the model's own), so
+    backward recomputes each layer, gathering its units again (Note [pass state]). Recomputation
+    repeats the same forward (dropout 0), so every loss and answer equals the run without it."""
+    parity, _workdir, run = chat
+    (plain, _), (checkpointed, output) = run("ppo-stage3-hybrid"), run("ppo-stage3-hybrid-ckpt")
+    assert len(checkpointed) == 2 * 16 and all(math.isfinite(loss) for loss in checkpointed)
+    assert checkpointed == plain
+    answers = parity.ppo_answers(output)
+    assert len(answers) == 16 and answers == parity.ppo_answers(run("ppo-stage3-hybrid")[1])
