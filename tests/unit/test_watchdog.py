@@ -163,3 +163,18 @@ def test_the_closing_block_names_the_rank_the_first_failure_blamed():
     assert supervisor._failure.rank == 0
     supervisor._handle("localhost", {"t": "exit", "rank": 1, "rc": 1})
     assert supervisor._failure.rank == 1 and "8 KiB free" in supervisor._failure.log_tail[-1]
+
+
+def test_a_job_whose_every_rank_is_exiting_gets_the_exit_allowance_not_the_hang_timeout():
+    """Note [exiting is not a hang]: under load (pytest --busy 2) a job that had saved and ended
+    its script was ended as a HANG 4 s into the interpreter's teardown (test_faults' slow save)."""
+    from zerorun.launch.watchdog import EXIT_ALLOWANCE_S, ProgressWatch
+
+    watch = ProgressWatch(4.0, 0.0)
+    assert watch.expired(5.0)  # training and silent for 5 s: a hang
+    watch.exiting = True
+    assert not watch.expired(5.0) and not watch.expired(EXIT_ALLOWANCE_S - 0.1)
+    assert watch.expired(EXIT_ALLOWANCE_S)  # a teardown that never ends is still one
+    long = ProgressWatch(600.0, 0.0)
+    long.exiting = True
+    assert not long.expired(599.0) and long.expired(600.0)  # a longer --hang-timeout is kept

@@ -9,6 +9,13 @@ worker print its Python stacks (faulthandler, on SIGABRT) and ends the job. The 
 the cause: ranks waiting for the others sit inside a collective (torch.distributed or
 zerorun.zero.comm); the rank that is elsewhere is the one they wait for.
 
+Note [exiting is not a hang]: once every running rank has ended its script (its recorder says
+"leaving", then "bye"), what is left is the exit barrier and the interpreter's teardown: the
+process group, threads, modules. Nothing reports progress there, and on a loaded machine it takes
+seconds (a 4 s --hang-timeout ended a job that had saved and finished). Such a job is judged
+hung only after ``EXIT_ALLOWANCE_S`` (the exit barrier's own limit) or the hang timeout,
+whichever is longer; a rank still training is judged as before.
+
 Note [start-up is not a hang]: importing torch from a slow shared file system, reading a data
 set or compiling can keep a rank silent for minutes before it does anything collective, and a
 silent rank there is slow, not stuck. So the hang clock runs only once *every* rank has started:
@@ -48,6 +55,9 @@ _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call f
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 
 
+EXIT_ALLOWANCE_S = 30.0  # Note [exiting is not a hang]: the exit barrier's limit (comm/process_group.py)
+
+
 class ProgressWatch:
     """When did anything last move? ``timeout_s`` 0 means never time out.
 
@@ -63,6 +73,8 @@ class ProgressWatch:
         self.last_progress = now
         self.starting = set(ranks)
         self._marks: dict = {}
+        # Every running rank has ended its script (Note [exiting is not a hang]).
+        self.exiting = False
 
     def rank_started(self, rank: int, now: float) -> None:
         if rank in self.starting:
@@ -84,7 +96,8 @@ class ProgressWatch:
         return 0.0 if self.starting else now - self.last_progress
 
     def expired(self, now: float) -> bool:
-        return self.timeout_s > 0 and not self.starting and self.idle_s(now) >= self.timeout_s
+        limit = max(self.timeout_s, EXIT_ALLOWANCE_S) if self.exiting else self.timeout_s
+        return self.timeout_s > 0 and not self.starting and self.idle_s(now) >= limit
 
     def startup_expired(self, now: float) -> bool:
         return self.startup_timeout_s > 0 and bool(self.starting) and now - self.launched_at >= self.startup_timeout_s

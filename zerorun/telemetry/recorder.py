@@ -129,7 +129,13 @@ class Recorder:
         if self._poll_collectives is not None:
             return
         collectives = sys.modules.get("zerorun.zero.comm.collectives")
-        if collectives is None:
+        # Note [a module still importing]: the sampling thread can find the module in sys.modules
+        # while the main thread is still executing it, before add_observer exists (a loaded machine
+        # widens that window to seconds). Subscribing then raised AttributeError and ended the
+        # sampling thread: no sample, step or save progress reached the launcher again, and its
+        # hang watchdog ended a healthy job. Such a module is left for the next sample.
+        if collectives is None or getattr(getattr(collectives, "__spec__", None), "_initializing", False) \
+                or not hasattr(collectives, "add_observer") or not hasattr(collectives, "poll_timings"):
             return
         collectives.add_observer(self)
         self._poll_collectives = collectives.poll_timings
@@ -285,7 +291,10 @@ class Recorder:
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.observe_collectives()
+            try:
+                self.observe_collectives()
+            except Exception:
+                pass  # never end the sampling thread over it: the next sample tries again
             self.send_sample()
 
     def _send(self, kind: str, **fields) -> None:
