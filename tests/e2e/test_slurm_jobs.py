@@ -508,6 +508,20 @@ def test_the_sbatch_template_runs_as_a_new_user_would(cluster, tmp_path):
     assert list((tmp_path / "zerorun-runs").glob("*/logs/rank1.log"))
 
 
+def test_the_init_train_py_runs_under_srun_python_without_the_launcher(cluster, tmp_path):
+    """Issue 39: the ``zerorun init`` train.py under ``srun -N2 -n2 python train.py`` read
+    WORLD_SIZE (unset there) before ``initialize`` and failed "batch.train_batch_size = 4: must
+    equal ... = 8"; initialize, which knows the world, now checks the batch sizes."""
+    env = job_env(cluster)
+    done = subprocess.run([str(BIN / "zerorun"), "init"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    done = cluster.run(["srun", "-N2", "-n2", str(BIN / "python"), "train.py", "--steps", "3"], cwd=tmp_path,
+                       env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3/3  loss" in done.stdout, done.stdout[-2000:]
+
+
 def test_a_time_limit_signal_in_the_first_seconds_requeues_without_a_kill_then_completes(cluster, reference, tmp_path):
     """--time=2 --signal=B:USR1@110: Slurm's timer fires within the first seconds (it may send the
     signal up to a minute early), before or while the launcher plans; the launcher has handled

@@ -48,8 +48,9 @@ def reference_run(tmp: Path) -> tuple[dict, dict]:
     return json.loads((out / "losses.json").read_text()), json.loads((out / "world.json").read_text())
 
 
-def preempt_and_finish(cluster: SlurmCluster, tmp: Path, config: str) -> tuple[str, str]:
-    """Run the low job, preempt it after 8 steps, let it resume and end; (job id, its log)."""
+def preempt_and_finish(cluster: SlurmCluster, tmp: Path, config: str, after_steps: int = 8) -> tuple[str, str]:
+    """Run the low job, preempt it after ``after_steps`` steps (0: as soon as Slurm runs it, before
+    the launcher has started its steps), let it resume and end; (job id, its log)."""
     out = tmp / "job"
     out.mkdir()
     (out / "zerorun.yaml").write_text(config)
@@ -58,8 +59,12 @@ def preempt_and_finish(cluster: SlurmCluster, tmp: Path, config: str) -> tuple[s
                                                      "0.5"),
                  "-N2", "--ntasks-per-node=1", "--exclusive", "--requeue", "--open-mode=append")
     log = out / f"slurm-{job}.out"
-    wait_for(lambda: (out / "losses.json").exists() and len(json.loads((out / "losses.json").read_text())) >= 8,
-             180, "eight steps")
+    if after_steps:
+        wait_for(lambda: (out / "losses.json").exists()
+                 and len(json.loads((out / "losses.json").read_text())) >= after_steps, 180, f"{after_steps} steps")
+    else:
+        wait_for(lambda: cluster.run(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip() == "RUNNING", 60,
+                 "the job to run")
     high = cluster.run(["sbatch", "--parsable", "-p", "high", "-N2", "--exclusive", "-o", str(tmp / "high.out"),
                         "--wrap", "sleep 2"], cwd=tmp, env=job_env(cluster), timeout=30)
     assert high.returncode == 0, high.stderr
@@ -83,6 +88,19 @@ def preempt_and_finish(cluster: SlurmCluster, tmp: Path, config: str) -> tuple[s
     return job, text
 
 
+def preempted_and_resumed(tmp: Path, grace_time: int, config: str, after_steps: int = 8):
+    """The reference run, then a cluster with ``grace_time`` and ``preempt_and_finish`` on it:
+    (job id, its log, the log of its first start, the reference)."""
+    reference = reference_run(tmp)
+    cluster = start_cluster(tmp, grace_time=grace_time)
+    try:
+        job, log = preempt_and_finish(cluster, tmp, config, after_steps)
+    finally:
+        cluster.stop()
+    assert "resumed from" in log, log[-4000:]
+    return job, log, log[:log.index("resumed from")], reference
+
+
 def assert_bit_identical(out: Path, reference: tuple[dict, dict]) -> None:
     losses = json.loads((out / "losses.json").read_text())
     assert sorted(map(int, losses)) == list(range(STEPS))
@@ -91,14 +109,8 @@ def assert_bit_identical(out: Path, reference: tuple[dict, dict]) -> None:
 
 
 def test_preempted_with_a_grace_time_saves_requeues_and_resumes_bit_exactly(tmp_path):
-    reference = reference_run(tmp_path)
-    cluster = start_cluster(tmp_path, grace_time=30)
-    try:
-        job, log = preempt_and_finish(
-            cluster, tmp_path, "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, requeue: true, resume: true}\n")
-    finally:
-        cluster.stop()
-    first_run = log[:log.index("resumed from")]
+    job, log, first_run, reference = preempted_and_resumed(
+        tmp_path, 30, "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, requeue: true, resume: true}\n")
     # Note [preemption grace]: the start says how long a save on preemption may take.
     assert "Slurm: partition low preempts with a 30 s grace time" in first_run, first_run[-3000:]
     closing = [line for line in first_run.splitlines() if line.startswith("zerorun: preempted")]
@@ -114,17 +126,29 @@ def test_preempted_with_a_grace_time_saves_requeues_and_resumes_bit_exactly(tmp_
 
 
 def test_preempted_without_a_grace_time_resumes_from_the_interval_checkpoint(tmp_path):
-    reference = reference_run(tmp_path)
-    cluster = start_cluster(tmp_path, grace_time=0)
-    try:
-        job, log = preempt_and_finish(
-            cluster, tmp_path,
-            "zero: {stage: 2}\ncheckpoint: {dir: ckpt, interval_steps: 5, on_signal: true, requeue: true, resume: true}\n")
-    finally:
-        cluster.stop()
-    first_run = log[:log.index("resumed from")]
+    job, log, first_run, reference = preempted_and_resumed(
+        tmp_path, 0,
+        "zero: {stage: 2}\ncheckpoint: {dir: ckpt, interval_steps: 5, on_signal: true, requeue: true, resume: true}\n")
     assert "grace time" not in first_run  # GraceTime=0: no grace to fit a save in, so none is named
     assert "zerorun: preempted or requeued (SIGTERM; Slurm requeued the job)" in first_run, first_run[-3000:]
     resumed = log[log.index("resumed from"):].splitlines()[0]
     assert "/global_step5 " in resumed or "/global_step10 " in resumed or "/global_step15 " in resumed, resumed
+    assert_bit_identical(tmp_path / "job", reference)
+
+
+def test_preempted_before_the_steps_exist_saves_at_the_first_step_and_resumes_bit_exactly(tmp_path):
+    """Issue 39, Note [a preemption before the steps] (launch/supervisor.py): preempted while the
+    launcher starts, before any agent step exists to get Slurm's SIGTERM, the job trained through
+    the grace and restarted from step 0. The launcher finds the preemption in the job's record
+    once every rank has joined; every rank saves at the first step, the job is requeued and
+    resumes bit-exactly."""
+    job, log, first_run, reference = preempted_and_resumed(
+        tmp_path, 60, "zero: {stage: 2}\ncheckpoint: {dir: ckpt, on_signal: true, requeue: true, resume: true}\n",
+        after_steps=0)
+    assert "Slurm preempted the job before its steps started" in first_run, first_run[-3000:]
+    closing = [line for line in first_run.splitlines() if line.startswith("zerorun: preempted")]
+    assert closing and closing[-1].startswith("zerorun: preempted (SIGTERM): every rank saved a checkpoint and stopped"), \
+        first_run[-3000:]
+    saved = int((tmp_path / "job" / "ckpt" / "latest").read_text().strip().removeprefix("global_step"))
+    assert 1 <= saved < 8, saved  # at the first steps, not trained through the grace
     assert_bit_identical(tmp_path / "job", reference)

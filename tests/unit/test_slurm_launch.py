@@ -190,7 +190,8 @@ def test_a_preemption_that_killed_the_workers_says_what_the_requeued_job_resumes
     ctx = slurm.detect({"SLURM_JOB_ID": "77"})
     asked = []
     monkeypatch.setattr(signals, "requeue_slurm_job", lambda job_id: asked.append(job_id))
-    job = SimpleNamespace(slurm=ctx, requeue=True, save_on_signal=False)
+    interval = '{"checkpoint": {"dir": "ckpt", "interval_steps": 5}}'
+    job = SimpleNamespace(slurm=ctx, requeue=True, save_on_signal=False, config_json=interval)
     # Ended within the grace time: Slurm counts the job as ended, so the launcher requeues it.
     assert run.after_preemption(job, "preempted") == (
         "; nothing was saved on the signal: the requeued job resumes from the last interval checkpoint; job 77 requeued")
@@ -202,6 +203,12 @@ def test_a_preemption_that_killed_the_workers_says_what_the_requeued_job_resumes
     assert run.after_preemption(job, "cancelled") == ""
     monkeypatch.setattr(signals, "slurm_stop_cause", lambda ctx: "preempted")
     assert run.stop_reason(job, signal.SIGTERM).startswith("preempted (SIGTERM); nothing was saved on the signal")
+    # No interval checkpoint configured: the line does not promise one.
+    for config_json in ('{"checkpoint": {"dir": "ckpt", "interval_steps": 0}}', "{}"):
+        bare = SimpleNamespace(slurm=ctx, requeue=False, save_on_signal=False, config_json=config_json)
+        for said in (run.after_preemption(bare, "requeued"), run.stop_reason(bare, signal.SIGTERM)):
+            assert "interval checkpoint" not in said, said
+            assert "the last checkpoint the script saved, if any, else from the start" in said, said
 
 
 @pytest.mark.parametrize("first_failure, status", [(None, 0), (1, 1), (-15, 143), (-9, 137), (300, 255)])
@@ -232,3 +239,141 @@ def test_an_agent_records_the_failure_of_its_own_workers_not_the_ones_it_stopped
     threading.Thread(target=stopped.stop).start()
     stopped.wait()
     assert stopped.first_failure is None  # ended by the launcher's stop: its step ends as told
+
+
+@pytest.mark.parametrize("cause, header", [("cancelled", "cancelled"), ("preempted", "preempted"),
+                                           ("node failure", "ended by a node failure"), (None, "failed")])
+def test_the_summary_header_says_how_slurm_ended_the_job_as_the_closing_line_does(tmp_path, cause, header):
+    """Issue 39: scancel killed the workers, the closing line said "cancelled" and the summary's
+    header "failed". The supervisor asks Slurm once before the summary; a real failure stays one."""
+    import io
+
+    from zerorun.launch.plan import build_plan
+    from zerorun.launch.supervisor import Failure, Supervisor
+    from zerorun.ui.live import JobView
+
+    plan = build_plan({"localhost": [0, 1]}, Target(script="t.py"), python="py", cwd="/w", run_dir=str(tmp_path),
+                      token="t", master_port=29500, local_names={"localhost"})
+    out = io.StringIO()
+    view = JobView(run_dir=tmp_path, token="T", world_size=2, dashboard=False, stream=out)
+    asked = []
+    supervisor = Supervisor(plan, view, slurm_ending=lambda: asked.append(1) or cause)
+    supervisor._failure = Failure("localhost", 1, "killed by SIGTERM")
+    supervisor._name_slurm_ending()
+    view.stop(failed=True)
+    assert f"zerorun summary ({header} after" in out.getvalue()
+    assert asked == [1]
+    # A job that finished is not asked about.
+    supervisor._failure = None
+    supervisor._name_slurm_ending()
+    assert asked == [1]
+    # One that saved on a preemption and stopped did not finish.
+    supervisor._checkpoint_asked = True
+    supervisor._name_slurm_ending()
+    assert asked == [1, 1]
+
+
+def test_a_worker_line_with_torchs_own_rank_prefix_is_shown_with_one_prefix(tmp_path):
+    """Issue 39: torch's uncaught-exception lines carry "[rank1]:", and the plain mode printed
+    "[rank1] [rank1]: Traceback"."""
+    import io
+
+    from zerorun.ui.live import JobView
+
+    out = io.StringIO()
+    view = JobView(run_dir=tmp_path, token="T", world_size=2, dashboard=False, stream=out)
+    view.on_output("h0", 1, "[rank1]: Traceback (most recent call last):")
+    view.on_output("h0", 1, "[rank0]: another rank's prefix stays")
+    view.on_output("h0", -1, "[rank1]: the agent's own line stays")
+    view.stop(failed=False)
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["[rank1] Traceback (most recent call last):", "[rank1] [rank0]: another rank's prefix stays",
+                         "[zerorun] [rank1]: the agent's own line stays"]
+
+
+def test_scancel_during_the_pre_flight_is_a_cancellation_not_a_pre_flight_problem(monkeypatch, tmp_path):
+    """Issue 39: scancel under salloc while the pre-flight's srun probes ran was reported as
+    "pre-flight found 2 problems ... has expired", exit 2. Slurm's record says the job is ending:
+    the job stopped before any worker started (run.py: "cancelled (SIGTERM, scancel) before any
+    worker started", exit 143). A pre-flight problem in a running job stays one."""
+    from types import SimpleNamespace
+
+    from zerorun.cli import run
+    from zerorun.launch import preflight, run_job, signals
+
+    def expired(*args, **kwargs):
+        raise LaunchError("pre-flight found 2 problems: n1: srun: error: Job 12 has expired; n2: ...")
+
+    monkeypatch.setattr(preflight, "preflight", expired)
+    ctx = slurm.detect({"SLURM_JOB_ID": "12"})
+    job = SimpleNamespace(slurm=ctx, save_on_signal=False, requeue=False, plan=SimpleNamespace(run_dir=str(tmp_path)),
+                          options=SimpleNamespace(ssh_port=None), ssh_options=[], config_json="{}")
+    monkeypatch.setattr(signals, "slurm_stop_cause", lambda ctx: "cancelled")
+    result = run_job.execute(job)
+    assert not result.started and result.signal == signal.SIGTERM
+    assert run.stop_reason(job, result.signal) == "cancelled (SIGTERM, scancel)"
+    assert run.interrupted_exit_code(result) == 143
+    monkeypatch.setattr(signals, "slurm_stop_cause", lambda ctx: None)
+    with pytest.raises(LaunchError, match="pre-flight found 2 problems"):
+        run_job.execute(job)
+
+
+def test_a_node_set_down_that_returns_at_once_is_a_node_failure_not_a_preemption(monkeypatch):
+    """Issue 39: a node set DOWN and straight back leaves the job's record saying only that it
+    was requeued (PENDING, Restarts one more) and no node down, and the line said "preempted or
+    requeued"; accounting keeps NODE_FAIL for the run that ended."""
+    from zerorun.launch import signals
+
+    ctx = slurm.detect({"SLURM_JOB_ID": "31"})
+    requeued = "JobId=31 JobState=PENDING Reason=BeginTime Restarts=1 PreemptTime=None"
+    monkeypatch.setattr(signals, "scontrol_show", lambda kind, name, timeout_s=3.0:
+                        requeued if kind == "job" else f"NodeName={name} State=IDLE")
+    monkeypatch.setattr(signals, "sacct_states", lambda job_id: ["NODE_FAIL", "PENDING"])
+    assert signals.slurm_stop_cause(ctx) == "node failure"
+    assert signal_meaning(signal.SIGTERM, signals.slurm_stop_cause(ctx), in_slurm=True) == "node failure (SIGTERM)"
+    monkeypatch.setattr(signals, "sacct_states", lambda job_id: ["PREEMPTED", "PENDING"])
+    assert signals.slurm_stop_cause(ctx) == "requeued"  # Slurm requeued it: the launcher must not again
+    monkeypatch.setattr(signals, "sacct_states", lambda job_id: [])  # no accounting: what the record says
+    assert signals.slurm_stop_cause(ctx) == "requeued"
+    assert slurm.requeue_cause(["REQUEUED", "PENDING"]) is None
+
+
+@pytest.mark.parametrize("on_signal", [True, False])
+def test_a_preemption_before_the_agent_steps_existed_is_acted_on_once_every_rank_joined(monkeypatch, on_signal):
+    """Issue 39, Note [a preemption before the steps]: a preemption in the first seconds signals
+    no step (there was none yet) and the job trained through the grace, nothing saved. Once every
+    rank has joined, the supervisor asks the job's record once: with on_signal every rank saves,
+    else the job stops (SIGTERM) and run.py requeues it."""
+    import time
+    from types import SimpleNamespace
+
+    from zerorun.cli import run
+    from zerorun.launch import signals
+    from zerorun.launch.plan import build_plan
+    from zerorun.launch.supervisor import Supervisor
+
+    plan = build_plan({"localhost": [0, 1]}, Target(script="t.py"), python="py", cwd="/w", run_dir="/r",
+                      token="t", master_port=29500, local_names={"localhost"})
+    asked = []
+    supervisor = Supervisor(plan, SimpleNamespace(), preempted_already=lambda: asked.append(1) or True,
+                            is_preemption=(lambda: True) if on_signal else None)
+    supervisor._running = {0, 1}
+    supervisor._handle("localhost", {"t": "joined", "rank": 0})
+    assert asked == []  # not before every rank has joined: a step may not exist yet
+    supervisor._handle("localhost", {"t": "joined", "rank": 1})
+    deadline = time.monotonic() + 10
+    while not (supervisor._checkpoint_signal or supervisor._interrupt.is_set()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert asked == [1]
+    if on_signal:
+        assert supervisor._checkpoint_signal == signal.SIGTERM and not supervisor._interrupt.is_set()
+    else:
+        assert supervisor._interrupt.is_set() and supervisor._signal == signal.SIGTERM
+    # The closing line of a job stopped on a preemption: requeued with what it had.
+    ctx = slurm.detect({"SLURM_JOB_ID": "88"})
+    requeued = []
+    monkeypatch.setattr(signals, "requeue_slurm_job", lambda job_id: requeued.append(job_id))
+    monkeypatch.setattr(signals, "slurm_stop_cause", lambda ctx: "preempted")
+    job = SimpleNamespace(slurm=ctx, requeue=True, save_on_signal=False, config_json="{}")
+    assert run.requeue_after_stop(job, signal.SIGTERM) == "; job 88 requeued" and requeued == [88]
+    assert run.requeue_after_stop(job, signal.SIGINT) == "" and requeued == [88]

@@ -271,7 +271,8 @@ def register(app: typer.Typer) -> None:
         print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
         stopped = stopped_clause(result.leftovers)
         if result.interrupted:
-            print(f"zerorun: {stop_reason(job, result.signal or 2)}; {stopped} (logs in {logs})", file=sys.stderr)
+            print(f"zerorun: {stop_reason(job, result.signal or 2)}; {stopped} (logs in {logs})"
+                  + requeue_after_stop(job, result.signal), file=sys.stderr)
             raise typer.Exit(interrupted_exit_code(result))
         if result.checkpoint_signal is not None and result.failure is None:
             finish_after_checkpoint(job, result, logs)
@@ -373,8 +374,20 @@ def stop_reason(job, signum: int, cause: str | None = None) -> str:
     reason = signal_meaning(signum, cause, in_slurm=job.slurm is not None)
     if cause in ("preempted", "requeued", "node failure") and not job.save_on_signal and signum == signal.SIGTERM:
         reason += ("; nothing was saved on the signal (checkpoint.on_signal: true saves one): a requeued job "
-                   "resumes from the last interval checkpoint")
+                   f"resumes from {resume_point(job)}")
     return reason
+
+
+def resume_point(job) -> str:
+    """What a requeued job resumes from when nothing was saved on the signal: the interval
+    checkpoint only where the config has one; the launcher cannot see a script's own saves."""
+    import json
+
+    checkpoint = json.loads(getattr(job, "config_json", "{}") or "{}").get("checkpoint") or {}
+    if checkpoint.get("dir") and checkpoint.get("interval_steps"):
+        return "the last interval checkpoint"
+    return ("the last checkpoint the script saved, if any, else from the start "
+            "(no checkpoint.interval_steps is configured)")
 
 
 def slurm_ended(job) -> tuple[str | None, str | None]:
@@ -390,20 +403,37 @@ def slurm_ended(job) -> tuple[str | None, str | None]:
 
 def after_preemption(job, cause: str | None) -> str:
     """The closing line's clause after a preemption that killed the workers. Nothing was saved
-    on the signal, so the requeued job resumes from the last interval checkpoint. A preempted job
+    on the signal, so the requeued job resumes from the last checkpoint (``resume_point``). A preempted job
     that ends within its grace time counts as ended and Slurm does not requeue it: with
     checkpoint.requeue the launcher does."""
-    from zerorun.launch.signals import requeue_slurm_job
-
     if cause not in ("preempted", "requeued") or job.slurm is None:
         return ""
-    clause = "; nothing was saved on the signal: the requeued job resumes from the last interval checkpoint"
+    clause = f"; nothing was saved on the signal: the requeued job resumes from {resume_point(job)}"
     if cause == "requeued":
         return clause  # Slurm has requeued it already
+    return clause + requeue_clause(job)
+
+
+def requeue_clause(job) -> str:
+    """Requeue a preempted job that the launcher ended within its grace time (Slurm counts it
+    as ended and does not), when checkpoint.requeue asks; the closing line's clause."""
+    from zerorun.launch.signals import requeue_slurm_job
+
     if not job.requeue:
-        return clause + "; not requeued (checkpoint.requeue is off)"
+        return "; not requeued (checkpoint.requeue is off)"
     problem = requeue_slurm_job(job.slurm.job_id)
-    return clause + (f"; {problem}" if problem else f"; job {job.slurm.job_id} requeued")
+    return f"; {problem}" if problem else f"; job {job.slurm.job_id} requeued"
+
+
+def requeue_after_stop(job, signum: int | None) -> str:
+    """A job the launcher stopped on a preemption's SIGTERM (its own, or one found in the job's
+    record, Note [a preemption before the steps] in launch/supervisor.py) is requeued as one
+    whose workers Slurm killed."""
+    from zerorun.launch.signals import slurm_stop_cause
+
+    if job.slurm is None or signum != signal.SIGTERM or slurm_stop_cause(job.slurm) != "preempted":
+        return ""
+    return requeue_clause(job)
 
 
 def finish_after_checkpoint(job, result, logs: str) -> None:

@@ -283,6 +283,9 @@ def _worker_env_for_options(plan: LaunchPlan, options: LaunchOptions, config, en
             for worker in plan.workers:
                 worker.env[preemption_grace.GRACE_ENV] = str(grace[1])
             notes.append(slurm.grace_note(*grace))
+            previous = preemption_grace.start_up_line(plan.run_dir, grace[1], grace[0])
+            if previous is not None:
+                notes.append(previous)
     return notes
 
 

@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from zerorun.errors import LaunchError
 from zerorun.launch import signals
 from zerorun.launch.prepare import PreparedJob, write_run_dir
 
@@ -97,12 +98,28 @@ def execute(job: PreparedJob, view_factory=None):
 
     if (result := stopped_before_start()) is not None:
         return result
-    preflight(job.plan, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options)
+    try:
+        preflight(job.plan, ssh_port=job.options.ssh_port, ssh_options=job.ssh_options)
+    except LaunchError:
+        if (result := ended_by_slurm_before_start(job)) is not None:
+            return result
+        raise
     if (result := stopped_before_start()) is not None:
         return result
     write_run_dir(job)
     supervisor = _supervisor(job, _view(job, view_factory))
     return _supervise(job, supervisor, early)
+
+
+def ended_by_slurm_before_start(job: PreparedJob):
+    """A pre-flight that failed because Slurm is ending the job (scancel under salloc kills the
+    probe steps: "Job ... has expired") is no pre-flight problem: the JobResult of a job stopped
+    before any worker started, which says why (run.py words it), else None."""
+    from zerorun.launch.supervisor import JobResult
+
+    if job.slurm is None or signals.slurm_stop_cause(job.slurm) is None:
+        return None
+    return JobResult(None, True, {}, job.plan.run_dir, signal=signal.SIGTERM, started=False)
 
 
 def _view(job: PreparedJob, view_factory):
@@ -130,6 +147,8 @@ def _supervisor(job: PreparedJob, view):
         # Note [why Slurm sent SIGTERM]: with on_signal a preemption's SIGTERM saves, as USR1 does.
         is_preemption=(lambda: signals.slurm_stop_cause(job.slurm) == "preempted")
         if job.save_on_signal and job.slurm is not None else None,
+        slurm_ending=(lambda: signals.slurm_stop_cause(job.slurm)) if job.slurm is not None else None,
+        preempted_already=(lambda: signals.slurm_stop_cause(job.slurm) == "preempted") if job.slurm is not None else None,
     )
 
 

@@ -94,7 +94,23 @@ def slurm_stop_cause(ctx: slurm.SlurmContext | None) -> str | None:
     record = slurm_job_record(ctx.job_id)
     ending = record is not None and record.get("JobState", "").upper() not in ("RUNNING", "")
     down = slurm_down_nodes(ctx.job_nodes) if ending else []
-    return slurm.stop_cause(record, ctx.restart_count, end_time=ctx.end_time, now=time.time(), down=down)
+    cause = slurm.stop_cause(record, ctx.restart_count, end_time=ctx.end_time, now=time.time(), down=down)
+    if cause == "requeued":
+        # A node that failed and came straight back is no longer down: accounting still says so.
+        cause = slurm.requeue_cause(sacct_states(ctx.job_id)) or cause
+    return cause
+
+
+def sacct_states(job_id: int, timeout_s: float = 5.0) -> list[str]:
+    """The state of every run of the job, oldest first (``sacct -D -X``); [] without accounting."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["sacct", "-j", str(job_id), "-D", "-X", "-n", "-P", "-o", "State"],
+                              capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return done.stdout.splitlines() if done.returncode == 0 else []
 
 
 def slurm_down_nodes(nodes: Iterable[str], timeout_s: float = 3.0) -> list[str]:

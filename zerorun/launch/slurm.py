@@ -179,6 +179,19 @@ def parse_job_record(text: str) -> dict[str, str]:
     return fields
 
 
+def requeue_cause(sacct_states: Iterable[str]) -> str | None:
+    """Why a requeued job's last run ended, from ``sacct -D -X -n -o State`` (every run of the
+    job, oldest first; pure): a node set DOWN that came back at once leaves no down node to see
+    and a record that says only "requeued", but accounting keeps NODE_FAIL for the
+    run that ended. None otherwise: a preempted job that Slurm requeued stays "requeued" (Slurm
+    did requeue it; the launcher must not requeue it again)."""
+    ended = [state.strip().split()[0].upper() for state in sacct_states
+             if state.strip() and state.strip().split()[0].upper() not in ("PENDING", "RUNNING", "REQUEUED")]
+    if not ended:
+        return None
+    return "node failure" if ended[-1] == "NODE_FAIL" else None
+
+
 def down_nodes(text: str) -> list[str]:
     """The nodes ``scontrol -o show node`` lists as down, failing or not responding (pure)."""
     found = []

@@ -70,6 +70,10 @@ class JobResult:
         return self.failure is None and not self.interrupted
 
 
+# Slurm's stop causes (launch/slurm.py STOP_CAUSES) as the summary's header says them.
+SLURM_ENDINGS = {"cancelled": "cancelled", "preempted": "preempted", "requeued": "requeued",
+                 "time limit": "ended at its time limit", "node failure": "ended by a node failure"}
+
 # torch.distributed prefixes a worker's uncaught-exception lines with "[rankN]: ".
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
@@ -130,7 +134,9 @@ class Supervisor:
     def __init__(self, plan: LaunchPlan, view, *, grace_s: float = 3.0, ssh_port: int | None = None,
                  ssh_options: list[str] | None = None, files: dict[str, str] | None = None,
                  token: str = "", hang_timeout_s: float = 0.0, hang_warn_s: float = 0.0,
-                 startup_timeout_s: float = 0.0, is_preemption: Callable[[], bool] | None = None):
+                 startup_timeout_s: float = 0.0, is_preemption: Callable[[], bool] | None = None,
+                 slurm_ending: Callable[[], str | None] | None = None,
+                 preempted_already: Callable[[], bool] | None = None):
         self.plan = plan
         self.view = view
         self.grace_s = grace_s
@@ -162,6 +168,14 @@ class Supervisor:
         # Under Slurm with checkpoint.on_signal: asks Slurm whether a SIGTERM is a preemption
         # (signals.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
         self._is_preemption = is_preemption
+        # Under Slurm: how Slurm is ending the job ("cancelled", "preempted", ...; None when it is
+        # not), asked once at the end of a failed or signalled job for the summary's header.
+        self._slurm_ending = slurm_ending
+        # Under Slurm: whether the job's record shows a preemption, asked once every rank has
+        # joined (Note [a preemption before the steps]).
+        self._preempted_already = preempted_already
+        self._joined: set[int] = set()
+        self._agent_term = False
         self._term_judged = False
         # The rank the first failure's own error says it failed because of (None: itself).
         self._named_cause: int | None = None
@@ -242,6 +256,7 @@ class Supervisor:
             self._drain()
             leftovers = self._confirm_ended()
             self._sink.close()
+            self._name_slurm_ending()
             self.view.stop(self._failure is not None, interrupted=self._interrupt.is_set())
         job_root_cause = getattr(self.view, "job_root_cause", None)
         if job_root_cause is not None:  # one node of several (job_view.JobWideView)
@@ -251,6 +266,47 @@ class Supervisor:
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
                          self._signal if self._interrupt.is_set() else None,
                          self._checkpoint_signal if self._checkpoint_asked else None)
+
+    # Note [a preemption before the steps]: a preemption with a grace time signals the job's
+    # steps, not the batch script; one that comes while the launcher starts, before the agent
+    # steps exist, signals nobody, and the job trained through the grace until Slurm's KILL (45
+    # steps lost, nothing saved). Once every rank has joined, every agent step exists and gets
+    # any later SIGTERM itself; whether one came before is in the job's record (PreemptTime),
+    # asked once then. A preemption found there is acted on as an agent's SIGTERM would be:
+    # with checkpoint.on_signal a save at the next step, else the job stops and the launcher
+    # requeues it with what it had (checkpoint.requeue; cli/run.py).
+    def _check_preempted_already(self) -> None:
+        asked = self._preempted_already
+        if asked is None:
+            return
+        self._preempted_already = None
+
+        def check() -> None:
+            if not asked() or self._agent_term:
+                return
+            say = getattr(self.view, "on_output", None)
+            if say is not None:
+                say("launcher", -1, "zerorun: Slurm preempted the job before its steps started (its record says "
+                    "so; no step got the SIGTERM): " + ("every rank saves at the next step" if self._is_preemption
+                                                         is not None else "stopping the job"))
+            if self._is_preemption is not None:
+                self.request_checkpoint(signal.SIGTERM)
+            else:
+                self.interrupt(signal.SIGTERM)
+
+        threading.Thread(target=check, name="zerorun-preempted-already", daemon=True).start()
+
+    def _name_slurm_ending(self) -> None:
+        """A job whose workers Slurm killed (scancel, preemption, a node failure) failed only in
+        the workers' exits, and one that saved on a preemption did not finish: the summary's
+        header says what the closing line will say."""
+        stopped = self._failure is not None or self._signal == signal.SIGTERM or self._checkpoint_asked
+        if self._slurm_ending is None or not stopped:
+            return
+        word = SLURM_ENDINGS.get(self._slurm_ending() or "")
+        name_ending = getattr(self.view, "name_ending", None)
+        if word is not None and name_ending is not None:
+            name_ending(word)
 
     def _pass_on_checkpoint_request(self, signum: int) -> None:
         """Note [save request waits for training]: a worker installs its SIGUSR1 handler in
@@ -278,6 +334,9 @@ class Supervisor:
         kind, rank = event.get("t"), event.get("rank")
         if kind == "joined" and rank in self._running:
             self._watch.rank_started(rank, time.monotonic())  # Note [start-up is not a hang]
+            self._joined.add(rank)
+            if self._joined == set(self._tails):
+                self._check_preempted_already()
         elif kind == "exit" and rank in self._running:
             rc = int(event["rc"])
             self._running.discard(rank)
@@ -296,11 +355,13 @@ class Supervisor:
                     self._named_cause = watchdog.cause_named(failure.log_tail)
                 elif self._named_cause == rank and rc not in STOP_CODES:
                     self._failure, self._named_cause = failure, None
-        elif kind == "signal" and event.get("sig") == signal.SIGTERM and self._is_preemption is not None:
+        elif kind == "signal" and event.get("sig") == signal.SIGTERM:
             # An agent step got Slurm's SIGTERM (the batch script may get none: a preemption
             # with a grace time signals the steps). Without on_signal its workers die of it and
             # the closing line names the cause (cli/run.py slurm_ended).
-            self.judge_term(signal.SIGTERM)
+            self._agent_term = True
+            if self._is_preemption is not None:
+                self.judge_term(signal.SIGTERM)
         elif kind == "gone":
             lost = {r for r in self._running if self._host_of[r] == host}
             if lost:
@@ -357,6 +418,8 @@ class Supervisor:
             # A checkpoint being written moves ``activity`` (bytes so far): progress too.
             self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
                                  for v in ranks}, now)
+            running = [v for v in ranks if v.rank in self._running]
+            self._watch.exiting = bool(running) and all(v.activity and v.activity[0] == "leaving" for v in running)
             if self._left_mid_collective(ranks):
                 return
         if self._watch.startup_expired(now):

@@ -27,15 +27,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps to train")
     args = parser.parse_args()
 
-    # Before initialize only for reading the config; the engine knows the real world (srun too).
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Read before initialize only for the seed and the optimizer: no world size yet (srun python
+    # sets no WORLD_SIZE), so the batch sizes are checked by initialize, which knows the world.
     launched = "ZERORUN_CONFIG" in os.environ
     if launched:
         # The launcher validated the config (file, environment, flags) and hands every rank the
         # result; environ={} because the environment is already applied in it.
-        config = load_config(os.environ["ZERORUN_CONFIG"], world_size=world_size, environ={})
+        config = load_config(os.environ["ZERORUN_CONFIG"], environ={})
     else:
-        config = load_config("zerorun.yaml", world_size=world_size)
+        config = load_config("zerorun.yaml")
     torch.manual_seed(config.seed or 0)  # the same initial weights on every rank
     # Built on the CPU: the engine moves it to this worker's device (the CPU under --nproc, its GPU
     # under --gpus, torchrun or srun on a GPU node), and engine.device says which.
@@ -45,11 +45,12 @@ def main() -> None:
     # one source for both, so nothing in zerorun.yaml is silently overridden. Without a config,
     # plain AdamW.
     optimizer = None if config.optimizer is not None else torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = zerorun.initialize(model, optimizer, None if launched else config)
+    engine = zerorun.initialize(model, optimizer, None if launched else "zerorun.yaml")
     device = engine.device
 
-    micro_batch = config.batch.micro_batch_size or 4
-    accumulation = config.gradient_accumulation_steps
+    # The final config, its batch sizes derived with the real world size.
+    micro_batch = engine.config.batch.micro_batch_size or 4
+    accumulation = engine.config.gradient_accumulation_steps
     # Scaled so targets have unit variance: the loss starts near 1 and visibly falls.
     target_map = torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) / 32**0.5
     engine.set_total_steps(args.steps)  # the launcher's dashboard shows a progress bar and ETA

@@ -52,6 +52,7 @@ class JobView:
         self.world_size = world_size
         self.dashboard = dashboard
         self._stream = stream or sys.stdout
+        self._ended_as: str | None = None
         self._lock = threading.Lock()
         config = telemetry_config(self.run_dir / "config.json")
         if total_steps is None:
@@ -93,7 +94,7 @@ class JobView:
     def on_output(self, host: str, rank: int, line: str) -> None:
         self.collector.add_output(rank, line)
         if self._live is None:
-            self._print(f"{draw.output_prefix(rank)} {line}")
+            self._print(draw.prefixed_line(rank, line))
 
     def on_telemetry(self, host: str, raw_line: bytes) -> None:
         self.collector.ingest(host, raw_line)
@@ -158,7 +159,12 @@ class JobView:
 
     def closing_words(self, snapshot, *, failed: bool, interrupted: bool):
         """What ``stop`` prints last: the end-of-run summary (None: nothing)."""
-        return draw.render_summary(snapshot, failed=failed, interrupted=interrupted)
+        return draw.render_summary(snapshot, failed=failed, interrupted=interrupted, ended=self._ended_as)
+
+    def name_ending(self, word: str) -> None:
+        """How the job ended, in the summary's header, where Slurm ended it (the supervisor asks
+        Slurm before ``stop``): "cancelled", not "failed", when scancel killed the workers."""
+        self._ended_as = word
 
     def _plain_loop(self) -> None:
         ticks_per_status = max(1, round(self.status_interval_s / _TICK_S))

@@ -41,7 +41,8 @@ def render(snapshot: Snapshot):
         parts.append(Text(dropped, style="yellow"))
     if snapshot.output:
         lines = Text("\n").join(
-            Text.assemble((output_prefix(rank) + " ", "dim"), line) for rank, line in snapshot.output[-OUTPUT_PANEL_LINES:]
+            Text.assemble((output_prefix(rank) + " ", "dim"), without_own_prefix(rank, line))
+            for rank, line in snapshot.output[-OUTPUT_PANEL_LINES:]
         )
         parts.append(Panel(lines, title="output", title_align="left", border_style="dim"))
     return Group(*parts)
@@ -50,6 +51,18 @@ def render(snapshot: Snapshot):
 def output_prefix(rank: int) -> str:
     """``[rank3]``; a negative rank is a line from the launcher's agent, not from a worker."""
     return f"[rank{rank}]" if rank >= 0 else "[zerorun]"
+
+
+def without_own_prefix(rank: int, line: str) -> str:
+    """``line`` without torch.distributed's own ``[rankN]:`` for this rank (its uncaught-exception
+    lines carry one), so the shown line is ``[rank1] Traceback``, not ``[rank1] [rank1]: Traceback``."""
+    own = f"[rank{rank}]:"
+    return line[len(own):].lstrip(" ") if rank >= 0 and line.startswith(own) else line
+
+
+def prefixed_line(rank: int, line: str) -> str:
+    """A worker's output line as the plain mode prints it: ``[rank3] text``."""
+    return f"{output_prefix(rank)} {without_own_prefix(rank, line)}"
 
 
 def _header(s: Snapshot) -> Text:
@@ -269,13 +282,16 @@ class FirstThatFits:
         yield self.choices[-1]
 
 
-def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False):
+def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False, ended: str | None = None):
     """End-of-run table: per-rank peak memory, time per collective type, throughput.
 
     One column per collective type when that fits the terminal; otherwise (80 columns, three
-    collective types) a rank table and a collective table, so no cell is cut."""
+    collective types) a rank table and a collective table, so no cell is cut. ``ended``: how the
+    job ended where the scheduler knows better than the workers' exits ("cancelled", "preempted":
+    Slurm ended the steps, the closing line says the same)."""
     # A failure outranks the interrupt it may have caused; workers the launcher stopped are no failure.
-    ended = "failed" if failed else "interrupted" if interrupted else "finished"
+    if ended is None:
+        ended = "failed" if failed else "interrupted" if interrupted else "finished"
     title = f"zerorun summary ({ended} after {fmt_duration(s.elapsed_s)})"
     parts: list[RenderableType] = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
     if s.run_samples_per_s is not None:

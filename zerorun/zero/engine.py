@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import announce_monitor, get_recorder
+from zerorun.worker import preemption_grace
 from zerorun.zero import full_state, param_access
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
@@ -418,8 +419,15 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                 step_time_s=now - self._step_started,
             )
             self._recorder.set_memory_breakdown(self.memory_breakdown())
+        self._note_grace(now - self._step_started)
         self._window_loss, self._window_samples, self._step_started = 0.0, 0, now
         checkpoint_schedule.save_on_interval(self)  # checkpoint.interval_steps (zero/checkpoint/schedule.py)
+
+    def _note_grace(self, step_s: float) -> None:
+        """Note [preemption grace]: whether one step (plus a save) fits in Slurm's grace time."""
+        line = preemption_grace.note_step_time(step_s)
+        if line is not None and self.pg.rank == 0:
+            print(line, file=sys.stderr, flush=True)
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
