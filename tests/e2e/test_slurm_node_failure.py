@@ -82,7 +82,9 @@ def test_a_node_set_down_that_returns_at_once_is_a_node_failure_in_both_lines(cl
         pytest.skip(reason)
     job, log, out = training_job(cluster, tmp_path)
     cluster.run(["scontrol", "update", "nodename=n2", "state=down", "reason=test"], check=True)
-    cluster.run(["scontrol", "update", "nodename=n2", "state=resume"], check=True)
+    # Straight back; slurmctld may refuse RESUME for a moment while it ends the node's job.
+    wait_for(lambda: cluster.run(["scontrol", "update", "nodename=n2", "state=resume"]).returncode == 0
+             or "down" not in cluster.run(["sinfo", "-h", "-n", "n2", "-o", "%t"]).stdout, 30, "n2 to resume")
     try:
         closing = wait_for(lambda: [line for line in log.read_text().splitlines()
                                     if line.startswith("zerorun: ") and "SIGTERM" in line], 240, "the closing line")

@@ -264,8 +264,8 @@ def register(app: typer.Typer) -> None:
             print(f"zerorun: the job finished{restarts}", file=sys.stderr)
         if not result.started:
             # Note [signals from the first instant]: a stopping signal came before any worker ran.
-            print(f"zerorun: {stop_reason(job, result.signal)} before any worker started; nothing was started",
-                  file=sys.stderr)
+            print(f"zerorun: {stop_reason(job, result.signal)} before any worker started; nothing was started"
+                  + requeue_after_stop(job, result.signal), file=sys.stderr)
             raise typer.Exit(interrupted_exit_code(result))
         logs = f"{result.run_dir}/logs"
         print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
@@ -426,9 +426,9 @@ def requeue_clause(job) -> str:
 
 
 def requeue_after_stop(job, signum: int | None) -> str:
-    """A job the launcher stopped on a preemption's SIGTERM (its own, or one found in the job's
-    record, Note [a preemption before the steps] in launch/supervisor.py) is requeued as one
-    whose workers Slurm killed."""
+    """A job the launcher stopped on a preemption's SIGTERM (its own, even before any worker
+    started, or one found in the job's record, Note [a preemption before the steps] in
+    launch/supervisor.py) is requeued with what it had, as one whose workers Slurm killed."""
     from zerorun.launch.signals import slurm_stop_cause
 
     if job.slurm is None or signum != signal.SIGTERM or slurm_stop_cause(job.slurm) != "preempted":
