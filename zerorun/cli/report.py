@@ -1,7 +1,7 @@
 """``zerorun report RUN_DIR [--format png|html|terminal] [--out PATH]``: a run's metrics.jsonl, reported.
 
-Draws memory over time per rank, communication time per collective type per rank, and loss /
-step time per step, with matplotlib (headless Agg backend). PNG writes one file per plot into
+Draws memory over time per rank, communication time per collective type per rank, the bytes each
+rank sent per step within its host and between hosts, and loss / step time per step, with matplotlib (headless Agg backend). PNG writes one file per plot into
 RUN_DIR/report/ (or --out); HTML writes one self-contained page (images inlined, plus a summary
 table) to RUN_DIR/report.html (or --out); terminal prints the summary and a loss trace with Rich.
 
@@ -21,7 +21,8 @@ from typing import Optional
 import typer
 
 from zerorun.errors import ZerorunError
-from zerorun.telemetry.metrics import Metrics, comm_ops, comm_share, load_records, mean_last_loss, summarize, throughput
+from zerorun.telemetry.metrics import (Metrics, comm_ops, comm_share, load_records, mean_last_loss, sent_per_step,
+                                       summarize, throughput)
 
 FORMATS = ("png", "html", "terminal")
 INSTALL_HINT = "pip install 'zerorun[report]'"
@@ -129,15 +130,17 @@ def terminal_report(metrics: Metrics, run_dir: Path):
     from rich.table import Table
     from rich.text import Text
 
+    from zerorun.ui.render import sent_cell
+
     # Light boxes and per-collective seconds in a table of their own: both fit 80 columns.
     table = Table(title=f"zerorun report: {run_dir}", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
                   padding=(0, 1), pad_edge=False, show_edge=False, collapse_padding=True)
-    for name in ("rank", "host", "steps", "peak MiB", "comm wait", "samples/s", "last loss (own)"):
+    for name in ("rank", "host", "steps", "peak MiB", "comm wait", "samples/s", "sent/step", "last loss (own)"):
         table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for rank, s in metrics.ranks.items():
         losses = [v for v in s.loss if v is not None]
         table.add_row(str(rank), Text(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}", _wait_cell(s),
-                      _rate_cell(s), f"{losses[-1]:.4f}" if losses else "-")
+                      _rate_cell(s), sent_cell(sent_per_step(s)), f"{losses[-1]:.4f}" if losses else "-")
     ops = Table(header_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False,
                 collapse_padding=True)
     for name in ("collective", "calls", "seconds, all ranks", "per rank"):
@@ -160,7 +163,8 @@ def terminal_report(metrics: Metrics, run_dir: Path):
 
 LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; <collective> s: "
           "issue-to-completion time (CPU) or transfer (GPU), summed (overlaps compute); samples/s: every step's samples over the summed "
-          "step time (the end-of-run summary's figures)")
+          "step time; sent/step: bytes the rank sent per step (median over the steps), within its host|between "
+          "hosts (the end-of-run summary's figures)")
 
 
 def _wait_cell(s) -> str:
@@ -171,6 +175,11 @@ def _wait_cell(s) -> str:
 def _rate_cell(s) -> str:
     rate = throughput(s)
     return "-" if rate is None else f"{rate:.1f}"
+
+
+def _sent_cells(s) -> tuple[str, str]:
+    sent = sent_per_step(s)
+    return ("-", "-") if sent is None else (f"{sent[0] / MiB:.2f}", f"{sent[1] / MiB:.2f}")
 
 
 def _run_lines(metrics: Metrics) -> list[str]:
@@ -215,6 +224,20 @@ def _figures(metrics: Metrics) -> dict:
         ax.legend(loc="best", fontsize="small")
     figures["comm"] = fig
 
+    sent = {rank: sent_per_step(s) for rank, s in metrics.ranks.items()}
+    if any(v is not None for v in sent.values()):
+        fig = Figure(figsize=(8, 4), layout="constrained")
+        ax = fig.add_subplot()
+        ranks = list(sent)
+        within = [(sent[r] or (0, 0))[0] / MiB for r in ranks]
+        between = [(sent[r] or (0, 0))[1] / MiB for r in ranks]
+        ax.bar(ranks, within, label="within its host")
+        ax.bar(ranks, between, bottom=within, label="between hosts")
+        ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
+        ax.set(title="Bytes sent per step (median over the steps)", ylabel="MiB")
+        ax.legend(loc="best", fontsize="small")
+        figures["link"] = fig
+
     if any(s.steps for s in metrics.ranks.values()):
         fig = Figure(figsize=(8, 5), layout="constrained")
         loss_ax, time_ax = fig.subplots(2, 1, sharex=True)
@@ -233,11 +256,12 @@ def _figures(metrics: Metrics) -> dict:
 def _html(metrics: Metrics, figures: dict, run_dir: Path) -> str:
     ops = comm_ops(metrics)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in ("rank", "host", "steps", "peak memory (MiB)", "comm wait",
-                                                         *(f"{op} (s)" for op in ops), "samples/s"))
+                                                         *(f"{op} (s)" for op in ops), "samples/s",
+                                                         "sent/step within host (MiB)", "sent/step between hosts (MiB)"))
     rows = []
     for rank, s in metrics.ranks.items():
         cells = [str(rank), html.escape(s.host), str(len(s.steps)), f"{s.mem_peak / MiB:.1f}", _wait_cell(s),
-                 *(f"{s.comm[op][2]:.3f}" if op in s.comm else "-" for op in ops), _rate_cell(s)]
+                 *(f"{s.comm[op][2]:.3f}" if op in s.comm else "-" for op in ops), _rate_cell(s), *_sent_cells(s)]
         rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     images = []
     for name, figure in figures.items():

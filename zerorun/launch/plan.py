@@ -18,6 +18,7 @@ from zerorun.errors import LaunchError
 from zerorun.launch.device import ENV_NAME as DEVICE_ENV
 from zerorun.launch.device import device_for_worker
 from zerorun.launch.hostfile import HostSlots
+from zerorun.worker.launch_env import HOST_SLOTS_ENV
 
 # Hosts that always mean "this machine": never reached over ssh.
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -170,6 +171,7 @@ def build_plan(
     if master_addr is None:
         master_addr = default_master_addr(list(hosts), local_names, this_host_name)
     nodes: list[NodeSpec] = []
+    host_slots = ",".join(str(len(slots)) for slots in hosts.values())  # Note [link classes]
     rank = 0
     for node_rank, (host, slots) in enumerate(hosts.items()):
         workers = []
@@ -189,6 +191,7 @@ def build_plan(
                 "ZERORUN_RUN_DIR": run_dir,
                 "ZERORUN_RUN_TOKEN": token,
                 "ZERORUN_HOST": host,
+                HOST_SLOTS_ENV: host_slots,
                 "PYTHONUNBUFFERED": "1",
                 # Stacks on SIGABRT: what the launcher shows for a hung job (Note [hang timeout]).
                 "PYTHONFAULTHANDLER": "1",

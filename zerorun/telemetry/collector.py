@@ -77,6 +77,11 @@ class RankView:
     comm_fraction: float | None = None
     bandwidth_bps: float | None = None
     comm: tuple[CommStat, ...] = ()
+    # Bytes sent per step, (within its host, to other hosts): the median of the recent steps,
+    # and of every step of the run (the summary's); None before a step said (Note [bytes per
+    # link] in recorder.py).
+    sent_per_step: tuple[float, float] | None = None
+    run_sent_per_step: tuple[float, float] | None = None
     heartbeat_age_s: float | None = None
     entered_seq: int | None = None
     blocked: Blocked | None = None
@@ -134,6 +139,9 @@ class _RankState:
     run_steps: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # step time, samples, waited
     run_complete: list = field(default_factory=lambda: [True, True])  # every step had samples / waited_s
     losses: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW))  # (step, loss)
+    # (sent_within, sent_between) of the recent steps, and of every step of the run
+    sent: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW))
+    run_sent: list = field(default_factory=list)
     last_step: dict | None = None
     last_step_seen: float | None = None  # collector's clock, when the last step arrived
     entered_seq: int | None = None
@@ -255,6 +263,9 @@ class Collector:
             _add_to_run(state, m)
             if m.get("loss") is not None:
                 state.losses.append((m["step"], m["loss"]))
+            if m.get("sent_within") is not None and m.get("sent_between") is not None:
+                state.sent.append((m["sent_within"], m["sent_between"]))
+                state.run_sent.append((m["sent_within"], m["sent_between"]))
         elif kind == "sample":
             state.mem = m["mem"]
             if m.get("breakdown"):
@@ -323,9 +334,11 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
     run_rate = run_samples / run_time if s.run_complete[0] and run_samples and run_time > 0 else None
     run_comm = comm_fraction([(run_time, run_waited if s.run_complete[1] else None)])
     recent_comm = comm_fraction([(t, w) for t, _, _, w in s.steps])
+    run_sent = sent_per_step(s.run_sent)
+    recent_sent = None if stale else sent_per_step(list(s.sent))
     if s.exit_code is not None and s.steps:
         # Ended: the last frame, the summary and ``zerorun report`` show the run's figures alike.
-        samples_rate, recent_comm = run_rate, run_comm
+        samples_rate, recent_comm, recent_sent = run_rate, run_comm, run_sent
     on_gpu = "cuda_allocated" in s.mem
     blocked = None
     if s.blocked is not None:
@@ -356,6 +369,8 @@ def _rank_view(s: _RankState, now: float, stale_after_s: float = float("inf")) -
         comm_fraction=recent_comm,
         bandwidth_bps=total_bytes / total_seconds if total_seconds > 0 else None,
         comm=comm,
+        sent_per_step=recent_sent,
+        run_sent_per_step=run_sent,
         heartbeat_age_s=None if s.last_seen is None else now - s.last_seen,
         entered_seq=s.entered_seq,
         blocked=blocked,
@@ -419,6 +434,15 @@ def comm_fraction(steps: list[tuple[float, float | None]]) -> float | None:
     if total <= 0:
         return None
     return min(1.0, max(0.0, sum(w for _, w in steps if w is not None) / total))
+
+
+def sent_per_step(steps: list[tuple[int, int]]) -> tuple[float, float] | None:
+    """(within host, between hosts) bytes sent per step over (sent_within, sent_between) pairs:
+    each the median over the steps, so the first step (which also carries what initialize sent)
+    and an odd step (an evaluation, a checkpoint's gather) do not move it; None without steps."""
+    if not steps:
+        return None
+    return statistics.median(w for w, _ in steps), statistics.median(b for _, b in steps)
 
 
 def merge_comm(per_rank) -> tuple[CommStat, ...]:

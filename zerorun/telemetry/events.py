@@ -10,13 +10,17 @@ and one of these kinds (fields beyond the envelope):
              sample, comm_seconds_total (wall seconds with some collective in flight, see Note
              [comm share] in recorder.py), entered_seq (highest collective seq started, -1 none),
              blocked: null | {seq, op, for_s} (the collective this rank is waiting in now),
+             sent: optional [within, between], bytes this rank has sent since it started to ranks
+             of its own host and to other hosts (Note [bytes per link] in recorder.py),
              breakdown: optional dict from engine.memory_breakdown(),
              activity: optional {what: str, bytes: int}, long work that is neither a step nor
              a collective ("saving": bytes of the checkpoint written so far); progress while
              ``bytes`` grows (Note [saving is progress] in recorder.py)
     step     step, step_time_s, and optionally loss, loss_scale, lr, samples, tokens, total_steps,
              waited_s (seconds of the step the training thread was blocked on collectives: the
-             comm share is waited_s / step_time_s, Note [comm share] in recorder.py)
+             comm share is waited_s / step_time_s, Note [comm share] in recorder.py),
+             sent_within, sent_between (bytes this rank sent since the previous step, within its
+             host and to other hosts: Note [bytes per link] in recorder.py)
              (``t`` is when the step ended; steps are written in a burst before each sample)
     monitor  monitor: the ``monitor`` config section ({tensorboard, csv, wandb}: each a mapping
              of strings, booleans and nulls), sent once by rank 0's engine when the script
@@ -41,6 +45,7 @@ KINDS = ("hello", "sample", "step", "monitor", "bye")
 
 _MEM_KEYS = ("rss", "rss_peak", "pinned", "cuda_allocated", "cuda_reserved", "cuda_peak")
 _STEP_OPTIONAL = ("loss", "loss_scale", "lr", "samples", "tokens", "total_steps", "waited_s")
+_STEP_COUNTS = ("sent_within", "sent_between")  # optional, non-negative integers
 
 
 class SchemaError(ValueError):
@@ -113,6 +118,9 @@ def _check_sample(m: dict) -> None:
             raise SchemaError("bad blocked")
         if not isinstance(blocked.get("op"), str) or not _is_number(blocked.get("for_s")):
             raise SchemaError("bad blocked")
+    sent = m.get("sent")
+    if sent is not None and not (isinstance(sent, list) and len(sent) == 2 and all(_is_count(x) for x in sent)):
+        raise SchemaError("bad sent")
     breakdown = m.get("breakdown")
     if breakdown is not None and not isinstance(breakdown, dict):
         raise SchemaError("breakdown is not an object")
@@ -128,6 +136,9 @@ def _check_step(m: dict) -> None:
     _require_number(m, "step_time_s")
     for key in _STEP_OPTIONAL:
         _optional_number(m, key)
+    for key in _STEP_COUNTS:
+        if m.get(key) is not None and not _is_count(m[key]):
+            raise SchemaError(f"{key} is not a byte count")
 
 
 def _check_bye(m: dict) -> None:
@@ -161,6 +172,10 @@ _INT_LIMIT = 1 << 63
 
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and -_INT_LIMIT < value < _INT_LIMIT
+
+
+def _is_count(value: Any) -> bool:
+    return _is_int(value) and value >= 0
 
 
 def _is_number(value: Any) -> bool:

@@ -26,6 +26,7 @@ class RankSeries:
     loss: list[float | None] = field(default_factory=list)
     step_time_s: list[float] = field(default_factory=list)
     waited_s: list[float | None] = field(default_factory=list)  # Note [comm share] in recorder.py
+    sent: list[tuple[int, int]] = field(default_factory=list)  # (within, between) per step: Note [bytes per link]
     samples: float = 0.0
     all_counted: bool = True  # every step said how many samples it took
 
@@ -84,6 +85,8 @@ def summarize(records: list[dict], skipped: int = 0) -> Metrics:
             series.loss.append(r.get("loss"))
             series.step_time_s.append(r.get("step_time_s") or 0.0)
             series.waited_s.append(r.get("waited_s"))
+            if r.get("sent_within") is not None and r.get("sent_between") is not None:
+                series.sent.append((r["sent_within"], r["sent_between"]))
             if r.get("samples") is None:
                 series.all_counted = False
             series.samples += r.get("samples") or 0
@@ -119,3 +122,11 @@ def comm_share(series: RankSeries) -> float | None:
     from zerorun.telemetry.collector import comm_fraction
 
     return comm_fraction(list(zip(series.step_time_s, series.waited_s, strict=True)))
+
+
+def sent_per_step(series: RankSeries) -> tuple[float, float] | None:
+    """Bytes the rank sent per step (within its host, to other hosts), medians over the run: the
+    summary's figure (collector.sent_per_step), from the same records."""
+    from zerorun.telemetry.collector import sent_per_step as median_sent
+
+    return median_sent(series.sent)

@@ -91,6 +91,10 @@ class Recorder:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._comm: dict[str, list] = {}  # op -> [count, bytes, seconds] since the last sample
+        # Note [bytes per link]: bytes this rank sent, [within its host, to other hosts], since
+        # it started, and that total when the last step was recorded.
+        self._sent = [0, 0]
+        self._sent_at_step = (0, 0)
         # Wall seconds with at least one collective in flight (Note [comm share]).
         self._comm_seconds_total = 0.0
         self._busy_since: float | None = None
@@ -164,10 +168,13 @@ class Recorder:
             with self._lock:
                 self._training_thread = threading.get_ident()
                 waited, self._waited_at_step = self._waited_total - self._waited_at_step, self._waited_total
+                sent = (self._sent[0] - self._sent_at_step[0], self._sent[1] - self._sent_at_step[1])
+                self._sent_at_step = (self._sent[0], self._sent[1])
             message = {**self._envelope, "kind": "step", "t": self._clock(), "step": int(step),
                        "step_time_s": float(step_time_s), "loss": _number(loss), "loss_scale": _number(loss_scale),
                        "lr": _number(lr), "samples": _number(samples), "tokens": _number(tokens),
-                       "waited_s": round(min(waited, float(step_time_s)), 6)}
+                       "waited_s": round(min(waited, float(step_time_s)), 6),
+                       "sent_within": sent[0], "sent_between": sent[1]}
             if self._total_steps is not None:
                 message["total_steps"] = self._total_steps
             with self._lock:
@@ -231,6 +238,17 @@ class Recorder:
             if threading.get_ident() == self._training_thread:
                 self._waited_total += max(0.0, float(waited))
 
+    # Note [bytes per link]: each collective tells, when issued, the bytes this rank sends in it to
+    # ranks of its own host and to other hosts (Note [link classes] in zero/comm/link_split.py).
+    # Every step record carries what was sent since the previous one (``sent_within``,
+    # ``sent_between``; the first step also holds what initialize sent), every sample the totals
+    # since the start (``sent``): the dashboard's, the summary's and ``zerorun report``'s
+    # bytes per step on each link class. Every thread's collectives count: bytes are bytes.
+    def collective_sent(self, seq: int, op: str, within: int, between: int) -> None:
+        with self._lock:
+            self._sent[0] += int(within)
+            self._sent[1] += int(between)
+
     def collective_finished(self, seq: int, op: str, nbytes: int, seconds: float, waited: float = 0.0) -> None:
         with self._lock:
             self._in_flight.pop(seq, None)
@@ -262,7 +280,7 @@ class Recorder:
                 if self._busy_since is not None:  # a collective still out: count its time so far
                     busy += time.monotonic() - self._busy_since
                 fields = dict(mem=mem, comm=comm, comm_seconds_total=busy,
-                              entered_seq=self._entered_seq, blocked=blocked)
+                              entered_seq=self._entered_seq, blocked=blocked, sent=list(self._sent))
                 if self._breakdown is not None:
                     fields["breakdown"] = self._breakdown
                 if self._activity is not None:

@@ -34,6 +34,9 @@ def render(snapshot: Snapshot):
     if snapshot.total_steps:
         parts.append(_progress(snapshot, snapshot.total_steps))
     parts.append(_rank_table(snapshot))
+    sent = sent_line(snapshot)
+    if sent:
+        parts.append(Text(sent))
     if snapshot.hang is not None:
         parts.append(Text(hang_message(snapshot), style="bold red"))
     dropped = dropped_message(snapshot)
@@ -141,6 +144,31 @@ def _rank_table(s: Snapshot) -> Table:
             _status_cell(r, shows_straggler(r, s)),
         )
     return table
+
+
+# Note [bytes per link] in telemetry/recorder.py: bytes a rank sends per step, within its host |
+# to other hosts. A line under the table, not a column: the table already fills 80 columns.
+SENT_LABEL = "sent/step within|between hosts"
+SENT_RANKS_LISTED = 8  # beyond this many ranks the line gives each class's range over the ranks
+
+
+def sent_cell(sent: tuple[float, float] | None) -> str:
+    """``96M|0B``: bytes per step within the host | to other hosts; ``-`` before a step said."""
+    return "-" if sent is None else f"{fmt_short(sent[0])}|{fmt_short(sent[1])}"
+
+
+def sent_line(s: Snapshot) -> str:
+    """``sent/step within|between hosts: r0=96M|0B  r1=96M|48M`` (a wrap falls between ranks,
+    never inside one); '' before any rank said."""
+    known = [(r.rank, r.sent_per_step) for r in s.ranks if r.sent_per_step is not None]
+    if not known:
+        return ""
+    if len(known) <= SENT_RANKS_LISTED:
+        return f"{SENT_LABEL}: " + "  ".join(f"r{rank}={sent_cell(sent)}" for rank, sent in known)
+    within = [sent[0] for _, sent in known]
+    between = [sent[1] for _, sent in known]
+    return (f"{SENT_LABEL}, {len(known)} ranks: {fmt_short(min(within))}-{fmt_short(max(within))}"
+            f"|{fmt_short(min(between))}-{fmt_short(max(between))}")
 
 
 def host_cell(r: RankView) -> str:
@@ -252,6 +280,8 @@ def render_plain(s: Snapshot) -> str:
             item += f" {OWN_LOSS} {fmt_loss(r.loss)}"
         if r.comm_fraction is not None:
             item += f" comm {100 * r.comm_fraction:.0f}%"
+        if r.sent_per_step is not None:
+            item += f" sent/step {sent_cell(r.sent_per_step)}"
         if shows_straggler(r, s):
             item += " STRAGGLER"
         parts.append(item)
@@ -298,7 +328,8 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False,
         parts.append(Text(f"job throughput: {fmt_rate(s.run_samples_per_s)} samples/s over the run"))
     if s.mean_loss is not None:
         parts.append(Text(f"last step {s.step}: {mean_loss_label(s)}"))
-    if any(r.run_samples_per_s is not None or r.run_comm_fraction is not None or r.comm for r in s.ranks):
+    if any(r.run_samples_per_s is not None or r.run_comm_fraction is not None or r.comm or r.run_sent_per_step
+           for r in s.ranks):
         parts.append(Text(SUMMARY_LEGEND, style="dim"))  # what the figures mean, when there are any
     if s.hang is not None:
         parts.append(Text(hang_message(s), style="bold red"))
@@ -310,7 +341,8 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False,
 
 SUMMARY_LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; "
                   "<collective> s: issue-to-completion time (CPU) or transfer (GPU), summed (overlaps compute); "
-                  "samples/s: every step's samples over the summed step time")
+                  "samples/s: every step's samples over the summed step time; "
+                  "sent/step: bytes the rank sent per step (median over the steps), within its host|between hosts")
 
 
 def _run_rate(r: RankView) -> str:
@@ -323,8 +355,13 @@ def _run_wait(r: RankView) -> str:
 
 def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
     with_state = any(r.breakdown for r in s.ranks)
-    ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm wait", "samples/s"):
+    with_sent = any(r.run_sent_per_step is not None for r in s.ranks)
+    # The box's divider is the only space between columns: with model state and sent/step the
+    # table must still fit 80 columns.
+    ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD,
+                  padding=(0, 0), show_edge=False)
+    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm wait", "samples/s",
+                 *(("sent/step",) if with_sent else ())):
         ranks.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         ranks.add_row(
@@ -333,6 +370,7 @@ def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
             *((fmt_short(model_state_bytes(r)),) if with_state else ()),
             _run_wait(r),
             _run_rate(r),
+            *((sent_cell(r.run_sent_per_step),) if with_sent else ()),
         )
     tables = [ranks]
     offloaded = [(r.rank, offloaded_label(r)) for r in s.ranks if offloaded_label(r)]
@@ -358,8 +396,9 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
     state_column = ("model state",) if with_state else ()
     with_offload = any(offloaded_label(r) for r in s.ranks)
     offload_column = ("offloaded",) if with_offload else ()
+    with_sent = any(r.run_sent_per_step is not None for r in s.ranks)
     for name in ("rank", "host", "steps", "peak memory", *state_column, *offload_column,
-                 "comm wait", *(f"{op} s" for op in ops), "samples/s"):
+                 "comm wait", *(f"{op} s" for op in ops), "samples/s", *(("sent/step",) if with_sent else ())):
         table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         seconds = {c.op: c for c in r.comm}
@@ -373,6 +412,7 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
             _run_wait(r),
             *(_comm_cell(seconds.get(op)) for op in ops),
             _run_rate(r),
+            *((sent_cell(r.run_sent_per_step),) if with_sent else ()),
         )
     return table
 

@@ -9,3 +9,6 @@ LAUNCH_ID_ENV = "ZERORUN_LAUNCH_ID"
 # "signed": every rank of the launch holds the same secret (Note [authenticated rendezvous]).
 RENDEZVOUS_MODE_ENV = "ZERORUN_RENDEZVOUS"
 RUN_TOKEN_ENV = "ZERORUN_RUN_TOKEN"
+# Ranks per host in rank order ("2,1"), so a worker knows which host each rank is on (Note [link
+# classes] in zero/comm/link_split.py).
+HOST_SLOTS_ENV = "ZERORUN_HOST_SLOTS"

@@ -8,6 +8,11 @@ Observer contract (duck-typed):
     collective_started(seq: int, op: str, nbytes: int) -> None
     collective_waited(seq: int, op: str, waited: float) -> None      (optional)
     collective_finished(seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None
+    collective_sent(seq: int, op: str, within: int, between: int) -> None    (optional)
+``collective_sent`` comes once per collective, when it is issued: the bytes this rank sends in
+it to ranks of its own host and to other hosts (Note [link classes] in link_split.py: counted by
+the host channel, the ring and qgZ's exchange, estimated by the ring formula for gloo's and
+NCCL's own collectives).
 On the CPU (gloo, the host channel, the ring) a collective starts when it is issued and
 finishes inside its ``wait()``: ``seconds`` runs from issue to completion (an asynchronous
 collective overlaps compute for most of it) and ``waited`` is the part the calling thread spent
@@ -72,6 +77,7 @@ says how the descriptors travel on each transport (``_agree_first`` below, or th
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from typing import Any, Protocol
@@ -79,10 +85,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from zerorun.zero.comm import agreement
+from zerorun.zero.comm import agreement, link_split
 from zerorun.zero.comm.agreement import Descriptor
 from zerorun.zero.comm.event_ledger import EventLedger
 from zerorun.zero.comm.host_channel import host_channel, usable as host_channel_usable
+from zerorun.zero.comm.link_split import Sent
 from zerorun.zero.comm.ring import Ring
 
 
@@ -122,6 +129,13 @@ def notify_started(seq: int, op: str, nbytes: int) -> None:
 def notify_finished(seq: int, op: str, nbytes: int, seconds: float, waited: float) -> None:
     for observer in list(_observers):
         observer.collective_finished(seq, op, nbytes, seconds, waited)
+
+
+def notify_sent(seq: int, op: str, sent: Sent) -> None:
+    for observer in list(_observers):
+        said = getattr(observer, "collective_sent", None)
+        if said is not None:
+            said(seq, op, sent.within, sent.between)
 
 
 def notify_waited(seq: int, op: str, waited: float) -> None:
@@ -239,11 +253,14 @@ Issued = Handle | StreamHandle | _Done  # what every collective below returns
 
 
 def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_stream=None, buffers=(),
-           descriptor: Descriptor, group):
+           descriptor: Descriptor, group, src: int | None = None, part: int = 0):
     """``on_stream``: the GPU whose communication stream runs it (Note [streams]), or None.
     ``transport(seq, descriptor)`` carries the descriptor with the data; else it travels apart
-    (``_agree_first``)."""
+    (``_agree_first``). ``src`` (a broadcast's global source) and ``part`` (qgZ's bytes per peer)
+    serve the link split (Note [link classes] in link_split.py)."""
     seq = next_sequence()
+    if _observers:
+        notify_sent(seq, op, _sent(op, nbytes, group, transport, src, part))
     handle: Handle | StreamHandle
     if on_stream is not None:
         from zerorun.zero.comm import comm_stream
@@ -265,6 +282,46 @@ def _issue(op: str, nbytes: int, call, async_op: bool, *, transport=None, on_str
     if not async_op:
         handle.wait(blocked_since=start)
     return handle
+
+
+def _sent(op: str, nbytes: int, group, transport, src: int | None, part: int) -> Sent:
+    """What this rank sends in the collective, by link class (Note [link classes])."""
+    members, index = _members(group)
+    hosts = _job_hosts(dist.get_world_size())
+    route = None if transport is None else transport.route
+    if route == "channel":
+        return link_split.channel_sent(nbytes, len(members))
+    if route == "ring":
+        return link_split.ring_sent(nbytes, members, index, hosts)
+    if route == "exchange":
+        return link_split.exchange_sent(part, members, index, hosts)
+    src_index = members.index(src) if src is not None and src in members else None
+    return link_split.estimated_sent(op, nbytes, members, index, hosts, src_index)
+
+
+_members_of: dict = {}
+
+
+def _members(group) -> tuple[tuple[int, ...], int]:
+    """The group's global ranks in group order (looked up once per group), and this rank's index."""
+    key = dist.group.WORLD if group is None else group
+    members = _members_of.get(key)
+    if members is None:
+        size = dist.get_world_size(group)
+        members = _members_of[key] = tuple(range(size)) if group is None else tuple(
+            dist.get_global_rank(group, r) for r in range(size))
+    return members, dist.get_rank(group)
+
+
+_hosts_of: dict[int, tuple[int, ...]] = {}
+
+
+def _job_hosts(world_size: int) -> tuple[int, ...]:
+    """Each global rank's host, read from the environment once (link_split.job_hosts)."""
+    hosts = _hosts_of.get(world_size)
+    if hosts is None:
+        hosts = _hosts_of[world_size] = link_split.job_hosts(os.environ, world_size)
+    return hosts
 
 
 class _SideCheck:
@@ -335,12 +392,13 @@ def _op_code(op) -> int:
 
 class _Transport:
     """How a CPU collective moves its bytes: ``(seq, descriptor) -> work``; ``carries_descriptor``:
-    whether the descriptor travels with the data (the host channel) or apart (the ring)."""
+    whether the descriptor travels with the data (the host channel) or apart (the ring);
+    ``route``: channel, ring or exchange, for the link split (Note [link classes])."""
 
-    __slots__ = ("_start", "carries_descriptor")
+    __slots__ = ("_start", "carries_descriptor", "route")
 
-    def __init__(self, start, carries_descriptor: bool):
-        self._start, self.carries_descriptor = start, carries_descriptor
+    def __init__(self, start, carries_descriptor: bool, route: str):
+        self._start, self.carries_descriptor, self.route = start, carries_descriptor, route
 
     def __call__(self, seq: int, descriptor: Descriptor | None):
         return self._start(seq, descriptor)
@@ -354,8 +412,8 @@ def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group) 
         return None
     channel = host_channel(group)  # opened by the group's first collective here, on every rank
     if channel is not None and host_channel_usable(output, input):
-        return _Transport(lambda seq, d: channel.submit(kind, output, input, seq, d), True)
-    return _Transport(lambda seq, _: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF), False)
+        return _Transport(lambda seq, d: channel.submit(kind, output, input, seq, d), True, "channel")
+    return _Transport(lambda seq, _: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF), False, "ring")
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False,
@@ -398,7 +456,7 @@ def broadcast(tensor: torch.Tensor, *, src: int, group, async_op: bool = False):
         "broadcast", _nbytes(tensor),
         lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a), async_op,
         on_stream=_stream_device(tensor, group), buffers=(tensor,),
-        descriptor=agreement.describe("broadcast", tensor, None, src), group=group,
+        descriptor=agreement.describe("broadcast", tensor, None, src), group=group, src=src,
     )
 
 
@@ -488,8 +546,9 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group
     own = input[rank * n : (rank + 1) * n].float()  # read now: the caller may reuse ``input`` after wait()
     received = torch.empty_like(send)
     inner = _issue("reduce_scatter_q", (size - 1) * part, None, True,
-                   transport=_Transport(lambda seq, _: Exchange(send, received, part, group, tag=seq & 0x7FFFFFFF), False),
-                   descriptor=agreement.describe("reduce_scatter_q", input, unit), group=group)
+                   transport=_Transport(lambda seq, _: Exchange(send, received, part, group, tag=seq & 0x7FFFFFFF), False,
+                                        "exchange"),
+                   descriptor=agreement.describe("reduce_scatter_q", input, unit), group=group, part=part)
 
     def finish() -> None:
         total = torch.zeros(n, dtype=torch.float32, device=output.device)
