@@ -16,6 +16,10 @@ and rate:
               counter over the timed steps (Ethernet, IP and TCP headers included) / ranks per
               host / steps
   local MB    the same over the namespace's loopback (ranks of one host; 0 for 1 rank a host)
+  zr link MB  zerorun's own figure for the same steps, payload only: what its collectives said
+              each rank sent to the other host (Note [link classes] in zerorun/zero/comm/
+              link_split.py; the dashboard's, the summary's and ``zerorun report``'s sent/step),
+              mean over the ranks; '-' for DDP and FSDP2
   link s      the link-time bound: one host's link bytes per step / rate
   compute s   the same system's step with both hosts' ranks in one namespace, no shaping
   loss        the last step's loss on rank 0
@@ -129,6 +133,7 @@ class LinkResult:
     rate: str
     step_s: float | None = None
     link_mb: float | None = None
+    told_link_mb: float | None = None  # zerorun's own count of the same (payload only)
     local_mb: float | None = None
     link_s: float | None = None
     compute_s: float | None = None
@@ -147,7 +152,8 @@ def run_world(link: Link, system: str, options: dict, hosts: int, per_host: int,
             host = 0 if one_host else rank // per_host
             ns, iface = link.namespaces[host], link.interfaces[host]
             env = dict(os.environ, PYTHONPATH=str(HERE.parent), GLOO_SOCKET_IFNAME=iface,
-                       ZERORUN_HOST_CHANNEL="0", OMP_NUM_THREADS="1")
+                       ZERORUN_HOST_CHANNEL="0", OMP_NUM_THREADS="1",
+                       ZERORUN_HOST_SLOTS=str(world) if one_host else ",".join([str(per_host)] * hosts))
             spec = {**options, "system": system, "rank": rank, "world": world, "iface": iface,
                     "counts": rank % per_host == 0 if not one_host else rank == 0,
                     "init_file": str(run_dir / "rendezvous"), "out": str(run_dir / f"rank{rank}.json")}
@@ -176,8 +182,27 @@ def run_world(link: Link, system: str, options: dict, hosts: int, per_host: int,
     counted = [r for r in ranks if r["counters"] is not None]
     link_bytes = statistics.mean(r["counters"]["link"] for r in counted) / per_host / steps
     local_bytes = statistics.mean(r["counters"]["local"] for r in counted) / per_host / steps
+    told = [r["sent"] for r in ranks if r.get("sent") is not None]
+    told_link = statistics.mean(between for _, between in told) / steps if told else None
     return {"step_s": statistics.median(per_step), "link_bytes": link_bytes, "local_bytes": local_bytes,
-            "last_loss": ranks[0]["losses"][-1]}
+            "told_link_bytes": told_link, "last_loss": ranks[0]["losses"][-1]}
+
+
+class SentCounter:
+    """What zerorun's collectives say this rank sent, [within, between] (the recorder's figures)."""
+
+    def __init__(self):
+        self.sent = [0, 0]
+
+    def collective_started(self, seq, op, nbytes):
+        pass
+
+    def collective_finished(self, seq, op, nbytes, seconds, waited):
+        pass
+
+    def collective_sent(self, seq, op, within, between):
+        self.sent[0] += within
+        self.sent[1] += between
 
 
 def rank_main(spec: dict) -> None:
@@ -199,12 +224,19 @@ def rank_main(spec: dict) -> None:
             return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
         return {"link": read(spec["iface"]), "local": read("lo")} if spec["counts"] else {}
 
+    counter = SentCounter()
+    if spec["system"].startswith("zero"):
+        from zerorun.zero.comm import collectives
+
+        collectives.add_observer(counter)
     times, losses = [], []
     before: dict[str, int] = {}
+    told_before = [0, 0]
     for step in range(spec["warmup"] + spec["steps"]):
         if step == spec["warmup"]:
             dist.barrier()
             before = counters()
+            told_before = list(counter.sent)
         tokens, targets = synthetic_batch(cfg, spec["micro_batch"] * world, step=step)
         started = time.perf_counter()
         loss = trainer.step(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
@@ -215,7 +247,8 @@ def rank_main(spec: dict) -> None:
     dist.barrier()
     after = counters()
     sent = {k: after[k] - before[k] for k in after} if spec["counts"] else None
-    Path(spec["out"]).write_text(json.dumps({"step_times_s": times, "losses": losses, "counters": sent}))
+    told = [counter.sent[0] - told_before[0], counter.sent[1] - told_before[1]] if spec["system"].startswith("zero") else None
+    Path(spec["out"]).write_text(json.dumps({"step_times_s": times, "losses": losses, "counters": sent, "sent": told}))
     dist.destroy_process_group()
 
 
@@ -256,18 +289,19 @@ def render(results: list[LinkResult], per_host: int, load: str):
     from rich.table import Table
 
     table = Table(title=f"2 hosts x {per_host} rank(s), fp32 GPT; load average {load}")
-    for header in ("rate", "system", "step s", "xDDP", "link MB", "xDDP", "local MB", "link s", "compute s",
-                   "step/max(link,compute)", "loss"):
+    for header in ("rate", "system", "step s", "xDDP", "link MB", "xDDP", "zr link MB", "local MB", "link s",
+                   "compute s", "step/max(link,compute)", "loss"):
         table.add_column(header, justify="left" if header in ("rate", "system") else "right", no_wrap=True)
     for r in results:
         if r.error:
-            table.add_row(r.rate, r.system, *["-"] * 8, "failed: " + r.error[:60])
+            table.add_row(r.rate, r.system, *["-"] * 9, "failed: " + r.error[:60])
             continue
         ddp = next((d for d in results if d.rate == r.rate and d.system == "ddp" and d.error is None), None)
         bound = max(r.link_s or 0.0, r.compute_s or 0.0)
         table.add_row(
             r.rate, r.system, f"{r.step_s:.2f}", _ratio(r.step_s, ddp.step_s if ddp else None),
-            f"{r.link_mb:.1f}", _ratio(r.link_mb, ddp.link_mb if ddp else None), f"{r.local_mb:.1f}",
+            f"{r.link_mb:.1f}", _ratio(r.link_mb, ddp.link_mb if ddp else None),
+            "-" if r.told_link_mb is None else f"{r.told_link_mb:.1f}", f"{r.local_mb:.1f}",
             f"{r.link_s:.2f}", "-" if r.compute_s is None else f"{r.compute_s:.2f}",
             _ratio(r.step_s, bound or None), f"{r.last_loss:.4f}")
     return table
@@ -318,6 +352,7 @@ def main(argv=None) -> int:
                         continue
                     results.append(LinkResult(
                         system, rate_name, step_s=out["step_s"], link_mb=out["link_bytes"] / 1e6,
+                        told_link_mb=None if out["told_link_bytes"] is None else out["told_link_bytes"] / 1e6,
                         local_mb=out["local_bytes"] / 1e6, link_s=out["link_bytes"] * args.ranks_per_host * 8 / rate,
                         compute_s=compute.get(system), last_loss=out["last_loss"]))
                     console.print(f"{out['step_s']:.2f} s/step, {out['link_bytes'] / 1e6:.1f} MB to the other host per rank")
