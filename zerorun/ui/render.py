@@ -147,20 +147,26 @@ def _rank_table(s: Snapshot) -> Table:
 
 
 # Note [bytes per link] in telemetry/recorder.py: bytes a rank sends per step, within its host |
-# to other hosts. A line under the table, not a column: the table already fills 80 columns.
+# between hosts. A line under the tables, not a column: the dashboard's table already fills 80
+# columns, and the summary's wide table would no longer fit a terminal.
 SENT_LABEL = "sent/step within|between hosts"
 SENT_RANKS_LISTED = 8  # beyond this many ranks the line gives each class's range over the ranks
 
 
 def sent_cell(sent: tuple[float, float] | None) -> str:
-    """``96M|0B``: bytes per step within the host | to other hosts; ``-`` before a step said."""
+    """``96M|0B``: bytes per step within the host | between hosts; ``-`` before a step said."""
     return "-" if sent is None else f"{fmt_short(sent[0])}|{fmt_short(sent[1])}"
 
 
-def sent_line(s: Snapshot) -> str:
+def sent_line(s: Snapshot, run: bool = False) -> str:
     """``sent/step within|between hosts: r0=96M|0B  r1=96M|48M`` (a wrap falls between ranks,
-    never inside one); '' before any rank said."""
-    known = [(r.rank, r.sent_per_step) for r in s.ranks if r.sent_per_step is not None]
+    never inside one): the recent steps', or with ``run`` the run's (the summary); '' before any
+    rank said."""
+    known: list[tuple[int, tuple[float, float]]] = []
+    for r in s.ranks:
+        sent = r.run_sent_per_step if run else r.sent_per_step
+        if sent is not None:
+            known.append((r.rank, sent))
     if not known:
         return ""
     if len(known) <= SENT_RANKS_LISTED:
@@ -324,6 +330,9 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False,
         ended = "failed" if failed else "interrupted" if interrupted else "finished"
     title = f"zerorun summary ({ended} after {fmt_duration(s.elapsed_s)})"
     parts: list[RenderableType] = [FirstThatFits(_summary_wide(s, title), Group(*_summary_narrow(s, title)))]
+    sent = sent_line(s, run=True)
+    if sent:
+        parts.append(Text(sent))
     if s.run_samples_per_s is not None:
         parts.append(Text(f"job throughput: {fmt_rate(s.run_samples_per_s)} samples/s over the run"))
     if s.mean_loss is not None:
@@ -342,7 +351,7 @@ def render_summary(s: Snapshot, failed: bool = False, interrupted: bool = False,
 SUMMARY_LEGEND = ("comm wait: share of the run's step time spent blocked on collectives; "
                   "<collective> s: issue-to-completion time (CPU) or transfer (GPU), summed (overlaps compute); "
                   "samples/s: every step's samples over the summed step time; "
-                  "sent/step: bytes the rank sent per step (median over the steps), within its host|between hosts")
+                  "sent/step: bytes a rank sent per step (median over the steps), within its host|between hosts")
 
 
 def _run_rate(r: RankView) -> str:
@@ -355,13 +364,8 @@ def _run_wait(r: RankView) -> str:
 
 def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
     with_state = any(r.breakdown for r in s.ranks)
-    with_sent = any(r.run_sent_per_step is not None for r in s.ranks)
-    # The box's divider is the only space between columns: with model state and sent/step the
-    # table must still fit 80 columns.
-    ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD,
-                  padding=(0, 0), show_edge=False)
-    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm wait", "samples/s",
-                 *(("sent/step",) if with_sent else ())):
+    ranks = Table(title=title, header_style="bold", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("rank", "host", "steps", "peak", *(("model state",) if with_state else ()), "comm wait", "samples/s"):
         ranks.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         ranks.add_row(
@@ -370,7 +374,6 @@ def _summary_narrow(s: Snapshot, title: str) -> list[Table]:
             *((fmt_short(model_state_bytes(r)),) if with_state else ()),
             _run_wait(r),
             _run_rate(r),
-            *((sent_cell(r.run_sent_per_step),) if with_sent else ()),
         )
     tables = [ranks]
     offloaded = [(r.rank, offloaded_label(r)) for r in s.ranks if offloaded_label(r)]
@@ -396,9 +399,8 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
     state_column = ("model state",) if with_state else ()
     with_offload = any(offloaded_label(r) for r in s.ranks)
     offload_column = ("offloaded",) if with_offload else ()
-    with_sent = any(r.run_sent_per_step is not None for r in s.ranks)
     for name in ("rank", "host", "steps", "peak memory", *state_column, *offload_column,
-                 "comm wait", *(f"{op} s" for op in ops), "samples/s", *(("sent/step",) if with_sent else ())):
+                 "comm wait", *(f"{op} s" for op in ops), "samples/s"):
         table.add_column(name, justify="left" if name == "host" else "right", no_wrap=True)
     for r in s.ranks:
         seconds = {c.op: c for c in r.comm}
@@ -412,7 +414,6 @@ def _summary_wide(s: Snapshot, title: str) -> Table:
             _run_wait(r),
             *(_comm_cell(seconds.get(op)) for op in ops),
             _run_rate(r),
-            *((sent_cell(r.run_sent_per_step),) if with_sent else ()),
         )
     return table
 
