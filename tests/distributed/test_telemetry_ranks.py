@@ -71,7 +71,7 @@ def test_two_ranks_stream_memory_comm_steps_and_a_hang(tmp_path):
             reader.start()
             readers.append(reader)
         for rank, proc in enumerate(procs):
-            view.on_worker_exit(f"host{rank}", rank, proc.wait(timeout=60))
+            view.on_worker_exit(f"host{rank}", rank, proc.wait(timeout=300))
         for reader in readers:
             reader.join(timeout=10)
     finally:
