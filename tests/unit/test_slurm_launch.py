@@ -312,7 +312,8 @@ def test_scancel_during_the_pre_flight_is_a_cancellation_not_a_pre_flight_proble
     result = run_job.execute(job)
     assert not result.started and result.signal == signal.SIGTERM
     assert run.stop_reason(job, result.signal) == "cancelled (SIGTERM, scancel)"
-    assert run.interrupted_exit_code(result) == 143
+    outcome = run.outcome_of(job, result)
+    assert outcome.state.name == "NOT_STARTED" and outcome.exit_code == 143
     monkeypatch.setattr(signals, "slurm_stop_cause", lambda ctx: None)
     with pytest.raises(LaunchError, match="pre-flight found 2 problems"):
         run_job.execute(job)

@@ -203,95 +203,160 @@ def register(app: typer.Typer) -> None:
         rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun's job id: accepted, no effect."),
         rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", help="torchrun's: refused (join_timeout is --startup-timeout)."),
     ) -> None:
+        from zerorun.cli.torchrun_options import rendezvous
         from zerorun.launch.prepare import LaunchOptions, dry_run_text, prepare
         from zerorun.launch.run_job import execute
-        from zerorun.launch.plan import Target
-        from zerorun.launch.supervisor import format_failure
-        from zerorun.config import parse_settings
 
-        words = list(target or [])
-        if module is not None:
-            job_target = Target(module=module, args=tuple(words), local_rank_arg=local_rank_arg)
-        elif words:
-            job_target = Target(script=words[0], args=tuple(words[1:]), local_rank_arg=local_rank_arg)
-        else:
-            raise LaunchError("no script given", hint="zerorun --nproc 2 train.py [script args...]  or  zerorun -m package.module")
-        overrides = parse_settings(list(settings or []) + (["checkpoint.resume=true"] if resume else []))
-        if hang_timeout is not None:
-            if not hang_timeout >= 0:
-                raise LaunchError(f"--hang-timeout must be 0 (never) or a number of seconds, got {hang_timeout}")
-            overrides["telemetry.hang_timeout_s"] = hang_timeout
-        if startup_timeout is not None:
-            if not startup_timeout >= 0:
-                raise LaunchError(f"--startup-timeout must be 0 (never) or a number of seconds, got {startup_timeout}")
-            overrides["telemetry.startup_timeout_s"] = startup_timeout
-        from zerorun.cli.torchrun_options import rendezvous
-
+        job_script = job_target(module, list(target or []), local_rank_arg)
+        overrides = config_overrides(settings, resume, hang_timeout, startup_timeout)
         master_addr, master_port, rdzv_notes = rendezvous(
             standalone=standalone, backend=rdzv_backend, endpoint=rdzv_endpoint, rdzv_id=rdzv_id, conf=rdzv_conf,
             master_addr=master_addr, master_port=master_port, hostfile=hostfile)
         options = LaunchOptions(
-            target=job_target, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
+            target=job_script, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
             num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
-            ssh_options=list(ssh_opt or []), env_file=env_file, config=config,
-            config_overrides=overrides, run_dir=run_dir,
+            ssh_options=list(ssh_opt or []), env_file=env_file, config=config, config_overrides=overrides, run_dir=run_dir,
             dashboard=not no_dashboard, grace_s=grace, launcher=launcher, as_deepspeed=as_deepspeed,
         )
-        accelerate_notes: list[str] = []
-        if accelerate_config is not None:
-            options, accelerate_notes = with_accelerate_config(options, accelerate_config)
-        if dry_run and options.gpus is not None:
-            # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.
-            job = prepare(options, gpu_counter=lambda: options.gpus)
-            job.notes.append(f"--dry-run: the {options.gpus} GPU(s) per host are not checked on this machine")
-        else:
-            job = prepare(options)
-        job.notes[:0] = accelerate_notes + rdzv_notes
-        if max_restarts and job.step_role is not None:
-            raise LaunchError("--max-restarts: under srun each node's launcher would restart on its own",
-                              hint="let Slurm restart the job: checkpoint.on_signal and checkpoint.requeue "
-                                   "(docs/launch.md, Slurm), or sbatch --requeue")
-        for note in job.notes:
-            print(f"zerorun: note: {note}", file=sys.stderr)
-        check_monitor_packages(job.config_json)
+        job = prepared_job(options, prepare, dry_run=dry_run, accelerate_config=accelerate_config,
+                           notes=rdzv_notes, max_restarts=max_restarts)
         if dry_run:
             print(dry_run_text(job))
             return
         print(f"zerorun: run directory {job.plan.run_dir}", file=sys.stderr, flush=True)
         job, result, causes = run_with_restarts(job, max_restarts, prepare, execute)
-        restarts = f"; {restart_summary(causes, max_restarts)}" if max_restarts else ""
-        if result.ok and restarts:
-            print(f"zerorun: the job finished{restarts}", file=sys.stderr)
-        if not result.started:
-            # Note [signals from the first instant]: a stopping signal came before any worker ran.
-            print(f"zerorun: {stop_reason(job, result.signal)} before any worker started; nothing was started"
-                  + requeue_after_stop(job, result.signal), file=sys.stderr)
-            raise typer.Exit(interrupted_exit_code(result))
-        logs = f"{result.run_dir}/logs"
-        print(f"zerorun: run directory {result.run_dir} (zerorun report {result.run_dir})", file=sys.stderr)
-        stopped = stopped_clause(result.leftovers)
-        if result.interrupted:
-            print(f"zerorun: {stop_reason(job, result.signal or 2)}; {stopped} (logs in {logs})"
-                  + requeue_after_stop(job, result.signal), file=sys.stderr)
-            raise typer.Exit(interrupted_exit_code(result))
-        if result.checkpoint_signal is not None and result.failure is None:
-            finish_after_checkpoint(job, result, logs)
-        if result.failure is not None and job.slurm is not None:
-            cause, ended = slurm_ended(job)
-            if ended is not None:
-                # scancel / time limit under salloc, a preemption's SIGTERM to the agent steps:
-                # Slurm signalled the steps (the workers died of it) before, or instead of, the
-                # launcher; that is the cause, not the worker.
-                print(f"zerorun: {ended}: Slurm ended the job's steps; {stopped} (logs in {logs})"
-                      + after_preemption(job, cause), file=sys.stderr)
-                raise typer.Exit(128 + 15)
-        if result.failure is not None:
-            failure = result.failure
-            show_root_cause(format_failure(failure))
-            who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
-            if failure.rank is not None:
-                stopped = stopped.replace("every worker", "every other worker")
-            raise JobFailed(f"{who} failed: {failure.reason}; {stopped} (logs in {logs}){restarts}")
+        close_job(job, outcome_of(job, result), restart_summary(causes, max_restarts) if max_restarts else "")
+
+
+def outcome_of(job, result):
+    """Note [job state] (launch/outcome.py): the job's last attempt as one Outcome; Slurm is asked
+    why it is ending the job only about a failed job under Slurm."""
+    from zerorun.launch.outcome import Outcome, job_state
+
+    cause, words = None, None
+    if result.started and not result.interrupted and result.failure is not None and job.slurm is not None:
+        cause, words = slurm_ended(job)
+    return Outcome(job_state(result, words is not None), result, cause, words)
+
+
+def close_job(job, outcome, restarts: str) -> None:
+    """The closing line and exit status of each state (one function per state)."""
+    from zerorun.launch.outcome import JobState
+
+    closers = {JobState.NOT_STARTED: close_not_started, JobState.INTERRUPTED: close_interrupted,
+               JobState.CHECKPOINTED: close_checkpointed, JobState.SLURM_ENDED: close_slurm_ended,
+               JobState.FAILED: close_failed, JobState.SUCCEEDED: close_succeeded}
+    closers[outcome.state](job, outcome, restarts)
+
+
+def say_finished(restarts: str) -> None:
+    """After restarts, a job whose workers all ended on their own says how many it took."""
+    if restarts:
+        print(f"zerorun: the job finished; {restarts}", file=sys.stderr)
+
+
+def close_succeeded(job, outcome, restarts: str) -> None:
+    say_finished(restarts)
+    run_dir_line(outcome)
+
+
+def close_not_started(job, outcome, restarts: str) -> None:
+    # Note [signals from the first instant]: a stopping signal came before any worker ran.
+    signum = outcome.result.signal
+    print(f"zerorun: {stop_reason(job, signum)} before any worker started; nothing was started"
+          + requeue_after_stop(job, signum), file=sys.stderr)
+    raise typer.Exit(outcome.exit_code)
+
+
+def run_dir_line(outcome) -> str:
+    """Where the logs are, said at the end of a job that started (and the report command)."""
+    run_dir = outcome.result.run_dir
+    print(f"zerorun: run directory {run_dir} (zerorun report {run_dir})", file=sys.stderr)
+    return f"{run_dir}/logs"
+
+
+def close_interrupted(job, outcome, restarts: str) -> None:
+    logs, signum = run_dir_line(outcome), outcome.result.signal
+    print(f"zerorun: {stop_reason(job, signum or 2)}; {stopped_clause(outcome.result.leftovers)} (logs in {logs})"
+          + requeue_after_stop(job, signum), file=sys.stderr)
+    raise typer.Exit(outcome.exit_code)
+
+
+def close_checkpointed(job, outcome, restarts: str) -> None:
+    say_finished(restarts)  # every worker ended on its own, after saving
+    finish_after_checkpoint(job, outcome.result, run_dir_line(outcome))
+
+
+def close_slurm_ended(job, outcome, restarts: str) -> None:
+    # scancel / time limit under salloc, a preemption's SIGTERM to the agent steps: Slurm
+    # signalled the steps (the workers died of it) before, or instead of, the launcher; that is
+    # the cause, not the worker.
+    logs = run_dir_line(outcome)
+    print(f"zerorun: {outcome.slurm_words}: Slurm ended the job's steps; {stopped_clause(outcome.result.leftovers)} "
+          f"(logs in {logs})" + after_preemption(job, outcome.slurm_cause), file=sys.stderr)
+    raise typer.Exit(outcome.exit_code)
+
+
+def close_failed(job, outcome, restarts: str) -> None:
+    from zerorun.launch.supervisor import format_failure
+
+    logs, failure = run_dir_line(outcome), outcome.result.failure
+    stopped = stopped_clause(outcome.result.leftovers)
+    show_root_cause(format_failure(failure))
+    who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
+    if failure.rank is not None:
+        stopped = stopped.replace("every worker", "every other worker")
+    raise JobFailed(f"{who} failed: {failure.reason}; {stopped} (logs in {logs})" + (f"; {restarts}" if restarts else ""))
+
+
+def job_target(module: str | None, words: list[str], local_rank_arg: bool):
+    """``-m MODULE [args]`` or ``SCRIPT [args]`` as the plan's Target."""
+    from zerorun.launch.plan import Target
+
+    if module is not None:
+        return Target(module=module, args=tuple(words), local_rank_arg=local_rank_arg)
+    if words:
+        return Target(script=words[0], args=tuple(words[1:]), local_rank_arg=local_rank_arg)
+    raise LaunchError("no script given", hint="zerorun --nproc 2 train.py [script args...]  or  zerorun -m package.module")
+
+
+def config_overrides(settings: list[str] | None, resume: bool, hang_timeout: float | None,
+                     startup_timeout: float | None) -> dict:
+    """--set, --resume, --hang-timeout and --startup-timeout as config overrides (they beat env and file)."""
+    from zerorun.config import parse_settings
+
+    overrides = parse_settings(list(settings or []) + (["checkpoint.resume=true"] if resume else []))
+    for flag, key, value in (("--hang-timeout", "telemetry.hang_timeout_s", hang_timeout),
+                             ("--startup-timeout", "telemetry.startup_timeout_s", startup_timeout)):
+        if value is None:
+            continue
+        if not value >= 0:
+            raise LaunchError(f"{flag} must be 0 (never) or a number of seconds, got {value}")
+        overrides[key] = value
+    return overrides
+
+
+def prepared_job(options, prepare, *, dry_run: bool, accelerate_config: str | None, notes: list[str],
+                 max_restarts: int):
+    """The prepared job (launch/prepare.py), its notes printed; --accelerate-config merged in first."""
+    accelerate_notes: list[str] = []
+    if accelerate_config is not None:
+        options, accelerate_notes = with_accelerate_config(options, accelerate_config)
+    if dry_run and options.gpus is not None:
+        # A plan for a GPU job is useful on a laptop or a login node too: assume the GPUs exist.
+        job = prepare(options, gpu_counter=lambda: options.gpus)
+        job.notes.append(f"--dry-run: the {options.gpus} GPU(s) per host are not checked on this machine")
+    else:
+        job = prepare(options)
+    job.notes[:0] = accelerate_notes + notes
+    if max_restarts and job.step_role is not None:
+        raise LaunchError("--max-restarts: under srun each node's launcher would restart on its own",
+                          hint="let Slurm restart the job: checkpoint.on_signal and checkpoint.requeue "
+                               "(docs/launch.md, Slurm), or sbatch --requeue")
+    for note in job.notes:
+        print(f"zerorun: note: {note}", file=sys.stderr)
+    check_monitor_packages(job.config_json)
+    return job
 
 
 def run_with_restarts(job, max_restarts: int, prepare, execute):
@@ -451,11 +516,6 @@ def finish_after_checkpoint(job, result, logs: str) -> None:
         message += "; not requeued: not a Slurm job"
     print(message, file=sys.stderr)
     raise typer.Exit(128 + result.checkpoint_signal)
-
-
-def interrupted_exit_code(result) -> int:
-    """128 + the signal that stopped us (130 for Ctrl-C, 143 for SIGTERM), as shells do."""
-    return 128 + (getattr(result, "signal", None) or 2)
 
 
 def show_root_cause(text: str) -> None:
