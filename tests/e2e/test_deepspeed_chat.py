@@ -199,14 +199,11 @@ def test_stage3_saves_the_trained_weights(chat, step):
     for key, value in gathered.items():
         assert value.shape == whole[key].shape and value.numel() > 0, key
         assert not torch.equal(value, initial[key].to(value.dtype)), f"{key} is the initial weight"
-        if NOISE in key:
-            continue  # its exact gradient is zero: Adam turns rounding into whole steps (NOISE above)
-        # One bf16 rounding step at the tensor's largest value: Adam turns a gradient element's
-        # rounding difference into an update of about lr, so an element near zero may differ by
-        # more than one step of its own (observed: 1-6 elements of a tensor, at most 0.7% of its
-        # largest value, with the descriptor-checked collectives and the recompute pass).
-        ours, theirs = value.float(), whole[key].float()
-        assert (ours - theirs).abs().max() <= BF16_STEP * theirs.abs().max(), key
+        # Each element to one bf16 step of its own, k_proj's bias too. The clip coefficient
+        # (gradient_clipping 1.0, active) comes from a norm summed per unit, and the stages group
+        # units differently; summed in fp32 it moved in its last bits, which Adam grew into 659
+        # differing elements, up to 8% of a k_proj bias's largest value (Note [norm in float64]).
+        assert torch.allclose(value.float(), whole[key].float(), rtol=BF16_STEP, atol=0), key
 
 
 def saved_tolerance(recorded: dict, step: str) -> tuple[float, float]:
