@@ -248,7 +248,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             holder_records = {m: [record_of[u.index] for u in us] for m, us in partition.holder_units.items()}
             self.gatherer = ParamGatherer(model, module_records, self.group,
                                           max_reuse_distance=cfg.zero.max_reuse_distance,
-                                          holder_records=holder_records)
+                                          holder_records=holder_records, leaf_units=partition.leaf_units)
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
@@ -260,7 +260,10 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,
             on_unit_reduced=self.updater.unit_reduced,
             lazy_gradients=self.stage >= 1,  # Note [lazy gradient shards] in grad_reduce.py
+            closed_by_module=partition.leaf_units if self.gatherer else frozenset(),
         )
+        if self.gatherer is not None:  # Note [expert gradients] in grad_reduce.py
+            self.gatherer.on_backward_over = self.reducer.close_unit
         self._quantize_collectives(cfg.zero)
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five

@@ -27,6 +27,17 @@ Note [launch order]: collectives must be issued in the same order on every rank.
 launched only when it is complete AND every unit before it in ``order`` has launched; whatever
 is left (units with parameters unused this step) is flushed in order at the end of backward.
 So the issue order is identical on every rank whatever the data did.
+
+Note [expert gradients]: the order of the reduces alone is not enough at stage 3, where backward
+also all-gathers units: the reduces must fall at the same place among the gathers. A unit that
+completes when its last gradient arrives does so wherever that happens, and an expert block (a
+leaf unit, Note [expert blocks] in unit/leaf.py) whose experts this rank's tokens skipped never
+gets their gradients: it completed mid-backward on a rank that ran every expert and only at the
+end on the other, which meanwhile gathered the next block (Switch Transformers, every module its
+own unit: "reduce_scatter of unit 7 ... all_gather of unit 2"). So a leaf unit is completed by
+an event every rank sees at the same point, never by its count: the end of its module's last
+call's backward (``close_unit``, from the gatherer's ``AfterBackward`` on the module's inputs),
+or else the end of backward.
 """
 
 from __future__ import annotations
@@ -133,8 +144,11 @@ class GradReducer:
         on_unit_complete: Callable[[UnitRecord], None] | None = None,
         on_unit_reduced: Callable[[UnitRecord], None] | None = None,
         lazy_gradients: bool = False,
+        closed_by_module: frozenset[int] = frozenset(),
     ):
         self.records = records
+        # Note [expert gradients]: units complete when their module's backward is over.
+        self.closed_by_module = closed_by_module
         self.order = order
         self.policy = policy
         self.group = group
@@ -210,10 +224,20 @@ class GradReducer:
                 bucket[offset : offset + numel].copy_(grad.reshape(-1))
                 gradient.mark_written(position)
                 param.grad = None
-        if gradient.arrive(len(unit.params)):
+        if gradient.arrive(None if record.index in self.closed_by_module else len(unit.params)):
             if self.on_unit_complete is not None:
                 self.on_unit_complete(record)
             self._launch_ready_prefix()
+
+    def close_unit(self, record: UnitRecord) -> None:
+        """Note [expert gradients]: ``record``'s module finished its backward on every rank;
+        whatever of its gradients has not arrived on this rank will not."""
+        if record.gradient.state not in (GradState.IDLE, GradState.FILLING):
+            return
+        record.gradient.close_arrivals()
+        if self.on_unit_complete is not None:
+            self.on_unit_complete(record)
+        self._launch_ready_prefix()
 
     def _launch_ready_prefix(self) -> None:
         while self._next < len(self.order) and self.records[self.order[self._next]].gradient.state is GradState.READY:

@@ -66,6 +66,7 @@ the recorded order keeps nothing, and a forward without autograd keeps nothing a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -97,8 +98,15 @@ class ParamGatherer:
     ``record.gathering`` (unit/parts.py), which only this class writes."""
 
     def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
-                 *, max_reuse_distance: int = 0, holder_records: dict[nn.Module, list[UnitRecord]] | None = None):
+                 *, max_reuse_distance: int = 0, holder_records: dict[nn.Module, list[UnitRecord]] | None = None,
+                 leaf_units: frozenset[int] = frozenset()):
         self.max_reuse_distance = max_reuse_distance
+        # Note [expert gradients] (grad_reduce.py): units closed when their module's backward is
+        # over, through ``on_backward_over`` (the engine's reducer); per unit, the calls of this
+        # forward whose backward has not ended yet.
+        self.leaf_units = leaf_units
+        self.on_backward_over: Callable[[UnitRecord], None] | None = None
+        self._open_calls: dict[int, int] = {}
         self.module_records = {m: list(rs) for m, rs in module_records.items()}  # the gathering modules
         # Note [gather follows use]: every module holding a partitioned parameter, with its units.
         self.holder_records = holder_records or {}
@@ -302,7 +310,8 @@ class ParamGatherer:
             record.unit.gather(self.group)
             self._unwatch(record)
         self._prefetch_forward(module)
-        if torch.is_grad_enabled() and any(_released_after_backward(r) for r in records):
+        if torch.is_grad_enabled() and any(_released_after_backward(r) or r.index in self.leaf_units
+                                           for r in records):
             return self._hook_inputs(module, args, kwargs)
         return None
 
@@ -440,17 +449,24 @@ class ParamGatherer:
         backward has produced their gradients, and so before the backward hook of the module
         that made them (a tensor hook on the same input would run after that hook's gather)."""
         records = [r for r in self._records_of(module) if _released_after_backward(r)]
+        closing = [r for r in self._records_of(module) if r.index in self.leaf_units]
 
         def after_backward() -> None:
             if not self.passes.recomputing:
                 for record in records:
                     if record.gathering.in_use == 0:
                         record.unit.release()
+                for record in closing:  # Note [expert gradients]
+                    self._open_calls[record.index] -= 1
+                    if self._open_calls[record.index] == 0 and self.on_backward_over is not None:
+                        self.on_backward_over(record)
 
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
         if not positions:
-            return None
+            return None  # no backward reaches the inputs: the end of backward closes the units
+        for record in closing:
+            self._open_calls[record.index] = self._open_calls.get(record.index, 0) + 1
         passed = AfterBackward.apply(after_backward, *(leaves[i] for i in positions))
         for i, tensor in zip(positions, passed, strict=True):
             leaves[i] = tensor
@@ -471,6 +487,7 @@ class ParamGatherer:
             self._follow_backward(list(self._observed_backward))
         self._observed_backward = {}
         self._recomputed = False
+        self._open_calls.clear()
         self.passes.move(PassState.IDLE)
 
     def _release_idle(self, for_backward: bool = False) -> None:

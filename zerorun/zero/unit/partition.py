@@ -48,6 +48,9 @@ class Partition:
     holder_units: dict[nn.Module, list[FlatUnit]] = field(default_factory=dict)
     # Stage 3 only: the units of frozen parameters (Note [frozen units]), indexed after ``units``.
     frozen: list[FlatUnit] = field(default_factory=list)
+    # Stage 3 only: the units holding a leaf module's parameters, whose gradients are complete
+    # when its backward is over (Note [expert gradients] in grad_reduce.py).
+    leaf_units: frozenset[int] = frozenset()
 
 
 def group_of_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, int]:
@@ -139,7 +142,10 @@ def build_partition(
                 add_unit(bucket, FROZEN_GROUP, partitioned=False)
         _add_outside_users(model, [u for u in units if u.partitioned], module_units)
         holder_units = _holder_units(model, units)
-    return Partition(trainable, reduce_order, module_units, holder_units, frozen=units[len(trainable):])
+    in_leaf = {id(p) for m in model.modules() if is_leaf(m, leaf_names) for p in m.parameters()}
+    leaf_units = frozenset(u.index for u in trainable if u.partitioned and any(id(p) in in_leaf for p in u.params))
+    return Partition(trainable, reduce_order, module_units, holder_units, frozen=units[len(trainable):],
+                     leaf_units=leaf_units if stage == 3 else frozenset())
 
 
 def _buckets(named: list[tuple[str, nn.Parameter]], bucket_numel: int) -> list[list[tuple[str, nn.Parameter]]]:

@@ -103,14 +103,15 @@ class GradientPart:
             raise InternalError(f"unit {self.index}: a gradient bucket without its written slots")
         self.written[position] = True
 
-    def arrive(self, needed: int) -> bool:
-        """One more of the unit's ``needed`` gradients arrived; True when it was the last."""
+    def arrive(self, needed: int | None) -> bool:
+        """One more of the unit's ``needed`` gradients arrived; True when it was the last.
+        ``needed`` None: the count never completes it (Note [expert gradients] in grad_reduce.py)."""
         if self.state is GradState.IDLE:
             self._move(GradState.FILLING)
         elif self.state is not GradState.FILLING:
             raise InternalError(f"unit {self.index}: a gradient arrived while {self.state.name}")
         self.arrived += 1
-        if self.arrived == needed:
+        if needed is not None and self.arrived == needed:
             self._move(GradState.READY)
             return True
         return False
