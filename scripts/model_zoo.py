@@ -1,4 +1,4 @@
-"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--worlds 1] [--fine] [--out docs/zoo.md] — Hugging Face families on zerorun.
+"""python scripts/model_zoo.py [--stage 3] [--only llama,opt] [--worlds 1] [--fine [--setting TAG]] [--resume DIR [--no-run]] [--out docs/zoo.md] — Hugging Face families on zerorun.
 
 Every model family in transformers' auto mappings for causal LM, masked LM, seq-to-seq LM and
 image classification is built from a tiny config on the CPU (``tiny_config``: the family's
@@ -13,9 +13,14 @@ a new world goes on with the next one. The table goes to ``--out`` (docs/zoo.md)
 that holds parameters gathers its own unit (``allgather_bucket_size: 1``), as a real model's
 blocks and experts do, with the CPU gather pool on and off (off, units free and re-allocate
 their storage as CUDA units do); the text families also under Hugging Face's gradient
-checkpointing (reentrant and not); the MoE set (``MOE_FAMILIES``, with a plain per-expert MoE
+checkpointing (reentrant and not); every family with PEFT LoRA on its attention projections,
+and on them and its input embedding, and in bf16 against plain torch's own bf16 (these three
+pool off: scripts/zoo_settings.py); the MoE set (``MOE_FAMILIES``, with a plain per-expert MoE
 from scripts/zoo_plain_moe.py) on a batch whose rank-0 rows repeat one token, so that rank 0's
 routers leave experts idle that rank 1 runs. Each job is a family at a stage under a ``Setting``.
+``--setting`` runs only the fine jobs of that setting; ``--resume`` keeps what an earlier run
+logged under its ``--work`` folder and runs the rest (scripts/zoo_table.py), so the fine set,
+hours on 2 loaded cores, can be run in parts.
 
 Outcomes: ``passed``; ``failed`` (zerorun raised, or the losses differ: the error's first line);
 ``skipped`` (the tiny config does not build, or plain torch cannot train the model on the inputs
@@ -75,6 +80,9 @@ SIZES = {
     "decoder_ffn_dim": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
     "num_decoder_layers": 2, "n_layers": 2,
+    # Switch Transformers makes every (layers // sparse layers)-th block sparse: 3 sparse layers of 2
+    # give a step of 0, and no expert at all.
+    "num_sparse_encoder_layers": 2, "num_sparse_decoder_layers": 2,
     "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "n_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "d_kv": 8, "rotary_dim": 8,
     "vocab_size": VOCAB, "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64,
@@ -110,7 +118,9 @@ class Setting:
     over the model's ``_no_split_modules``). pool: False switches the CPU gather pool off, so
     units free and re-allocate their storage as CUDA units do (the GPU path, emulated).
     use_cache: each forward asks for the key/value cache. skew: rank 0's rows repeat one token
-    (its routers leave experts idle). compile: torch.compile before or after ``initialize``."""
+    (its routers leave experts idle). compile: torch.compile before or after ``initialize``.
+    lora: PEFT LoRA on the attention projections, or on them and the input embedding. dtype:
+    "fp32" or "bf16" (scripts/zoo_settings.py says how plain torch matches each)."""
 
     plan: str = "default"
     checkpointing: str = ""
@@ -118,7 +128,8 @@ class Setting:
     use_cache: bool = False  # each forward asks for the key/value cache (the tiny configs turn it off)
     skew: bool = False  # rank 0's rows repeat one token: its routers leave experts idle
     compile: str = ""  # "before" / "after" initialize: torch.compile of the model (COMPILE_BACKEND)
-
+    lora: str = ""  # PEFT LoRA on "attention" or "attention+embedding" (zoo_settings.apply_lora)
+    dtype: str = "fp32"  # "bf16": zerorun's bf16 mixed precision, plain torch's the same (zoo_settings.Bf16Masters)
 
     @property
     def tag(self) -> str:
@@ -128,7 +139,16 @@ class Setting:
         parts += ["use_cache"] if self.use_cache else []
         parts += ["skew"] if self.skew else []
         parts += [f"compile-{self.compile}"] if self.compile else []
+        parts += [f"lora={self.lora}"] if self.lora else []
+        parts += [self.dtype] if self.dtype != "fp32" else []
         return ",".join(parts)
+
+    @property
+    def tolerance(self) -> float:
+        """Relative, per step: ``TOLERANCE`` in fp32; bf16's own (zoo_settings.BF16_TOLERANCE)."""
+        from zoo_settings import BF16_TOLERANCE
+
+        return BF16_TOLERANCE if self.dtype == "bf16" else TOLERANCE
 
 
 DEFAULT = Setting()
@@ -152,6 +172,7 @@ class Outcome:
     seconds: float = 0.0
     rss_mib: int = 0  # this rank's resident memory after the family: a leak shows as growth
     trainable: tuple[int, int] = (0, 0)  # parameters (elements) that train, of all
+    tolerance: float = TOLERANCE  # relative, per step: Setting.tolerance
 
 
 # -- which families ---------------------------------------------------------------------------
@@ -187,7 +208,8 @@ def select(families: list[Family], names: list[str]) -> list[Family]:
 # then layer counts left at the default (per-layer lists such as ``layer_types`` must match them);
 # then also the per-head sizes left (multi-head latent attention derives its rotary split from them).
 LAYER_KEYS = {"num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
-              "num_decoder_layers", "n_layers", "first_k_dense_replace", "depths", "block_repeats"}
+              "num_decoder_layers", "n_layers", "first_k_dense_replace", "depths", "block_repeats",
+              "num_sparse_encoder_layers", "num_sparse_decoder_layers"}
 HEAD_KEYS = {"head_dim", "d_kv", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}
 VARIANTS = (set(), LAYER_KEYS, LAYER_KEYS | HEAD_KEYS)
 
@@ -314,9 +336,14 @@ def _rank_rows(rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def prepare(model, setting: Setting):
-    """Hugging Face's gradient checkpointing on ``model`` (plain torch and zerorun alike); it
-    recomputes only in training mode, so such a model trains with dropout already at 0."""
+def prepare(family: Family, model, setting: Setting):
+    """The setting's LoRA and Hugging Face's gradient checkpointing on ``model`` (plain torch and
+    zerorun alike; zoo_settings.NotApplicable where the family has nothing to put LoRA on); the
+    checkpointing recomputes only in training mode, so such a model trains with dropout at 0."""
+    if setting.lora:
+        from zoo_settings import apply_lora
+
+        model = apply_lora(model, family.model_type, setting.lora)
     if setting.checkpointing in ("reentrant", "non-reentrant"):
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": setting.checkpointing == "reentrant"})
@@ -330,18 +357,27 @@ def reference_losses(family: Family, model, setting: Setting = DEFAULT) -> list[
     same value as one backward over the whole batch, with the rounding of the split, which
     Adam can blow up where a gradient is near zero (BiT's weight-standardized convolutions
     differ by 3.6e-4 after 3 steps otherwise, at every stage, DDP's included)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    from zoo_settings import Bf16Masters, cast_inputs
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+    if setting.dtype == "bf16":
+        optimizer = Bf16Masters(model, adamw)
+    else:
+        optimizer = adamw([p for p in model.parameters() if p.requires_grad])
+    dtype = next(model.parameters()).dtype
     config = model.config
     losses = []
     for step in range(STEPS):
         total = 0.0
         for rank in range(WORLD):
-            loss = _loss(model(**batch(family, config, step, _rank_rows(rank), setting)))
+            loss = _loss(model(**cast_inputs(batch(family, config, step, _rank_rows(rank), setting), dtype)))
             (loss / WORLD).backward()
             total += float(loss.detach()) / WORLD
         optimizer.step()
-        optimizer.zero_grad()
+        if not isinstance(optimizer, Bf16Masters):
+            optimizer.zero_grad()
         losses.append(total)
     return losses
 
@@ -350,7 +386,7 @@ def zerorun_config(model, stage: int, setting: Setting) -> dict:
     zero: dict = {"stage": stage, "param_persistence_threshold": 0}
     if setting.plan == "fine":
         zero["allgather_bucket_size"] = 1
-    config: dict = {"zero": zero}
+    config: dict = {"zero": zero, "precision": {"dtype": setting.dtype}}
     if setting.checkpointing == "zerorun":
         config["activation_checkpointing"] = {"enabled": True, "modules": list(model._no_split_modules or [])}
     return config
@@ -392,10 +428,14 @@ def zerorun_losses(family: Family, model, stage: int, rank: int, setting: Settin
 def _plain_torch(family: Family, setting: Setting = DEFAULT) -> tuple[str, object]:
     """On one rank: the first shrink variant that builds and that plain torch trains, with its
     losses; else why not (the first variant's reason)."""
+    from zoo_settings import NotApplicable
+
     reasons = []
     for variant in range(len(VARIANTS)):
         try:
-            model = prepare(build_model(family, variant), setting)
+            model = prepare(family, build_model(family, variant), setting)
+        except NotApplicable as error:
+            return "skip", f"{setting.tag}: {error}"
         except TooBig as error:
             reasons.append(str(error))
             continue
@@ -419,7 +459,7 @@ def run_family(family: Family, stage: int, rank: int, setting: Setting = DEFAULT
     import torch.distributed as dist
 
     started = time.perf_counter()
-    outcome = Outcome(family.name, stage, "skipped", setting.tag)
+    outcome = Outcome(family.name, stage, "skipped", setting.tag, tolerance=setting.tolerance)
     status: list = [_plain_torch(family, setting) if rank == 0 else None]
     dist.broadcast_object_list(status, src=0)
     kind, value = status[0]
@@ -428,7 +468,7 @@ def run_family(family: Family, stage: int, rank: int, setting: Setting = DEFAULT
     else:
         variant, outcome.reference = value
         try:
-            model = prepare(build_model(family, variant), setting)
+            model = prepare(family, build_model(family, variant), setting)
             outcome.trainable = (sum(p.numel() for p in model.parameters() if p.requires_grad),
                                  sum(p.numel() for p in model.parameters()))
             outcome.losses = zerorun_losses(family, model, stage, rank, setting)
@@ -436,14 +476,14 @@ def run_family(family: Family, stage: int, rank: int, setting: Setting = DEFAULT
             outcome.status, outcome.error_type, outcome.detail = "failed", type(error).__name__, first_line(error)
         else:
             worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(outcome.losses, outcome.reference, strict=True))
-            if worst <= TOLERANCE:
+            if worst <= setting.tolerance:
                 outcome.status, outcome.detail = "passed", f"max relative difference {worst:.1e}"
             else:
                 outcome.status, outcome.error_type = "failed", "LossMismatch"
                 outcome.detail = f"losses differ from plain torch's by up to {worst:.1e} relative"
         if variant:
             outcome.detail += f" (shrink variant {variant})"
-        if family.model_type.endswith(LORA_SUFFIX):
+        if family.model_type.endswith(LORA_SUFFIX) or setting.lora:
             outcome.detail += f" (LoRA: {outcome.trainable[0]:,} of {outcome.trainable[1]:,} parameters train)"
     outcome.seconds = round(time.perf_counter() - started, 2)
     return outcome
@@ -510,6 +550,8 @@ def run_zoo(jobs: list[Job], out_dir: Path) -> list[Outcome]:
             family, stage, setting = remaining.pop(0)
             done.append(Outcome(family.name, stage, "failed", setting.tag, f"the world ended while it ran: {crash}",
                                 error_type="WorldCrash"))
+            with open(out_dir / "crashes.jsonl", "a") as crashes:  # zoo_table.logged_records reads it
+                crashes.write(json.dumps(asdict(done[-1])) + "\n")
     return done
 
 
@@ -529,10 +571,16 @@ def run_zoo_parallel(jobs: list[Job], out_dir: Path, worlds: int) -> list[Outcom
 def fine_plan_jobs(families: list[Family]) -> list[Job]:
     """The ``fine`` set at stage 3: every family with every module its own unit, with the gather
     pool on and off (the GPU path emulated); the text families also under Hugging Face's
-    gradient checkpointing, reentrant and not, pool off; the MoE set on a skewed batch."""
+    gradient checkpointing, reentrant and not; every family with PEFT LoRA on its attention
+    projections, and on them and its input embedding (the LoRA families of the plain zoo are
+    LoRA already), and in bf16; these with the pool off, the path the GPU takes; the MoE set on a
+    skewed batch, pool on and off."""
     text = [f for f in families if f.task != "image-classification"]
+    base = [f for f in families if not f.model_type.endswith(LORA_SUFFIX)]
     jobs = [(f, 3, Setting("fine", pool=pool)) for pool in (True, False) for f in families]
     jobs += [(f, 3, Setting("fine", kind, pool=False)) for kind in ("reentrant", "non-reentrant") for f in text]
+    jobs += [(f, 3, Setting("fine", pool=False, lora=lora)) for lora in ("attention", "attention+embedding") for f in base]
+    jobs += [(f, 3, Setting("fine", pool=False, dtype="bf16")) for f in families]
     moe = [f for f in families if f.name in MOE_FAMILIES]
     jobs += [(f, 3, Setting("fine", pool=pool, skew=True)) for pool in (True, False) for f in moe]
     return jobs
@@ -540,22 +588,17 @@ def fine_plan_jobs(families: list[Family]) -> list[Job]:
 
 # -- the table -----------------------------------------------------------------------------
 def summary(outcomes: list[Outcome]) -> dict[str, int]:
-    counts = {"tried": len(outcomes)}
-    for status in ("passed", "failed", "skipped"):
-        counts[status] = sum(o.status == status for o in outcomes)
-    counts["built"] = counts["passed"] + counts["failed"]
-    return counts
+    from zoo_table import summary as count
+
+    return count(outcomes)
 
 
-def write_table(outcomes: list[Outcome], path: Path, command: str) -> None:
+def write_table(outcomes: list[Outcome], path: Path, command: str, fine: bool = False, planned: int = 0) -> None:
     import transformers
+    from zoo_settings import BF16_TOLERANCE
+    from zoo_table import overview, write_table as write
 
-    by_stage: dict[tuple[int, str], list[Outcome]] = {}
-    for outcome in outcomes:
-        by_stage.setdefault((outcome.stage, outcome.setting), []).append(outcome)
-    lines = [
-        "# Model zoo: Hugging Face families on zerorun",
-        "",
+    intro = (
         f"Generated by `{command}` (scripts/model_zoo.py; transformers {transformers.__version__}, "
         f"torch {torch.__version__}). Each family of transformers' causal-LM, masked-LM, seq-to-seq-LM "
         "and image-classification auto mappings is built from a tiny config on the CPU and trained "
@@ -566,23 +609,37 @@ def write_table(outcomes: list[Outcome], path: Path, command: str) -> None:
         "config does not build, or plain torch itself cannot train the model on token ids or pixels "
         "(audio, extra inputs, missing packages); the reason is the error's first line. "
         "Models run in eval mode (no dropout, drop-path or batch statistics, which differ between a "
-        "rank's half batch and the whole batch under any data parallelism).",
-        "",
-    ]
-    for (stage, setting), group in sorted(by_stage.items(), key=lambda kv: (-kv[0][0], kv[0][1])):  # stage 3 first
-        counts = summary(group)
-        share = counts["passed"] / counts["built"] if counts["built"] else 0.0
-        lines += [f"## Stage {stage}" + (f", {setting}" if setting else ""), "",
-                  f"{counts['tried']} families tried, {counts['built']} built and trainable by plain torch, "
-                  f"**{counts['passed']} passed** ({share:.1%} of those), {counts['failed']} failed, "
-                  f"{counts['skipped']} skipped.", "",
-                  "| family | result | detail |", "|---|---|---|"]
-        order = {"failed": 0, "passed": 1, "skipped": 2}
-        for o in sorted(group, key=lambda o: (order[o.status], o.family)):
-            detail = o.detail.replace("|", "\\|")
-            lines.append(f"| {o.family} | {o.status} | {detail} |")
-        lines.append("")
-    path.write_text("\n".join(lines))
+        "rank's half batch and the whole batch under any data parallelism).")
+    title = "Model zoo: Hugging Face families on zerorun"
+    if fine:
+        title += ", the fine set"
+        intro += (
+            "\n\nThe fine set (`fine_plan_jobs`), all at stage 3 with every module that holds parameters "
+            "its own unit (`fine`: `allgather_bucket_size: 1`). `no-pool`: the CPU gather pool off, so "
+            "units free and re-allocate their storage as CUDA units do (the GPU path, emulated). "
+            "`ckpt=`: Hugging Face's `gradient_checkpointing_enable` (use_reentrant true or false) in "
+            "training mode. `lora=`: PEFT LoRA (r=4) on every linear layer inside an attention module "
+            "(scripts/zoo_settings.py), and on the input embedding too; a family without them is "
+            "skipped with the reason. `bf16`: zerorun's bf16 mixed precision against plain torch's own "
+            "(a bf16 model, fp32 masters stepped by AdamW, bf16 gradients), "
+            f"{BF16_TOLERANCE:g} relative: the same roundings at the same points on both sides, exact at 2 ranks "
+            "(scripts/zoo_settings.py says why). "
+            "`skew`: the MoE set (Mixtral, Qwen2-MoE, OLMoE, Switch Transformers, a plain per-expert "
+            "MoE) on a batch whose rank-0 rows repeat one token, so that rank 0's routers leave experts "
+            "idle that rank 1 runs.\n\n" + "\n".join(overview(outcomes)))
+    if planned > len(outcomes):
+        intro += (f"\n\n**{len(outcomes)} of the {planned} jobs have run**; the rest have not (a family at a "
+                  "setting missing from its section below): `--resume` runs them.")
+    write(outcomes, path, title, intro)
+
+
+def _logged(jobs: list[Job], directories: list[Path]) -> list[Outcome]:
+    """The outcomes of ``jobs`` logged under ``directories`` by earlier runs (zoo_table.logged_records)."""
+    from zoo_table import logged_records
+
+    wanted = {(family.name, stage, setting.tag) for family, stage, setting in jobs}
+    return [Outcome(**{**r, "trainable": tuple(r["trainable"])}) for r in logged_records(directories)
+            if (r["family"], r["stage"], r["setting"]) in wanted]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -593,7 +650,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/zerorun-model-zoo"))
     parser.add_argument("--worlds", type=int, default=1, help="2-rank worlds run at once, the families dealt over them")
     parser.add_argument("--fine", action="store_true",
-                        help="the fine set instead (every module its own unit; checkpointing, pool off, MoE skew)")
+                        help="the fine set instead (every module its own unit; checkpointing, LoRA, bf16, pool off, MoE skew)")
+    parser.add_argument("--setting", action="append", default=[],
+                        help="with --fine: only the jobs of this setting (its tag, as the table's headings write it)")
+    parser.add_argument("--resume", type=Path, action="append", default=[],
+                        help="keep the outcomes logged under this --work folder of an earlier run (a later "
+                             "--resume's replace an earlier's); run the rest")
+    parser.add_argument("--no-run", action="store_true", help="with --resume: run nothing, write the table of what is logged")
     args = parser.parse_args(argv)
     args.out = args.out or Path("docs/zoo_fine.md" if args.fine else "docs/zoo.md")
     families = all_families()
@@ -605,14 +668,27 @@ def main(argv: list[str] | None = None) -> int:
     jobs: list[Job] = [(family, stage, DEFAULT) for stage in stages for family in families]
     if args.fine:
         jobs = fine_plan_jobs(families)
+        if args.setting:
+            jobs = [job for job in jobs if job[2].tag in args.setting]
     started = time.perf_counter()
     if args.worlds < 1:
         parser.error("--worlds must be at least 1")
-    outcomes = run_zoo_parallel(jobs, args.work / str(os.getpid()), args.worlds)
+    outcomes = _logged(jobs, args.resume)
+    done = {(o.family, o.stage, o.setting) for o in outcomes}
+    rest = [job for job in jobs if (job[0].name, job[1], job[2].tag) not in done]
+    if args.fine:  # the MoE set first, then family by family: a run cut short covers every setting alike
+        first = {family.name: n for n, family in enumerate(families)}
+        rest.sort(key=lambda job: (not job[2].skew, first[job[0].name]))
+    print(f"{len(jobs)} jobs, {len(outcomes)} logged, {0 if args.no_run else len(rest)} to run", flush=True)
+    if rest and not args.no_run:
+        outcomes += run_zoo_parallel(rest, args.work / str(os.getpid()), args.worlds)
     command = "python scripts/model_zoo.py" + "".join(f" --stage {s}" for s in args.stage or []) + \
         (f" --only {args.only}" if args.only else "") + (f" --worlds {args.worlds}" if args.worlds > 1 else "") + \
-        (" --fine" if args.fine else "")
-    write_table(outcomes, args.out, command)
+        (" --fine" if args.fine else "") + "".join(f" --setting {t}" for t in args.setting) + \
+        "".join(f" --resume {d}" for d in args.resume) + (" --no-run" if args.no_run else "")
+    place = {(family.name, stage, setting.tag): n for n, (family, stage, setting) in enumerate(jobs)}
+    outcomes.sort(key=lambda o: place[(o.family, o.stage, o.setting)])
+    write_table(outcomes, args.out, command, fine=args.fine, planned=len(jobs))
     for stage in stages:
         counts = summary([o for o in outcomes if o.stage == stage])
         print(f"stage {stage}: {counts}")

@@ -1,7 +1,7 @@
 """Imported by scripts/model_zoo.py: a plain mixture-of-experts language model, one ``nn.Linear``
 per expert, for the zoo's MoE set (``causal-lm/plain_moe``).
 
-    python scripts/model_zoo.py --only plain_moe --plan fine --skew
+    python scripts/model_zoo.py --fine --only plain_moe
 
 Each layer routes every token to its top-1 expert and runs only the experts that got tokens, as
 Switch Transformers and the per-expert MoE code people write do: with the zoo's skewed batch

@@ -1,0 +1,118 @@
+"""Imported by scripts/model_zoo.py: the fine set's LoRA and bf16 settings, applied alike to
+plain torch and to zerorun.
+
+    python scripts/model_zoo.py --fine --setting fine,no-pool,lora=attention --only llama
+
+LoRA (PEFT, r=4) goes on a family's attention projections (``attention_targets``: every linear
+layer inside a module named like attention, else PEFT's own list for the family),
+and for ``lora="attention+embedding"`` also on the input embedding, as people fine-tune a
+model with new tokens. A family without such modules is skipped with the reason
+(``NotApplicable``).
+
+bf16 is zerorun's mixed precision (``precision.dtype: bf16``): the model in bf16, fp32 masters
+that the optimizer steps, gradients reduced in bf16. Plain torch does the same in one process
+(``Bf16Masters``): the model cast to bf16, fp32 copies stepped by AdamW and copied back, each
+half batch's bf16 gradient summed into ``.grad`` in bf16, floating inputs cast to bf16 (the
+engine casts them). Both then round the same values at the same points; see ``BF16_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LORA_RANK, LORA_ALPHA = 4, 8
+# A linear layer counts as an attention projection when a module on its path is named like one.
+ATTENTION_WORDS = ("attn", "attention")
+# bf16 against bf16 plain torch, relative per step. Both sides round the same values at the same
+# points: the same bf16 forward and backward on the same half batches, the two halves' bf16
+# gradients summed once (a sum of two correctly rounded whatever the order, so exact at 2 ranks),
+# the same fp32 AdamW on masters taken from the same bf16 weights. What may differ is fp32 noise
+# in the mean of the two halves' losses (observed <= 1e-7), so the fp32 bound holds. A bound at
+# bf16's own resolution (2^-8 = 3.9e-3) would let through defects of the size issue 36 found
+# (4.6e-4 to 1.3e-2); at 3 ranks the order of a 16-bit sum matters, and this bound would not hold.
+BF16_TOLERANCE = 1e-4
+
+
+class NotApplicable(Exception):
+    """The setting does not apply to this family (the message says why): a skip, not a failure."""
+
+
+def _wrappable(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def attention_targets(model: nn.Module, model_type: str) -> list[str]:
+    """The qualified names of ``model``'s attention projections that LoRA wraps: every linear
+    layer under a module whose name holds "attn" or "attention" (query, key, value and output,
+    self- and cross-attention); else PEFT's default targets for ``model_type``, if it has them."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as KNOWN
+
+    linear = [(name, name.split(".")) for name, module in model.named_modules() if _wrappable(module)]
+    names = [name for name, parts in linear
+             if any(word in part.lower() for part in parts[:-1] for word in ATTENTION_WORDS)]
+    known = KNOWN.get(model_type)
+    if not names and isinstance(known, list):
+        names = [name for name, parts in linear if parts[-1] in known]
+    if not names:
+        raise NotApplicable("no attention projection (a linear layer inside an attention module) to put LoRA on")
+    return names
+
+
+def embedding_target(model: nn.Module) -> str:
+    """The qualified name of the input embedding, if it is an ``nn.Embedding`` PEFT can wrap."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError) as error:
+        raise NotApplicable(f"no input embedding ({type(error).__name__})") from None
+    if not isinstance(embedding, nn.Embedding):
+        raise NotApplicable(f"the input embedding is a {type(embedding).__name__}, not a token embedding")
+    return next(name for name, module in model.named_modules() if module is embedding)
+
+
+def apply_lora(model: nn.Module, model_type: str, lora: str) -> nn.Module:
+    """``model`` wrapped by PEFT LoRA on the modules ``lora`` names ("attention",
+    "attention+embedding"), its base frozen; the adapters seeded, so every rank builds the same."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = attention_targets(model, model_type)
+    if lora == "attention+embedding":
+        targets.append(embedding_target(model))
+    elif lora != "attention":
+        raise ValueError(f"unknown LoRA setting {lora!r}")
+    torch.manual_seed(1)
+    try:
+        return get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=targets,
+                                                lora_dropout=0.0))
+    except Exception as error:  # PEFT's own refusal: a layer type or a model it cannot wrap
+        text = str(error).strip().splitlines()
+        raise NotApplicable(f"PEFT cannot wrap it: {type(error).__name__}: {text[0][:200] if text else ''}") from None
+
+
+def cast_inputs(inputs: dict, dtype: torch.dtype) -> dict:
+    """Floating tensors cast to ``dtype`` as the engine casts a forward's inputs."""
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
+
+
+class Bf16Masters:
+    """Plain torch's bf16 mixed precision: ``model`` cast to bf16, ``optimizer_class`` over fp32
+    copies of its trainable parameters; ``step`` hands each bf16 gradient to its copy, steps
+    and copies the result back rounded to bf16."""
+
+    def __init__(self, model: nn.Module, make_optimizer):
+        model.to(torch.bfloat16)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = make_optimizer(self.masters)
+
+    def step(self) -> None:
+        for param, master in zip(self.params, self.masters, strict=True):
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+        self.optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(self.params, self.masters, strict=True):
+                param.copy_(master)
+                master.grad = None
