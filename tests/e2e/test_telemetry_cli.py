@@ -96,4 +96,5 @@ def test_report_reads_the_run_back(job):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     page = (run_dir / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 3 and "<th>barrier (s)</th>" in page
+    # memory, communication, bytes per link class (its steps record what they sent), steps
+    assert page.count("data:image/png;base64,") == 4 and "<th>barrier (s)</th>" in page

@@ -201,6 +201,10 @@ def nccl(cuda, monkeypatch):
     """A two-member NCCL group; the flat all-gather only logs."""
     monkeypatch.setattr(collectives, "group_size", lambda group: 2)
     monkeypatch.setattr(collectives.dist, "get_backend", lambda group=None: "nccl")
+    # Note [link classes]: this rank is the first of the group's two, both on one host.
+    monkeypatch.setattr(collectives, "_members", lambda group: ((0, 1), 0))
+    monkeypatch.setattr(collectives, "_job_hosts", lambda world_size: (0, 0))
+    monkeypatch.setattr(collectives.dist, "get_world_size", lambda group=None: 2)
     calls = []
     monkeypatch.setattr(collectives, "_all_gather_flat",
                         lambda output, input, group, async_op: calls.append(async_op))
