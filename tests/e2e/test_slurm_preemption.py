@@ -142,7 +142,8 @@ def test_preempted_before_the_steps_exist_is_requeued_with_what_it_had_and_ends_
     launcher starts, the job trained through the grace (no agent step existed to get Slurm's
     SIGTERM) and restarted from step 0. Now either the launcher got the SIGTERM itself before any
     worker started (nothing started; requeued), or it finds the preemption in the job's record
-    once every rank has joined (every rank saves at its first step; requeued and resumed); either
+    once every rank has joined (every rank saves at its first step; requeued and resumed), or the
+    grace runs out before a rank made a step (requeued with nothing saved); each
     way the job ends at step 30, each step's loss bit-identical to an uninterrupted run."""
     reference = reference_run(tmp_path)
     cluster = start_cluster(tmp_path, grace_time=60)
@@ -156,6 +157,12 @@ def test_preempted_before_the_steps_exist_is_requeued_with_what_it_had_and_ends_
     first_run = log[:log.index(f"job {job} requeued")]
     if "nothing was started" in first_run:
         assert "zerorun: preempted (SIGTERM) before any worker started; nothing was started; job" in first_run
+    elif "nothing was saved on the signal" in first_run:
+        # Preempted while the batch script started, the launcher came up late in the grace: its
+        # ranks had not made a step when Slurm's grace ran out, so the job was requeued with
+        # nothing saved and starts again from step 0 (seen on a loaded machine).
+        assert "SIGTERM: the ranks have not all made a step yet" in first_run, first_run[-3000:]
+        assert not (tmp_path / "job" / "ckpt" / "latest").exists()
     else:
         assert "Slurm preempted the job before its steps started" in first_run, first_run[-3000:]
         closing = [line for line in first_run.splitlines() if line.startswith("zerorun: preempted")]
