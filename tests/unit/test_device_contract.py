@@ -401,6 +401,22 @@ def test_engine_local_rank_is_the_index_of_the_engines_gpu(device, environ, expe
         assert torch.device("cuda", local_rank) == torch.device(device)  # what .to(local_rank) means
 
 
+class _SavedFiles:
+    """A checkpoint Reader stand-in whose every rank file holds the tensors of ``saved``."""
+
+    def __init__(self, saved: dict):
+        self._saved = saved
+
+    def file(self, name):
+        return self
+
+    def keys(self):
+        return list(self._saved)
+
+    def read(self, key):
+        return self._saved[key]
+
+
 def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
     """A checkpoint written on GPUs carries CUDA generator states; a CPU worker on a GPU node
     restoring it called is_available()/set_rng_state_all, starting the CUDA driver there. Now
@@ -410,17 +426,6 @@ def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
 
     cpu_state = torch.get_rng_state()
     saved = {rng.whole_key(RNG, "torch"): cpu_state, rng.whole_key(RNG, "cuda0"): torch.zeros(8)}
-
-    class Source:
-        def keys(self):
-            return list(saved)
-
-        def read(self, key):
-            return saved[key]
-
-    class Reader:
-        def file(self, name):
-            return Source()
 
     restored = []
 
@@ -433,10 +438,10 @@ def test_loading_rng_in_a_cpu_worker_never_starts_cuda(monkeypatch):
     manifest = {"ranks": [{"rng": json.loads(json.dumps(rng.python_rng()))}]}
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     torch.rand(3)
-    rng.load_rng(Reader(), manifest, 0)
+    rng.load_rng(_SavedFiles(saved), manifest, 0)
     assert restored == [] and torch.equal(torch.get_rng_state(), cpu_state)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a GPU worker: restored
-    rng.load_rng(Reader(), manifest, 0)
+    rng.load_rng(_SavedFiles(saved), manifest, 0)
     assert len(restored) == 1 and torch.equal(restored[0][0], torch.zeros(8))
 
 
@@ -457,17 +462,6 @@ def test_a_rank_resumed_under_another_gpu_binding_gets_its_own_gpus_generator(mo
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [state(i) for i in range(4)])
     saved = rng.torch_rng()
 
-    class Source:
-        def keys(self):
-            return list(saved)
-
-        def read(self, key):
-            return saved[key]
-
-    class Reader:
-        def file(self, name):
-            return Source()
-
     restored: dict[int, torch.Tensor] = {}
 
     def set_all(states):
@@ -478,5 +472,5 @@ def test_a_rank_resumed_under_another_gpu_binding_gets_its_own_gpus_generator(mo
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.__setitem__(int(device), s))
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
     manifest = {"ranks": [{"rng": json.loads(json.dumps(rng.python_rng()))}]}
-    rng.load_rng(Reader(), manifest, 0)
+    rng.load_rng(_SavedFiles(saved), manifest, 0)
     assert torch.equal(restored[0], state(3)), restored
