@@ -27,6 +27,14 @@ def test_the_host_map_from_the_launcher_torchrun_or_nothing():
     assert job_hosts({"ZERORUN_HOST_SLOTS": "2", "LOCAL_WORLD_SIZE": "2"}, 4) == (0, 0, 1, 1)
     assert job_hosts({"LOCAL_WORLD_SIZE": "1"}, 2) == (0, 1)
     assert job_hosts({}, 3) == (0, 0, 0)  # spawned by a script: one host
+    # srun python train.py: no launcher, no local size; the step's tasks per node, numbered node by node
+    step = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_ID": "0",
+            "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NUM_TASKS": "3"}
+    assert job_hosts(step, 3) == (0, 0, 1)
+    assert job_hosts({**step, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, 4) == (0, 0, 1, 1)
+    assert job_hosts({**step, "SLURM_DISTRIBUTION": "block:cyclic"}, 3) == (0, 0, 1)
+    assert job_hosts({**step, "SLURM_DISTRIBUTION": "cyclic"}, 3) == (0, 0, 0)  # not guessed
+    assert job_hosts({**step, "SLURM_STEP_TASKS_PER_NODE": "2(x"}, 3) == (0, 0, 0)  # does not parse
     for bad in ({"ZERORUN_HOST_SLOTS": "x,1"}, {"ZERORUN_HOST_SLOTS": "0,2"}, {"LOCAL_WORLD_SIZE": "3"},
                 {"LOCAL_WORLD_SIZE": "two"}):
         assert job_hosts(bad, 2) == (0, 0), bad

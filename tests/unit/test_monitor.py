@@ -49,6 +49,19 @@ def test_a_step_is_written_once_every_rank_reported_it_with_job_and_rank_figures
     assert {tag for tag, _, _ in builder.flush()} >= {"train/loss", "rank0/loss"}
 
 
+def test_bytes_sent_on_each_link_class_per_step_per_rank_and_for_the_job():
+    builder = SeriesBuilder(2)
+    builder.add({**step(0, 1, 2.0), "sent_within": 300, "sent_between": 1000})
+    builder.add({**step(1, 1, 2.0), "sent_within": 100, "sent_between": 3000})
+    builder.add(sample(0, 100, {}))
+    scalars = {tag: value for tag, value, _ in builder.add(sample(1, 100, {}))}
+    assert scalars["rank0/sent_within_host_bytes"] == 300.0 and scalars["rank1/sent_between_hosts_bytes"] == 3000.0
+    assert scalars["train/sent_within_host_bytes"] == 400.0 and scalars["train/sent_between_hosts_bytes"] == 4000.0
+    # A script without an engine reports no link bytes: no series, rather than zeros.
+    builder.add(step(0, 2, 1.0))
+    assert not any("sent_" in tag for tag, _, _ in builder.flush())
+
+
 def test_tensorboard_event_files_read_back_with_tensorboards_reader(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing import event_accumulator

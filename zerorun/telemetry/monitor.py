@@ -22,7 +22,10 @@ collectives of those steps), or at the end with what there is:
     train/tokens_per_s (the job's: every rank's samples over the slowest step time);
     per rank r: rank{r}/loss, rank{r}/memory_bytes (GPU allocated on CUDA, RSS on CPU),
     rank{r}/memory_peak_bytes, rank{r}/comm_share (Note [comm share] in recorder.py),
-    rank{r}/comm_bytes and rank{r}/comm_seconds (cumulative, every collective type).
+    rank{r}/comm_bytes and rank{r}/comm_seconds (cumulative, every collective type),
+    rank{r}/sent_within_host_bytes and rank{r}/sent_between_hosts_bytes (what the rank sent in
+    that step on each link class, Note [bytes per link] in recorder.py), and their sums over
+    the ranks that reported them, train/sent_within_host_bytes and train/sent_between_hosts_bytes.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class SeriesBuilder:
             counts = [r.get(key) for r in records.values()]
             if slowest > 0 and all(c is not None for c in counts):
                 out.append((f"train/{key}_per_s", sum(float(c or 0) for c in counts) / slowest, step))
+        out += _link_series(records, step)
         for rank, record in sorted(records.items()):
             figures = self._ranks[rank]
             if record.get("loss") is not None:
@@ -121,6 +125,21 @@ class SeriesBuilder:
             out.append((f"rank{rank}/comm_bytes", float(figures.comm_bytes), step))
             out.append((f"rank{rank}/comm_seconds", figures.comm_seconds, step))
         return out
+
+
+LINK_CLASSES = (("sent_within", "sent_within_host_bytes"), ("sent_between", "sent_between_hosts_bytes"))
+
+
+def _link_series(records: dict[int, dict], step: int) -> list[Scalar]:
+    """Bytes each rank sent in ``step`` on each link class, and the job's sum of them (a rank of a
+    script that never built an engine reports none, and is left out of both)."""
+    out: list[Scalar] = []
+    for key, name in LINK_CLASSES:
+        sent = {rank: float(r[key]) for rank, r in sorted(records.items()) if r.get(key) is not None}
+        if sent:
+            out.append((f"train/{name}", sum(sent.values()), step))
+        out += [(f"rank{rank}/{name}", value, step) for rank, value in sent.items()]
+    return out
 
 
 def memory_figures(mem: dict) -> tuple[float | None, float | None]:

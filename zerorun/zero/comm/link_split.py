@@ -25,7 +25,11 @@ and ``between`` (to ranks on other hosts: the network). Each transport says what
 
 Which host each rank is on (``job_hosts``): the launcher's ZERORUN_HOST_SLOTS (ranks per host,
 in rank order, e.g. ``2,1``), else LOCAL_WORLD_SIZE with ranks numbered host by host (torchrun,
-srun's per-node launchers), else every rank on one host (processes spawned by a script).
+srun's per-node launchers, which all run the same number of workers), else, for ``srun python
+train.py``, the step's tasks per node (SLURM_STEP_TASKS_PER_NODE, which may differ from node to
+node) under srun's default block distribution (ranks numbered node by node; any other
+SLURM_DISTRIBUTION places ranks otherwise and is not guessed), else every rank on one host
+(processes spawned by a script).
 These are the figures telemetry carries (telemetry/recorder.py), and the same arithmetic as
 ``zerorun estimate --link`` (planner/traffic.py), which averages them over the ranks.
 """
@@ -63,7 +67,25 @@ def job_hosts(environ: Mapping[str, str], world_size: int) -> tuple[int, ...]:
         local = 0
     if local > 0 and world_size % local == 0:
         return tuple(rank // local for rank in range(world_size))
+    per_node = _slurm_step_slots(environ)
+    if per_node and sum(per_node) == world_size:
+        return tuple(host for host, count in enumerate(per_node) for _ in range(count))
     return (0,) * world_size
+
+
+def _slurm_step_slots(environ: Mapping[str, str]) -> tuple[int, ...]:
+    """Tasks per node of the Slurm step this process is a task of, where srun numbers them node by
+    node (its default ``block`` distribution); () otherwise or where Slurm's variables do not parse."""
+    from zerorun.errors import ZerorunError
+    from zerorun.worker.slurm_env import detect
+
+    if environ.get("SLURM_DISTRIBUTION", "block").split(":")[0] not in ("block", ""):
+        return ()
+    try:
+        ctx = detect(environ)
+    except ZerorunError:
+        return ()
+    return ctx.step_tasks_per_node if ctx is not None and ctx.in_step else ()
 
 
 def _slots(text: str) -> tuple[int, ...]:
