@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import stat
 import threading
 import time
@@ -348,3 +349,49 @@ def test_node_0_whose_ranks_ended_well_fails_when_a_rank_of_node_1_failed(tmp_pa
     cause = node0.job_root_cause(None)
     assert cause is not None and cause.rank == 1 and cause.reason.startswith("signal SIGKILL"), cause
     assert "zerorun summary (failed" in node0_out.getvalue()
+
+
+def forged_hello(server: ViewServer, node: int) -> bytes:
+    """What node 0 answers a second connection that knows the token and claims ``node``, after
+    which it sends a failed exit for that node's rank; b"" when it is refused."""
+    port, token = read_view_file(server.path)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(job_view.encode({"t": "hello", "token": token, "node": node}))
+        answer = sock.makefile("rb").readline(16)
+        if answer == b"ok\n":
+            sock.sendall(job_view.encode({"t": "exit", "rank": node, "rc": 1, "at": time.time(), "tail": ["forged"]}))
+            sock.sendall(job_view.encode({"t": "done"}))
+            time.sleep(0.3)  # node 0 reads them before this end closes
+        return answer
+
+
+def test_a_node_joins_once_so_a_token_holder_cannot_forge_its_exit(tmp_path):
+    """A second hello for node 1, while it is joined and after it is done, is refused and
+    counted; node 1's own clean exit stands, the job succeeds, and node 0 names node 1 once."""
+    nodes = ("127.0.0.1", "127.0.0.1")
+    for node in ("node0", "node1"):
+        (tmp_path / "slurm-1.0" / node).mkdir(parents=True)
+    node0_out = io.StringIO()
+    node0 = JobWideView(run_dir=tmp_path / "slurm-1.0" / "node0", token="node0", world_size=2, dashboard=False,
+                        stream=node0_out, nodes=nodes, per_node=1)
+    node1 = NodeView(run_dir=tmp_path / "slurm-1.0" / "node1", token="node1", world_size=2, dashboard=False,
+                     stream=io.StringIO(), nodes=nodes, per_node=1, node_rank=1)
+    node0.start()
+    node1.start()
+    server = node0.server
+    assert server is not None
+    deadline = time.monotonic() + 30
+    while 1 not in server.joined and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert forged_hello(server, 1) == b""  # while node 1 is joined
+    node1.on_worker_exit("n2", 1, 0)
+    node0.on_worker_exit("n1", 0, 0)
+    node1.stop(False)
+    server.wait_for_nodes()
+    assert server.done == {1}
+    assert forged_hello(server, 1) == b""  # after node 1 said "done"
+    node0.stop(False)
+    assert server.refused == {1: 2} and server.failed == [] and node0.job_root_cause(None) is None
+    out = node0_out.getvalue()
+    assert out.count("node 1 (127.0.0.1): refused 2 more connection(s) claiming it") == 1, out
+    assert "zerorun summary (failed" not in out and "zerorun summary" in out

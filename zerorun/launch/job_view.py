@@ -17,7 +17,10 @@ filesystem every node of a job sees (where the job's checkpoints go too), and co
 0 by its Slurm node name, as the workers' rendezvous does. The token is the secret the
 listener needs (GUIDE 3a): a connection that does not present it in its first line within
 HELLO_TIMEOUT_S is closed, every forwarded line is size-limited JSON, a forwarded record
-must name a rank of the node that sent it, and the collector checks its schema again.
+must name a rank of the node that sent it, and the collector checks its schema again. A node
+joins once (its forwarder never reconnects): a second hello naming a node that has joined is
+refused and counted, and node 0's closing lines name the node, so another holder of the token
+cannot forge a joined node's exits.
 
 A forwarding failure never ends or holds up the training: the forwarder sends from a bounded
 buffer on a thread of its own; when the file does not appear, node 0 cannot be reached or the
@@ -196,6 +199,7 @@ class ViewServer:
         self.done: set[int] = set()
         self.lost: dict[int, str] = {}
         self.failed: list[RemoteExit] = []  # the other nodes' failed workers, as they came
+        self.refused: dict[int, int] = {}  # node -> hellos refused because it had joined already
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
 
@@ -238,15 +242,21 @@ class ViewServer:
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
             reader = conn.makefile("rb")
-            node = check_hello(reader.readline(MAX_FORWARD_LINE), self.token, len(self.nodes))
-            if node is None or self._closed.is_set():
+            claimed = check_hello(reader.readline(MAX_FORWARD_LINE), self.token, len(self.nodes))
+            if claimed is None or self._closed.is_set():
                 return
-            conn.sendall(b"ok\n")
-            conn.settimeout(None)  # close() shuts the connection down to end this read
-            with self._changed:
+            with self._changed:  # checked and taken under one lock: two hellos cannot both join
+                if claimed in self.joined:
+                    # A node joins once (its forwarder never reconnects): a second hello for it
+                    # is someone else holding the token, and could forge its exits.
+                    self.refused[claimed] = self.refused.get(claimed, 0) + 1
+                    return
+                node = claimed
                 self.joined.add(node)
                 self.lost.pop(node, None)
                 self._changed.notify_all()
+            conn.sendall(b"ok\n")
+            conn.settimeout(None)  # close() shuts the connection down to end this read
             self._read_events(node, reader)
         except OSError as err:
             if node is not None:
@@ -519,6 +529,10 @@ class JobWideView(JobView):
                 ranks = rank_label(node_ranks(node, server.per_node))
                 self._note(f"node {node} ({server.nodes[node]}): {why}, so its {ranks} may be missing "
                            "here; that node's own output and run directory have them")
+            for node, count in sorted(server.refused.items()):
+                self._note(f"node {node} ({server.nodes[node]}): refused {count} more connection(s) claiming "
+                           "it after it had joined (a node joins once; its own events stand): something "
+                           f"else holds the token in {server.path}")
             # A rank of another node that failed fails the job, whatever node 0's own ranks did.
             failed = failed or bool(server.failed) and not interrupted
         super().stop(failed, interrupted=interrupted)
