@@ -162,7 +162,69 @@ def test_the_closing_block_names_the_rank_the_first_failure_blamed():
     supervisor._handle("localhost", {"t": "exit", "rank": 0, "rc": 1})
     assert supervisor._failure.rank == 0
     supervisor._handle("localhost", {"t": "exit", "rank": 1, "rc": 1})
+    supervisor._drain()  # the job's end: the cause is settled on the complete logs
     assert supervisor._failure.rank == 1 and "8 KiB free" in supervisor._failure.log_tail[-1]
+
+
+def _two_rank_supervisor():
+    """A supervisor of ranks 0 and 1 on localhost, as run() leaves it before the first event."""
+    import collections
+    import types
+
+    from zerorun.launch.plan import Target, build_plan
+    from zerorun.launch.supervisor import Supervisor
+
+    plan = build_plan({"localhost": [0, 1]}, Target(script="t.py"), python="py", cwd="/w", run_dir="/r",
+                      token="t", master_port=29500, local_names={"localhost"})
+    supervisor = Supervisor(plan, types.SimpleNamespace(on_worker_exit=lambda host, rank, rc: None))
+    for channel in supervisor.channels:
+        channel.stop = lambda: None  # no agent runs here
+    supervisor._failure, supervisor._exit_codes, supervisor._running, supervisor._stopping_since = None, {}, {0, 1}, None
+    supervisor._tails[0] = collections.deque(["Traceback (most recent call last):", '  File "job.py", line 8',
+                                              "RuntimeError: deliberate failure on rank 0"])
+    supervisor._tails[1] = collections.deque(["step 3"])
+    return supervisor
+
+
+BLAMES_RANK_0 = "[rank1] zerorun: error: rank 0 (pid 42) closed its inbox during a collective"
+
+
+def test_the_cause_is_the_rank_the_blaming_rank_names_when_its_line_comes_after_its_exit():
+    """Issue 38 (messages): rank 1's exit reached the launcher before its last line (the agent
+    waits for a rank's lines a second only) and before rank 0's exit; the closing block named
+    rank 1 while rank 1's own line blamed rank 0."""
+    supervisor = _two_rank_supervisor()
+    supervisor._handle("localhost", {"t": "exit", "rank": 1, "rc": 1})
+    supervisor._tails[1].append(BLAMES_RANK_0)  # its last line, after its exit
+    supervisor._handle("localhost", {"t": "exit", "rank": 0, "rc": 1})
+    supervisor._drain()
+    failure = supervisor._failure
+    assert (failure.rank, failure.reason, failure.returncode) == (0, "exit code 1", 1), failure
+    assert failure.traceback[-1] == "RuntimeError: deliberate failure on rank 0"
+
+
+def test_the_named_rank_is_the_cause_even_when_the_launchers_stop_ended_it():
+    """Rank 1 blamed rank 0 and exited first; the launcher's stop then reached rank 0, still
+    exiting after its own error: the cause is rank 0, and the reason says how it ended."""
+    supervisor = _two_rank_supervisor()
+    supervisor._tails[1].append(BLAMES_RANK_0)
+    supervisor._handle("localhost", {"t": "exit", "rank": 1, "rc": 1})
+    supervisor._handle("localhost", {"t": "exit", "rank": 0, "rc": -15})
+    supervisor._drain()
+    failure = supervisor._failure
+    assert failure.rank == 0 and failure.returncode == -15, failure
+    assert failure.reason == ("rank 1's error names it as the cause; it was still exiting when the launcher "
+                              "stopped it (signal SIGTERM)")
+    assert failure.traceback[-1] == "RuntimeError: deliberate failure on rank 0"
+
+
+def test_a_rank_named_as_the_cause_that_ended_well_is_not_the_cause():
+    supervisor = _two_rank_supervisor()
+    supervisor._tails[1].append(BLAMES_RANK_0)
+    supervisor._handle("localhost", {"t": "exit", "rank": 0, "rc": 0})
+    supervisor._handle("localhost", {"t": "exit", "rank": 1, "rc": 1})
+    supervisor._drain()
+    assert supervisor._failure.rank == 1 and supervisor._failure.log_tail[-1] == BLAMES_RANK_0
 
 
 def test_a_job_whose_every_rank_is_exiting_gets_the_exit_allowance_not_the_hang_timeout():

@@ -177,8 +177,6 @@ class Supervisor:
         self._joined: set[int] = set()
         self._agent_term = False
         self._term_judged = False
-        # The rank the first failure's own error says it failed because of (None: itself).
-        self._named_cause: int | None = None
 
     def interrupt(self, signum: int = 2) -> None:
         """Ctrl-C / SIGTERM: safe to call from a signal handler."""
@@ -343,18 +341,11 @@ class Supervisor:
             self._watch.rank_started(rank, time.monotonic())  # an ended rank is not starting
             self._exit_codes[rank] = rc
             self.view.on_worker_exit(host, rank, rc)
-            if rc != 0 and self._dumping_since is None:
+            if rc != 0 and self._dumping_since is None and self._failure is None:
                 # Only the first failure is the root cause: ranks that die after we began
                 # stopping are its consequences (or our own TERM) -- unless the first one's own
-                # error named this rank as the cause (watchdog.cause_named).
-                tail = list(self._tails[rank])
-                stated = watchdog.job_cause_stated(tail)  # the closing line then names it
-                failure = Failure(host, rank, describe_exit(rc) + (f": {stated}" if stated else ""), rc, tail)
-                if self._failure is None:
-                    self._fail(failure)
-                    self._named_cause = watchdog.cause_named(failure.log_tail)
-                elif self._named_cause == rank and rc not in STOP_CODES:
-                    self._failure, self._named_cause = failure, None
+                # error names another rank as the cause (Note [the cause a failure names]).
+                self._fail(self._exit_failure(rank, rc))
         elif kind == "signal" and event.get("sig") == signal.SIGTERM:
             # An agent step got Slurm's SIGTERM (the batch script may get none: a preemption
             # with a grace time signals the steps). Without on_signal its workers die of it and
@@ -383,14 +374,52 @@ class Supervisor:
             self._stop_all()
 
     def _drain(self) -> None:
-        """Apply the exits that arrived after the loop ended (their logs are already written)."""
+        """Apply the exits that arrived after the loop ended (their logs are already written),
+        then settle the root cause on the complete logs (Note [the cause a failure names])."""
         while True:
             try:
                 host, event = self.events.get_nowait()
             except queue.Empty:
-                return
+                break
             if event.get("t") == "exit":
                 self._handle(host, event)
+        self._settle_cause()
+
+    def _exit_failure(self, rank: int, rc: int, reason: str | None = None) -> Failure:
+        """A rank's non-zero exit as a failure, with its log as it stands now."""
+        tail = list(self._tails[rank])
+        stated = watchdog.job_cause_stated(tail)  # the closing line then names it
+        reason = reason or describe_exit(rc)
+        return Failure(self._host_of[rank], rank, reason + (f": {stated}" if stated else ""), rc, tail)
+
+    # Note [the cause a failure names]: a rank that fails because another did says so in its
+    # own last line ("rank 0 (pid N) exited while this rank waited for it in a collective", "...
+    # failed on rank 0 (its error says why)"; watchdog.cause_named). Which of the two exits
+    # reaches the launcher first is a race, and the blaming rank's last lines can even arrive
+    # after its exit (the agent waits for them only a second): deciding on arrival named rank 1
+    # in the closing block while rank 1's own line blamed rank 0, in 1 of 2 runs. So the cause
+    # is settled once, after every channel has finished (every exit and line is in): from the
+    # first failure, follow the rank each failure's complete log names, while that rank failed
+    # too -- even when it was our own stop that ended it, as it was still exiting after its
+    # error. Ranks of other nodes are job_cause.py's (Note [one cause under srun]).
+    def _settle_cause(self) -> None:
+        failure = self._failure
+        if failure is None or failure.rank is None or failure.returncode is None:
+            return  # not a rank's exit (a lost host, a hang, a script that left mid-collective)
+        first = rank = failure.rank
+        seen = {rank}
+        while True:
+            named = watchdog.cause_named(list(self._tails[rank]))
+            if named is None or named in seen or self._exit_codes.get(named, 0) == 0:
+                break
+            rank = named
+            seen.add(rank)
+        rc = self._exit_codes[rank]
+        reason = None
+        if rank != first and rc in STOP_CODES:
+            reason = (f"rank {first}'s error names it as the cause; it was still exiting when the launcher "
+                      f"stopped it ({describe_exit(rc)})")
+        self._failure = self._exit_failure(rank, rc, reason)
 
     def _stop_all(self) -> None:
         self._stopping_since = time.monotonic()
