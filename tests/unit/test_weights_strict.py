@@ -130,7 +130,7 @@ def test_an_index_naming_a_fifo_is_one_line_not_a_hang(tmp_path):
     model_dir = _index_dir(tmp_path)
     os.mkfifo(model_dir / "model-1.safetensors")
     started = time.monotonic()
-    with pytest.raises(RuntimeConfigError, match="names 'model-1.safetensors', which is not a regular file"):
+    with pytest.raises(RuntimeConfigError, match="names 'model-1.safetensors', which is a FIFO, not a regular file"):
         _init(_model(), model_dir)
     assert time.monotonic() - started < 60
 
@@ -167,3 +167,21 @@ def test_nan_or_infinite_weights_are_refused_naming_the_tensor(tmp_path, bad):
     with pytest.raises(RuntimeConfigError, match=r"weights for '0.weight' in .*w.safetensors' hold 1 NaN or "
                                                  r"infinite value\(s\) of 12"):
         _init(_model(), tmp_path / "w.safetensors")
+
+
+def test_a_fifo_model_safetensors_is_said_to_be_no_regular_file_not_missing(tmp_path):
+    """Issue 38 (messages): a directory whose model.safetensors is a FIFO was said to have no
+    model.safetensors; a FIFO given as the weights path itself is named too."""
+    import os
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    os.mkfifo(model_dir / "model.safetensors")
+    with pytest.raises(RuntimeConfigError) as caught:
+        _init(_model(), model_dir)
+    assert caught.value.message == (f"weights directory {str(model_dir)!r}: model.safetensors is a FIFO, not a "
+                                    "regular file"), caught.value.message
+    with pytest.raises(RuntimeConfigError) as caught:
+        _init(_model(), model_dir / "model.safetensors")
+    assert caught.value.message == (f"weights {str(model_dir / 'model.safetensors')!r} is a FIFO, not a regular "
+                                    "file or directory"), caught.value.message

@@ -152,6 +152,11 @@ class WeightSource:
                 self._file_of = _read_index(index)
             elif single.is_file():
                 self._index_file(single)
+            elif os.path.lexists(index) or os.path.lexists(single):
+                # There, but not a file to read (a FIFO would block the reader for ever): not "missing".
+                there = index if os.path.lexists(index) else single
+                raise RuntimeConfigError(f"weights directory {str(path)!r}: {there.name} is {_what_is(there)}, not a "
+                                         "regular file", hint="put the saved file itself there (save_pretrained)")
             else:
                 raise RuntimeConfigError(f"weights directory {str(path)!r} has no model.safetensors or {INDEX_FILE}",
                                          hint="save it with save_pretrained(safe_serialization=True)")
@@ -168,6 +173,8 @@ class WeightSource:
                                          f"({load_refusal(exc)})", hint="pass a .safetensors file or a state dict") from None
             if not isinstance(self._state, Mapping):
                 raise RuntimeConfigError(f"weights file {str(path)!r} holds a {type(self._state).__name__}, not a state dict")
+        elif os.path.lexists(path):
+            raise RuntimeConfigError(f"weights {str(path)!r} is {_what_is(path)}, not a regular file or directory")
         else:
             raise RuntimeConfigError(f"weights {str(path)!r} is not a file or directory")
 
@@ -202,6 +209,19 @@ class WeightSource:
                     raise RuntimeConfigError(f"weights file {str(path)!r}: tensor {name!r} cannot be read "
                                              f"({_first_line(exc)})", hint="the file is damaged or missing") from None
         return None
+
+
+def _what_is(path: Path) -> str:
+    """What a path that is not a regular file is, for a message: "a FIFO", "a socket", ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return f"a link that cannot be followed ({exc.strerror})"
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "a regular file"
 
 
 def _first_line(exc: BaseException) -> str:
@@ -254,8 +274,8 @@ def _check_beside(index: Path, path: Path) -> None:
             raise RuntimeConfigError(f"weights index {str(index)!r} names {path.name!r}, a symlink to {target!r}, "
                                      f"which cannot be read ({exc.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
-        raise RuntimeConfigError(f"weights index {str(index)!r} names {path.name!r}, which is not a regular file "
-                                 "(a FIFO, device or socket)", hint="an index names safetensors files beside it")
+        raise RuntimeConfigError(f"weights index {str(index)!r} names {path.name!r}, which is {_what_is(path)}, not a "
+                                 "regular file", hint="an index names safetensors files beside it")
 
 
 def _count_not_finite(value: torch.Tensor, chunk: int = 1 << 20) -> int:
