@@ -104,6 +104,47 @@ def test_a_refused_load_leaves_the_engine_untouched(tmp_path, monkeypatch):
     _same(before, _state(target))
 
 
+class _Calls:
+    """Pickles as a call of os.getcwd (harmless had it run): the shape of a payload that runs code."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def test_a_refused_call_is_named_in_the_one_line(tmp_path, monkeypatch):
+    """Issue 38 (messages): a file whose pickle calls a function of a blocked module (torch:
+    "unsupported GLOBAL posix.getcwd whose module posix is blocked") was "an object it does not
+    load", though docs/checkpoints.md says the refused type is named. Both readers name it."""
+    source = _engine()
+    _train(source, 1)
+    monkeypatch.setattr(save, "check_client_state", lambda state: None)
+    source.save_checkpoint(tmp_path / "ck", client_state={"payload": _Calls()})
+    target = _engine()
+    with pytest.raises(CheckpointError, match=r"engine.pt' cannot be loaded \(it names posix.getcwd \(module posix\), "
+                                              r"which the safe unpickler does not load\)"):
+        target.load_checkpoint(tmp_path / "ck")
+    torch.save({"0.weight": _Calls()}, tmp_path / "w.pt")
+    model = nn.Sequential(nn.Linear(7, 5))
+    with pytest.raises(zerorun.errors.RuntimeConfigError, match=r"\(it names posix.getcwd \(module posix\), which"):
+        zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {}, weights=tmp_path / "w.pt")
+
+
+@pytest.mark.parametrize(("torch_says", "we_say"), [
+    ("Trying to call reduce for unrecognized function <built-in function system> which belongs to <module 'posix' "
+     "(built-in)>", "it calls posix.system, which the safe unpickler does not call"),
+    ("Trying to call reduce for unrecognized function <function helper at 0x7f00>",
+     "it calls helper, which the safe unpickler does not call"),
+    ("Can only create new object for nn.Parameter or classes allowlisted via `add_safe_globals` but got "
+     "<class 'argparse.Namespace'>", "it builds argparse.Namespace, which the safe unpickler does not load"),
+    ("Can only build Tensor, Parameter, OrderedDict or types allowlisted via `add_safe_globals`, but got "
+     "<class 'mod.Thing'>", "it builds mod.Thing, which the safe unpickler does not load"),
+])
+def test_every_refusal_torch_names_a_global_in_is_named_in_ours(torch_says, we_say):
+    error = RuntimeError("Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` will "
+                         f"likely succeed. {torch_says}")
+    assert tensor_files.load_refusal(error) == we_say
+
+
 @pytest.mark.parametrize("planted", ["symlink", "file"])
 def test_a_planted_partial_is_removed_never_followed(tmp_path, planted):
     """Issue 31 item 15: a symlink at ``TAG.partial`` failed the save with "File exists"

@@ -301,6 +301,12 @@ def verify(path: Path, expected: dict) -> None:
                               f"({checksum:08x}, the manifest says {expected[CHECKSUM]}): it is damaged", hint=hint)
 
 
+def _refused_name(described: str) -> str:
+    """``a.B`` from torch's ``<class 'a.B'>`` or ``<function f at 0x..>``; else the text, cut short."""
+    found = re.match(r"<(?:class|function|built-in function) '?([\w.]+)'?", described.strip())
+    return found.group(1) if found else described.strip()[:120]
+
+
 def load_refusal(exc: BaseException) -> str:
     """Why ``torch.load(weights_only=True)`` refused a file, in one line of our own words.
     torch's message advises re-running with ``weights_only=False``, which runs whatever code the
@@ -310,6 +316,19 @@ def load_refusal(exc: BaseException) -> str:
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     if found:
         return f"it holds {found.group(1)}, which the safe unpickler does not load"
+    # The other refusals that carry a name: a global of a blocked module (os.system, which
+    # pickle spells posix.system), a call (REDUCE) of a function not allowed, an object of a
+    # class not allowed; torch spells the last two as the object's repr, "<class 'a.B'>".
+    found = re.search(r"unsupported GLOBAL ([\w.]+) whose module ([\w.]+) is blocked", text)
+    if found:
+        return f"it names {found.group(1)} (module {found.group(2)}), which the safe unpickler does not load"
+    found = re.search(r"call reduce for unrecognized function (.+?)(?: which belongs to <module '([\w.]+)'.*)?$", text)
+    if found:
+        owner = f"{found.group(2)}." if found.group(2) else ""
+        return f"it calls {owner}{_refused_name(found.group(1))}, which the safe unpickler does not call"
+    found = re.search(r"Can only (?:create new object for|build) .*? but got (.+)$", text)
+    if found:
+        return f"it builds {_refused_name(found.group(1))}, which the safe unpickler does not load"
     if "Weights only load failed" in text:
         found = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
         return f"the safe unpickler refuses it: {found.group(1)[:200] if found else 'an object it does not load'}"
