@@ -185,3 +185,22 @@ def test_a_fifo_model_safetensors_is_said_to_be_no_regular_file_not_missing(tmp_
         _init(_model(), model_dir / "model.safetensors")
     assert caught.value.message == (f"weights {str(model_dir / 'model.safetensors')!r} is a FIFO, not a regular "
                                     "file or directory"), caught.value.message
+
+
+def test_bf16_weights_into_an_fp32_model_are_said_once_as_a_note(tmp_path, capsys, monkeypatch):
+    """Issue 38 (messages): bf16 weights were converted into an fp32 model without a word.
+    One note for the whole load (four tensors), naming both dtypes; fp32 weights say nothing."""
+    monkeypatch.delenv("RANK", raising=False)
+    stored = {k: (v + 1 / 3).to(torch.bfloat16) for k, v in _weights().items()}
+    save_file(stored, str(tmp_path / "bf16.safetensors"))
+    engine = _init(_model(meta=True), tmp_path / "bf16.safetensors")
+    notes = [line for line in capsys.readouterr().err.splitlines() if "converted on load" in line]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"zerorun: note: weights from {str(tmp_path / 'bf16.safetensors')!r} are stored as "
+                               "bfloat16, the model's tensors are float32: converted on load (first: '"), notes
+    assert notes[0].split("(first: '")[1].split("'")[0] in stored  # whichever the first unit holds
+    loaded = dict(engine.module.named_parameters())
+    assert all(loaded[k].dtype == torch.float32 and torch.equal(loaded[k], v.float()) for k, v in stored.items())
+    save_file(_weights(), str(tmp_path / "fp32.safetensors"))
+    _init(_model(meta=True), tmp_path / "fp32.safetensors")
+    assert "converted on load" not in capsys.readouterr().err

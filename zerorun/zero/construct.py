@@ -224,6 +224,10 @@ def _what_is(path: Path) -> str:
     return "a regular file"
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
@@ -336,6 +340,7 @@ class Materializer:
                 self.owners.setdefault(id(tensor), []).append(module)
         self._rng = torch.Generator().manual_seed(seed)
         self._in_units: set[int] = set()  # parameters a unit took (at stage 3, frozen ones too)
+        self._casts_said: set[tuple[torch.dtype, torch.dtype]] = set()  # (stored, model) pairs noted
 
     def ensure(self, params: list[nn.Parameter]) -> None:
         """Give ``params`` their values before a unit copies them (Note [materialize per unit])."""
@@ -424,9 +429,23 @@ class Materializer:
                     f"{value.numel()}", hint="the weights are damaged; load another copy")
         if param.dtype.is_floating_point and not (value.dtype.is_floating_point or self.cast):
             raise RuntimeConfigError(
-                f"weights for {name!r} in {self._where(param)} are {str(value.dtype).replace('torch.', '')}, "
-                f"the model's parameter is {str(param.dtype).replace('torch.', '')}",
+                f"weights for {name!r} in {self._where(param)} are {_dtype_name(value.dtype)}, "
+                f"the model's parameter is {_dtype_name(param.dtype)}",
                 hint="pass weights=zerorun.Weights(source, cast=True) if converting them is meant")
+        self._note_cast(name, param, value)
+
+    def _note_cast(self, name: str, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Stored values of another dtype are converted to the model's (bf16 weights into an
+        fp32 model double their memory and keep bf16's precision): said once per load and pair
+        of dtypes, on rank 0, as a note: it is what from_pretrained does too, not an error."""
+        pair = (value.dtype, param.dtype)
+        if value.dtype == param.dtype or pair in self._casts_said:
+            return
+        self._casts_said.add(pair)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"zerorun: note: weights from {self.source.label if self.source else 'the source'} are stored as "
+                  f"{_dtype_name(value.dtype)}, the model's tensors are {_dtype_name(param.dtype)}: converted on load "
+                  f"(first: {name!r}; said once per load)", file=sys.stderr, flush=True)
 
     def _where(self, tensor) -> str:
         names = self.aliases.get(id(tensor), [])
