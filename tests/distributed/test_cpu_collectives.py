@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -55,8 +56,9 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
 
     settings = json.loads(Path(out_dir, "settings.json").read_text())
     os.environ["ZERORUN_HOST_CHANNEL"] = "0" if settings["channel"] == "0" else "1"
-    if settings["channel"] == "one_rank_cannot" and rank == 0:  # no /dev/shm here: all take the ring
+    if settings["channel"] == "one_rank_cannot" and rank == 1:  # no /dev/shm here: all take the ring
         host_channel_module.SHM_DIR = str(Path(out_dir, "missing"))
+    sys.stderr = open(Path(out_dir, f"rank{rank}.err"), "w")  # what the ranks say about the transport
     world = settings["world"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -100,7 +102,14 @@ def test_cpu_reduce_scatter_and_all_gather_are_exact(tmp_path, world, channel):
 
 
 def test_every_rank_takes_the_ring_when_one_cannot_open_the_channel(tmp_path):
+    """Issue 38 (messages): and says so, once for the group (its first rank), naming the rank
+    that could not and why; it used to fall back without a word."""
     check_collectives(tmp_path, 2, "one_rank_cannot")
+    said = {rank: [line for line in (tmp_path / f"rank{rank}.err").read_text().splitlines() if "zerorun" in line]
+            for rank in (0, 1)}
+    assert said[1] == [] and said[0] == [
+        "zerorun: note: the job's ranks on this host move their collectives through the ring (TCP loopback), not "
+        f"shared memory: rank 1 finds no {tmp_path / 'missing'}"], said
 
 
 def check_collectives(tmp_path, world: int, channel: str) -> None:
@@ -108,6 +117,8 @@ def check_collectives(tmp_path, world: int, channel: str) -> None:
     results = spawn_and_collect(worker, tmp_path, world)
     for rank, result in results.items():
         assert result.pop("channel_used") == (channel == "1"), f"rank {rank}: the wrong transport ran"
+        if channel in ("0", "1"):  # the channel, or the ring by the user's choice: nothing to say
+            assert "zerorun" not in (tmp_path / f"rank{rank}.err").read_text(), rank
         assert result.pop("files_left") == [], f"rank {rank}: the channel left files in /dev/shm"
         for dtype, checks in result.items():
             where = f"rank {rank} {dtype}"

@@ -49,7 +49,9 @@ import os
 import queue
 import secrets
 import select
+import socket
 import struct
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -131,9 +133,13 @@ def _proc_start_time(pid: int) -> str | None:
 
 def _open(group) -> HostChannel | None:
     if not channel_wanted(os.environ):
-        return None
+        return None  # the user's choice: nothing to say
     size = dist.get_world_size(group)
-    can = 2 <= size <= MAX_RANKS and os.path.isdir(SHM_DIR)
+    if size < 2:
+        return None  # one rank: nothing to move
+    cannot = (f"is one of {size} ranks, more than the channel's {MAX_RANKS}" if size > MAX_RANKS
+              else None if os.path.isdir(SHM_DIR) else f"finds no {SHM_DIR}")
+    can = cannot is None
     if can:
         shm_names.remove_stale(SHM_DIR)
     # Note [shm cleanup]: nothing is created until every rank is here, so a rank that fails
@@ -143,10 +149,10 @@ def _open(group) -> HostChannel | None:
     dist.barrier(group=group)
     created: list[str] = []
     try:
-        mine: dict | None = None
+        mine: dict = {"host": socket.gethostname()}
         try:
             if not can:
-                raise OSError("no shared memory here")
+                raise OSError(cannot)
             nonce = secrets.token_hex(8)
             fd, outbox_path = tempfile.mkstemp(prefix=shm_names.outbox_prefix(), dir=SHM_DIR)
             created.append(outbox_path)
@@ -158,10 +164,10 @@ def _open(group) -> HostChannel | None:
             inbox_path = shm_names.inbox_path(outbox_path)
             os.mkfifo(inbox_path, 0o600)
             created.append(inbox_path)
-            mine = {"outbox": outbox_path, "inbox": inbox_path, "nonce": nonce, "pid": os.getpid(),
-                    "start_time": _proc_start_time(os.getpid())}
-        except Exception:  # whatever fails here, this rank must still reach the agreements below
-            mine = None
+            mine.update(outbox=outbox_path, inbox=inbox_path, nonce=nonce, pid=os.getpid(),
+                        start_time=_proc_start_time(os.getpid()))
+        except Exception as exc:  # whatever fails here, this rank must still reach the agreements below
+            mine["error"] = cannot or f"cannot make its files in {SHM_DIR} ({_why(exc)})"
         return _agree(group, size, mine)
     finally:
         for path in created:  # every rank has opened them, given up, or failed: unlink
@@ -171,28 +177,55 @@ def _open(group) -> HostChannel | None:
                 pass
 
 
-def _agree(group, size: int, mine: dict | None) -> HostChannel | None:
+def _agree(group, size: int, mine: dict) -> HostChannel | None:
     """Exchange what each rank made, open the channel where every rank made its part, and agree
-    that every rank opened it; else None on every rank."""
+    that every rank opened it; else None on every rank, and the group's first rank says why."""
     everyone: list = [None] * size
     dist.all_gather_object(everyone, mine, group=group)
-    channel = None
-    if all(everyone):
+    channel, error = None, None
+    if not any("error" in info for info in everyone):
         try:
             channel = HostChannel(group, dist.get_rank(group), everyone)
-        except Exception:  # as above: a rank that skipped the next agreement would hang the others
-            channel = None
+        except Exception as exc:  # as above: a rank that skipped the next agreement would hang the others
+            channel, error = None, f"cannot open the others' files ({_why(exc)})"
     try:
         opened: list = [None] * size
-        dist.all_gather_object(opened, channel is not None, group=group)
+        dist.all_gather_object(opened, error, group=group)
     except BaseException:
         if channel is not None:
             channel.close()
         raise
-    if channel is not None and not all(opened):
+    if channel is not None and any(opened):
         channel.close()
         channel = None
+    if channel is None and dist.get_rank(group) == 0:
+        _say_ring(group, size, everyone, opened)
     return channel
+
+
+# Note [the ring, said once]: where ranks that share a host cannot share memory, their
+# collectives take the ring (TCP loopback), about twice the CPU per byte (see above): slower,
+# never wrong, so it is no error, but it used to happen without a word. The group's first rank
+# says it once when the group opens its channel (its first collective), naming the first rank
+# that could not and why. Ranks on several hosts take the ring by design: nothing is said.
+def _say_ring(group, size: int, everyone: list, opened: list) -> None:
+    if len({info["host"] for info in everyone}) > 1:
+        return
+    failed = [(r, info["error"]) for r, info in enumerate(everyone) if "error" in info]
+    failed += [(r, why) for r, why in enumerate(opened) if why]
+    if not failed:
+        return
+    rank, why = failed[0]
+    global_rank = rank if group is None else dist.get_global_rank(group, rank)
+    ranks = "the job's ranks" if group is None or size == dist.get_world_size() else f"a group of {size} ranks"
+    print(f"zerorun: note: {ranks} on this host move their collectives through the ring (TCP loopback), not "
+          f"shared memory: rank {global_rank} {why}", file=sys.stderr, flush=True)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return str(exc)[:200] or type(exc).__name__
 
 
 class HostChannel:
