@@ -48,6 +48,15 @@ def test_seed_004_zero3_offload_gives_the_intended_settings():
     assert [note.split(":")[0] for note in config.notes] == ["zero_optimization.contiguous_gradients"]
 
 
+def test_stage3_max_live_parameters_is_read_with_deepspeeds_meaning(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, '
+                    '"stage3_max_live_parameters": 3e7, "stage3_prefetch_bucket_size": 5e7}}')
+    config = load_config(path, world_size=2, environ={})
+    assert (config.zero.max_live_parameters, config.zero.prefetch_bucket_size) == (30_000_000, 50_000_000)
+    assert not config.notes  # no longer "no effect"
+
+
 def test_seed_configs_need_a_world_size_that_divides_the_batch():
     with pytest.raises(ConfigError, match=r"cannot be split evenly over 3 ranks x 2 accumulation"):
         load_config(DATA / "ds_zero2_fp16.json", world_size=3, environ={})

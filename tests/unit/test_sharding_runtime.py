@@ -499,3 +499,16 @@ def test_update_groups_are_capped_and_a_larger_unit_goes_alone():
     assert [[r.master.numel() for r in b] for b in batches] == [[40, 50], [30], [200], [10], [5]]
     assert sum(len(b) for b in update_batches(records, cap=10**9)) == len(records)
     assert len(update_batches(records, cap=10**9)) == 2  # all device units together, the lone one
+
+
+def test_prefetch_window_within_the_budget_and_the_live_room():
+    from zerorun.zero.gather_plan import prefetch_window
+
+    assert prefetch_window([5, 5, 5], minimum=1, budget=0, room=100) == 1  # the fixed lookahead
+    assert prefetch_window([5, 5, 5], minimum=2, budget=0, room=100) == 2
+    assert prefetch_window([5, 5, 5, 5], minimum=1, budget=12, room=100) == 2  # 10 <= 12 < 15
+    assert prefetch_window([5, 0, 5, 5], minimum=1, budget=10, room=100) == 3  # a gathered unit costs nothing
+    assert prefetch_window([20, 5], minimum=1, budget=10, room=100) == 1  # the minimum, whatever its size
+    assert prefetch_window([5, 5, 5], minimum=1, budget=100, room=12) == 2  # max_live's room bounds it all
+    assert prefetch_window([5, 5], minimum=2, budget=0, room=4) == 0  # even the minimum
+    assert prefetch_window([], minimum=1, budget=100, room=100) == 0

@@ -205,6 +205,7 @@ def _training_from_config(path: Path):
         reduce_bucket_size=int(zero.reduce_bucket_size),
         allgather_bucket_size=int(zero.allgather_bucket_size),
         prefetch_bucket_size=int(zero.prefetch_bucket_size),
+        max_live_parameters=int(zero.max_live_parameters),
         param_persistence_threshold=int(zero.param_persistence_threshold),
         update_bucket_size=int(zero.update_bucket_size),
         nvme_buffer_count=int(zero.offload_optimizer.buffer_count),

@@ -166,7 +166,7 @@ ZERO_OPTIMIZATION = {
     "allgather_partitions": Note("zerorun all-gathers updated shards by bucket itself",
                                  harmless=lambda v: v is True),
     "sub_group_size": Note("zerorun steps the optimizer bucket by bucket; " + NO_EFFECT),
-    "stage3_max_live_parameters": Note("stage 3 prefetches one module ahead (two in backward) and keeps units for reuse by zero.max_reuse_distance; " + NO_EFFECT),
+    "stage3_max_live_parameters": Map("zero.max_live_parameters"),
     "stage3_max_reuse_distance": Map("zero.max_reuse_distance"),
     "stage3_gather_16bit_weights_on_model_save": Note("engine.full_state_dict() gives the whole model; " + NO_EFFECT),
     "stage3_gather_fp16_weights_on_model_save": Note("engine.full_state_dict() gives the whole model; " + NO_EFFECT),

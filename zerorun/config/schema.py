@@ -40,7 +40,13 @@ class ZeroConfig:
     # the multi-tensor update's temporaries are bounded by one group, not the model (update.py).
     update_bucket_size: int = 6_250_000
     overlap_comm: bool = True
-    prefetch_bucket_size: int = 50_000_000
+    # Stage 3, Note [prefetch budget] in zero/param_gather.py: elements prefetched beyond the
+    # next module (two in backward) along the recorded order; 0 prefetches just those, the
+    # least memory (FSDP2's lookahead). DeepSpeed's stage3_prefetch_bucket_size.
+    prefetch_bucket_size: int = 0
+    # Stage 3: no gather is issued early past this many elements gathered or in flight at
+    # once (DeepSpeed's stage3_max_live_parameters, and its default).
+    max_live_parameters: int = 1_000_000_000
     # Stage 3: a gather unit of at most this many elements stays whole on every rank (Note
     # [persistent units] in zero/unit/plan.py). 0: every unit is sharded, as FSDP2 shards every
     # module it wraps, so model state is never above FSDP2's (issue 20); a small unit then costs

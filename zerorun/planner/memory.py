@@ -69,7 +69,8 @@ class Training:
     offload: Offload = "none"
     reduce_bucket_size: int = 6_250_000  # config.ZeroConfig's default
     allgather_bucket_size: int = 50_000_000
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 0  # config.ZeroConfig's default (Note [prefetch budget])
+    max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 0
     update_bucket_size: int = 6_250_000  # master elements per optimizer call (Note [bounded update])
     device: Literal["cuda", "cpu"] = "cuda"  # where the step runs: decides Adam's temporaries
@@ -294,8 +295,17 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     rules (zero/unit/plan.py): gathered = the largest (nesting depth + 3) units, bucket = the
     largest unit (a lone parameter's gradient is reduced in place, but is just as alive).
     Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
-    of them gathered (the running module and, in backward, the two prefetched next).
+    of them gathered (the running module and, in backward, the two prefetched next). Either
+    way, a prefetch budget (prefetch_bucket_size, Note [prefetch budget] in
+    zero/param_gather.py) adds up to that many elements, and no more than max_live_parameters.
     """
+    gathered, bucket, units = _stage3_unit_sizes(model, training)
+    extra = min(training.prefetch_bucket_size, training.max_live_parameters, model.num_params)
+    return min(gathered + max(0, extra), max(gathered, model.num_params)), bucket, units
+
+
+def _stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, int]:
+    """stage3_unit_sizes without the prefetch budget."""
     from zerorun.zero.unit import plan as unit_plan
 
     planned, persistent = _stage3_plan(model, training)

@@ -248,7 +248,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             holder_records = {m: [record_of[u.index] for u in us] for m, us in partition.holder_units.items()}
             self.gatherer = ParamGatherer(model, module_records, self.group,
                                           max_reuse_distance=cfg.zero.max_reuse_distance,
-                                          holder_records=holder_records, leaf_units=partition.leaf_units)
+                                          holder_records=holder_records, leaf_units=partition.leaf_units,
+                                          prefetch_elements=cfg.zero.prefetch_bucket_size,
+                                          max_live_elements=cfg.zero.max_live_parameters)
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,

@@ -58,6 +58,22 @@ def plan_kept_units(
     return keep_after, set(order_units[last])
 
 
+def prefetch_window(ahead: list[int], minimum: int, budget: int, room: int) -> int:
+    """Pure: Note [prefetch budget] (param_gather.py). ``ahead[i]`` is the number of elements of
+    the units of the i-th module call after the running one (a unit counted at its first call
+    only). Returns
+    how many of those calls to prefetch: at least ``minimum`` (the fixed lookahead), then more
+    while all of them together stay within ``budget`` elements (prefetch_bucket_size; 0 adds
+    none); none past ``room``, the elements max_live_parameters leaves for them (every call's own gathers
+    still happen when it runs, so ``room`` bounds only what is gathered early)."""
+    count = total = 0
+    for n in ahead:
+        if total + n > room or (count >= minimum and total + n > budget):
+            break
+        count, total = count + 1, total + n
+    return count
+
+
 def gathers_still_wanted(sizes_by_position: list[list[int]]) -> list[dict[int, int]]:
     """Pure: for each position p of a recorded forward or backward (and one past the end), how
     many gathers of each byte size positions p, p+1, ... make (Note [pools follow backward]).

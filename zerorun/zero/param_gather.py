@@ -50,6 +50,18 @@ fired at once) too. With one ahead, every block's unit was gathered synchronousl
 no parameters (an Embedding) are left out, so a tied embedding is not gathered again at the
 very end of backward.
 
+Note [prefetch budget]: that fixed lookahead (one module in forward, BACKWARD_PREFETCH in
+backward) is the least prefetched. ``prefetch_bucket_size`` (DeepSpeed's
+stage3_prefetch_bucket_size, in elements) lets it reach further along the recorded order: more
+modules while the elements of their units (gathered, in flight or not yet asked for) add up to
+at most that many, so no more than that is held ahead of its use (0, zerorun's default, adds
+none: the least memory, as FSDP2's one-module lookahead). Between hosts a deeper window
+keeps the link busy through modules whose compute is shorter than their gather. No gather is
+issued early past ``max_live_parameters`` (DeepSpeed's stage3_max_live_parameters) elements
+gathered or in flight at once; a module's own gather when it runs is never held back. Every
+rank computes the same window from the same order and unit states, so the collectives stay
+paired.
+
 Note [kept gathered]: from the recorded order, two kinds of unit skip the release after a
 module's forward, because gathering them again would come soon and cost more than holding them:
 - a unit used again later in the same forward, with at most ``max_reuse_distance`` elements of
@@ -77,7 +89,7 @@ from zerorun.errors import UsageError
 from zerorun.zero import param_access
 from zerorun.zero.gather_pass import PassState, PassTracker, in_backward
 from zerorun.zero.gather_plan import (
-    AfterBackward, gathers_still_wanted, plan_kept_units, reads_params_in_backward, tensors_in,
+    AfterBackward, gathers_still_wanted, plan_kept_units, prefetch_window, reads_params_in_backward, tensors_in,
 )
 from zerorun.zero.gather_use import CallObserver, common_caller
 from zerorun.zero.unit.plan import BACKWARD_PREFETCH
@@ -99,8 +111,15 @@ class ParamGatherer:
 
     def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
                  *, max_reuse_distance: int = 0, holder_records: dict[nn.Module, list[UnitRecord]] | None = None,
-                 leaf_units: frozenset[int] = frozenset()):
+                 leaf_units: frozenset[int] = frozenset(), prefetch_elements: int = 0,
+                 max_live_elements: int | None = None):
         self.max_reuse_distance = max_reuse_distance
+        # Note [prefetch budget]: how far past the fixed lookahead prefetch may reach, and the
+        # elements of partitioned units gathered or in flight now (kept by a state listener).
+        self.prefetch_elements = prefetch_elements
+        self.max_live_elements = max_live_elements
+        self.live_elements = 0
+        self._live_units: set[int] = set()
         # Note [expert gradients] (grad_reduce.py): units closed when their module's backward is
         # over, through ``on_backward_over`` (the engine's reducer); per unit, the calls of this
         # forward whose backward has not ended yet.
@@ -161,6 +180,10 @@ class ParamGatherer:
         for records in self.module_records.values():
             for record in records:
                 record.gathering.add_user()
+        for record in self.records:
+            if record.unit.partitioned:
+                record.unit.state_listeners.append(self._count_live)
+                self._count_live(record.unit)
         self.root = root
         self._no_early_stop = ForwardWithoutEarlyStop()  # Note [anyone's checkpoint]
         root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
@@ -176,6 +199,35 @@ class ParamGatherer:
 
     def _records_of(self, module: nn.Module) -> list[UnitRecord]:
         return self.module_records.get(module, [])
+
+    def _count_live(self, unit) -> None:
+        """Note [prefetch budget]: a unit's full copy starts to exist when its gather is issued
+        and stops when it is released (SHARDED -> GATHERING ... -> SHARDED)."""
+        live = unit.state is not ParamState.SHARDED
+        if live != (unit.index in self._live_units):
+            self._live_units.symmetric_difference_update({unit.index})
+            self.live_elements += unit.layout.numel if live else -unit.layout.numel
+
+    def _prefetch(self, order: list[nn.Module], start: int, minimum: int) -> int:
+        """Issue the gathers of the window of ``order`` from ``start`` on (Note [prefetch budget]);
+        returns the position just past it."""
+        ahead: list[int] = []  # per next call, the elements of its units, each unit counted once
+        counted: dict[int, UnitRecord] = {}
+        for module in order[start:]:
+            if len(ahead) >= minimum and (self.prefetch_elements <= 0 or sum(ahead) > self.prefetch_elements):
+                break
+            records = [r for r in self._records_of(module) if r.unit.partitioned and r.index not in counted]
+            counted.update((r.index, r) for r in records)
+            ahead.append(sum(r.unit.layout.numel for r in records))
+        # What the window holds already (gathered or in flight) is live already.
+        held = sum(r.unit.layout.numel for r in counted.values() if r.unit.state is not ParamState.SHARDED)
+        room = (self.max_live_elements - self.live_elements + held if self.max_live_elements is not None
+                else sum(ahead))
+        window = prefetch_window(ahead, minimum, self.prefetch_elements, room)
+        for module in order[start : start + window]:
+            for record in self._records_of(module):
+                record.unit.start_gather(self.group)
+        return start + window
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -386,12 +438,10 @@ class ParamGatherer:
         tell the pool what the rest of forward will still gather (Note [pools follow backward])."""
         order = self.forward_order
         position = order.index(module) if module in order else -1
-        if 0 <= position < len(order) - 1:
-            for record in self._records_of(order[position + 1]):
-                record.unit.start_gather(self.group)
+        past = self._prefetch(order, position + 1, 1) if position >= 0 else 0
         if self.pool is not None:
             on_order = self._on_order and position >= 0
-            self.pool.expect(self._forward_wanted_from[min(position + 2, len(order))] if on_order else None)
+            self.pool.expect(self._forward_wanted_from[min(max(past, position + 2), len(order))] if on_order else None)
 
     def _partitioned_sizes(self, modules: list[nn.Module]) -> list[list[int]]:
         """Per module, the byte sizes of the partitioned units its call gathers."""
@@ -412,16 +462,15 @@ class ParamGatherer:
         self._prefetch_backward(module)
 
     def _prefetch_backward(self, module: nn.Module) -> None:
-        """Issue the gathers of the BACKWARD_PREFETCH modules whose backward follows ``module``'s,
+        """Issue the gathers of the modules whose backward follows ``module``'s (BACKWARD_PREFETCH
+        of them, more within the budget: Note [prefetch budget]),
         and tell the pool what the rest of backward will still gather (Note [pools follow backward])."""
         position = self._backward_position.get(module)
         if position is None:
             return
-        for following in self.backward_order[position + 1 : position + 1 + BACKWARD_PREFETCH]:
-            for record in self._records_of(following):
-                record.unit.start_gather(self.group)
+        past = self._prefetch(self.backward_order, position + 1, BACKWARD_PREFETCH)
         if self.pool is not None:
-            self.pool.expect(self._wanted_from[min(position + 1 + BACKWARD_PREFETCH, len(self._wanted_from) - 1)])
+            self.pool.expect(self._wanted_from[min(max(past, position + 1 + BACKWARD_PREFETCH), len(self._wanted_from) - 1)])
 
     # -- backward -----------------------------------------------------------------------
     def _hook_outputs(self, module: nn.Module, output) -> None:
