@@ -9,6 +9,12 @@ plain torch on the same global batch (fp32, 1e-5 relative per step). Also checke
 forward order is the forward's (8 Linear calls), never grown by the recomputation; units are
 released during backward (at most a block's units and the prefetched ones gathered at once, not
 all of them); every pass ends IDLE with every unit sharded.
+
+Reused blocks (``reused-*``, pool off): two blocks, each with a parameter of its own, run twice per forward
+(as DORY's recurrent layers loop), each checkpointing its forward inside its call as Hugging Face's
+``GradientCheckpointingLayer`` does. Reentrant, every region is a backward graph of its own, so
+each parameter's gradient arrives once per loop (Note [gradients per recomputation] in
+zerorun/zero/grad_reduce.py).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ STEPS = 3
 WIDTH = 15
 BLOCKS = 4
 KINDS = ["torch-non-reentrant", "torch-reentrant", "deepspeed"]
+REUSED = ["reused-reentrant", "reused-non-reentrant"]
+LOOPS = 2
 
 
 class Block(torch.nn.Module):
@@ -38,17 +46,43 @@ class Block(torch.nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
+class LoopedBlock(Block):
+    """A block with a parameter of its own whose forward checkpoints itself, so its call's hooks
+    stay outside the region (Hugging Face's ``GradientCheckpointingLayer``)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self._checkpointed, x, use_reentrant=self.reentrant)
+
+    def _checkpointed(self, x):
+        return super().forward(x) * self.gain
+
+
 class Net(torch.nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        if kind in REUSED:
+            self.blocks = torch.nn.ModuleList(LoopedBlock(kind == "reused-reentrant") for _ in range(2))
+        else:
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
 
     def forward(self, x):
         from torch.utils.checkpoint import checkpoint
 
         from zerorun.deepspeed import checkpointing
 
+        if self.kind in REUSED:  # each block runs once per loop
+            for _ in range(LOOPS):
+                for block in self.blocks:
+                    x = block(x)
+            return x.pow(2).mean()
         for block in self.blocks:
             if self.kind == "deepspeed":
                 x = checkpointing.checkpoint(block, x)
@@ -127,13 +161,13 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     with leaving_together():
         results = {}
-        for kind in KINDS:
-            for pool in (True, False):
-                name = f"{kind}/{'pool' if pool else 'no-pool'}"
-                try:
-                    results[name] = stage3_run(kind, pool, rank)
-                except Exception as err:  # reported by the case's own assertion
-                    results[name] = {"error": f"{type(err).__name__}: {err}"}
+        cases = [(kind, pool) for kind in KINDS for pool in (True, False)] + [(kind, False) for kind in REUSED]
+        for kind, pool in cases:
+            name = f"{kind}/{'pool' if pool else 'no-pool'}"
+            try:
+                results[name] = stage3_run(kind, pool, rank)
+            except Exception as err:  # reported by the case's own assertion
+                results[name] = {"error": f"{type(err).__name__}: {err}"}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -155,3 +189,17 @@ def test_recomputation_is_part_of_the_pass(runs, kind, pool):
     assert found["units"] == 2 * BLOCKS
     # A block's two units and the next ones prefetched, never every unit at once.
     assert found["most_gathered"] <= 4, found
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", REUSED)
+def test_reused_blocks_under_recomputation(runs, kind):
+    """Every module its own unit, the gather pool off. Before Note [gradients per recomputation],
+    reentrant: "a second gradient bucket while REDUCING" (the second loop's gradients arriving
+    after the first loop's had launched the unit's reduce-scatter)."""
+    found = runs[f"{kind}/no-pool"]
+    assert "error" not in found, found
+    assert found["losses"] == pytest.approx(reference_losses(kind), rel=1e-5)
+    assert found["orders"] == [LOOPS * 2 * 3] * STEPS  # per loop and block: its own unit, up, down
+    assert found["states"] == [["IDLE", ["SHARDED"]]] * STEPS
+    assert found["units"] == 2 * 3

@@ -263,6 +263,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             on_unit_reduced=self.updater.unit_reduced,
             lazy_gradients=self.stage >= 1,  # Note [lazy gradient shards] in grad_reduce.py
             closed_by_module=partition.leaf_units if self.gatherer else frozenset(),
+            arrivals_per_param=self.gatherer.arrivals_per_param if self.gatherer else None,
         )
         if self.gatherer is not None:  # Note [expert gradients] in grad_reduce.py
             self.gatherer.on_backward_over = self.reducer.close_unit

@@ -38,6 +38,20 @@ own unit: "reduce_scatter of unit 7 ... all_gather of unit 2"). So a leaf unit i
 an event every rank sees at the same point, never by its count: the end of its module's last
 call's backward (``close_unit``, from the gatherer's ``AfterBackward`` on the module's inputs),
 or else the end of backward.
+
+Note [gradients per recomputation]: a parameter's gradient hook fires once per backward when one
+autograd graph holds all its uses. A reentrant checkpoint (``use_reentrant=True``, as Hugging
+Face's ``gradient_checkpointing_enable`` may ask) runs each region's backward as a graph of its
+own, so a module called in several regions of one forward (DORY's recurrent layers, run once per
+loop) has each of its parameters arrive once per region: the first region's arrivals completed
+the unit and launched its reduce-scatter, and the next region's found it REDUCING (the fine zoo's
+DORY: "unit 11: a second gradient bucket while REDUCING"). So the first arrival of a backward
+fixes how many complete the unit: its parameters times ``arrivals_per_param`` (the gatherer's
+answer: the calls that gathered the unit in forward when the arrival comes from a graph nested in
+backward's own, else 1), and a parameter's later arrivals add into its bucket slot, as autograd
+adds into ``.grad``. When fewer come (two calls in one region), the end of backward completes
+the unit, as it does a unit with unused parameters; the count is the same on every rank, since
+the forward's calls are (the prefetch relies on that too).
 """
 
 from __future__ import annotations
@@ -145,10 +159,14 @@ class GradReducer:
         on_unit_reduced: Callable[[UnitRecord], None] | None = None,
         lazy_gradients: bool = False,
         closed_by_module: frozenset[int] = frozenset(),
+        arrivals_per_param: Callable[[UnitRecord], int] | None = None,
     ):
         self.records = records
         # Note [expert gradients]: units complete when their module's backward is over.
         self.closed_by_module = closed_by_module
+        # Note [gradients per recomputation]: how many times each parameter of a unit arrives in
+        # this backward, asked at its first arrival (stage 3's gatherer knows); None: once.
+        self.arrivals_per_param = arrivals_per_param
         self.order = order
         self.policy = policy
         self.group = group
@@ -216,18 +234,30 @@ class GradReducer:
                 gradient.hold_bucket(grad.reshape(-1), None, [True])
                 param.grad = None
             elif bucket is None:
-                # Not zeroed: each parameter's slot is written once per backward (autograd
-                # fires the hook once per parameter); _launch zeroes the slots never written.
+                # Not zeroed: each parameter's slot is written at its first arrival in this
+                # backward; _launch zeroes the slots never written.
                 buffer, bucket = self._pool_of(unit).take(unit.layout.padded_numel)
                 gradient.hold_bucket(bucket, buffer, [False] * len(unit.params))
             if bucket is not None:
-                bucket[offset : offset + numel].copy_(grad.reshape(-1))
-                gradient.mark_written(position)
+                slot = bucket[offset : offset + numel]
+                written = gradient.written
+                if written is not None and written[position]:
+                    slot.add_(grad.reshape(-1))  # another region's (Note [gradients per recomputation])
+                else:
+                    slot.copy_(grad.reshape(-1))
+                    gradient.mark_written(position)
                 param.grad = None
-        if gradient.arrive(None if record.index in self.closed_by_module else len(unit.params)):
+        if gradient.arrive(self._needed(record) if gradient.state is GradState.IDLE else None):
             if self.on_unit_complete is not None:
                 self.on_unit_complete(record)
             self._launch_ready_prefix()
+
+    def _needed(self, record: UnitRecord) -> int | None:
+        """The arrivals that complete ``record``'s unit in this backward (at its first)."""
+        if record.index in self.closed_by_module:
+            return None  # Note [expert gradients]
+        per_param = 1 if self.arrivals_per_param is None else self.arrivals_per_param(record)
+        return per_param * len(record.unit.params)
 
     def close_unit(self, record: UnitRecord) -> None:
         """Note [expert gradients]: ``record``'s module finished its backward on every rank;

@@ -156,6 +156,9 @@ class ParamGatherer:
         self._predicted_backward: list[nn.Module] = []
         self._observed_backward: dict[nn.Module, None] = {}
         self._recomputed = False
+        # Note [gradients per recomputation] (grad_reduce.py): the autograd graph task of this
+        # backward's own graph, seen by its first hook (a reentrant region's graph nests in it).
+        self._backward_task: int | None = None
         self._calls: list[int] = []  # positions of the module calls now running (a stack)
         self._on_order = True  # this forward has followed forward_order so far
         # Note [gather follows use]: stranded uses found in this forward, per record: the module
@@ -233,6 +236,9 @@ class ParamGatherer:
     def _root_pre_forward(self, module, args) -> None:
         if self.passes.state is not PassState.FORWARD and in_backward():
             return  # the whole model recomputed: its calls are RECOMPUTE's (Note [pass state])
+        if self.passes.state is PassState.IDLE:  # no backward pending: count this forward's calls afresh
+            for record in self.records:
+                record.gathering.forget_calls()
         self.passes.move(PassState.FORWARD)
         self._no_early_stop.begin()  # Note [anyone's checkpoint] (activation_checkpointing.py)
         if self.pool is not None:
@@ -359,6 +365,7 @@ class ParamGatherer:
         self._recording.append(module)
         for record in records:
             record.gathering.hold()
+            record.gathering.count_call()
             record.unit.gather(self.group)
             self._unwatch(record)
         self._prefetch_forward(module)
@@ -378,6 +385,7 @@ class ParamGatherer:
             record.unit.gather(self.group)
         self._recompute_held.append(held)
         self._recomputed = True
+        self._see_backward_task()
         if held:
             self._note_backward(module)
 
@@ -484,6 +492,7 @@ class ParamGatherer:
         def before_backward(grad):
             if self.passes.state is PassState.IDLE:
                 self.passes.move(PassState.BACKWARD)
+            self._see_backward_task()
             for record in records:
                 record.unit.gather(self.group)
             self._note_backward(module)
@@ -521,6 +530,20 @@ class ParamGatherer:
             leaves[i] = tensor
         return pytree.tree_unflatten(leaves, spec)
 
+    def _see_backward_task(self) -> None:
+        if self._backward_task is None:
+            self._backward_task = torch._C._current_graph_task_id()
+
+    def arrivals_per_param(self, record: UnitRecord) -> int:
+        """Note [gradients per recomputation] (grad_reduce.py): how many times each parameter of
+        ``record``'s unit arrives in this backward, asked at its first arrival. Once, when that
+        arrival comes from backward's own graph; once per call that gathered the unit in forward
+        when it comes from a graph nested in it (a reentrant checkpoint's region)."""
+        calls = record.gathering.calls
+        if calls <= 1 or self._backward_task is None:
+            return 1
+        return 1 if torch._C._current_graph_task_id() == self._backward_task else calls
+
     def unit_grads_done(self, record: UnitRecord) -> None:
         """All of ``record``'s gradients arrived: its values are not needed any more."""
         if record.unit.partitioned and record.gathering.in_use == 0:
@@ -536,6 +559,7 @@ class ParamGatherer:
             self._follow_backward(list(self._observed_backward))
         self._observed_backward = {}
         self._recomputed = False
+        self._backward_task = None
         self._open_calls.clear()
         self.passes.move(PassState.IDLE)
 
@@ -552,6 +576,7 @@ class ParamGatherer:
         self._release_idle()
         if self.pool is not None:
             self.pool.clear()
+        self._backward_task = None
         self.passes.move(PassState.IDLE)
 
     def pool_nbytes(self) -> int:

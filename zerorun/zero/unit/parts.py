@@ -61,6 +61,7 @@ class GradientPart:
     clean: bool = True  # the chunk is still all-zero in this window: a reduce may write into it
     state: GradState = GradState.IDLE
     arrived: int = 0
+    needed: int | None = None  # this backward's arrivals that complete the unit (set by the first)
     bucket: torch.Tensor | None = field(default=None, repr=False)
     buffer: torch.Tensor | None = field(default=None, repr=False)
     written: list[bool] | None = None
@@ -104,14 +105,17 @@ class GradientPart:
         self.written[position] = True
 
     def arrive(self, needed: int | None) -> bool:
-        """One more of the unit's ``needed`` gradients arrived; True when it was the last.
-        ``needed`` None: the count never completes it (Note [expert gradients] in grad_reduce.py)."""
+        """One more of the unit's gradients arrived; True when it was the last. The first
+        arrival of a backward fixes how many complete the unit (``needed``; Note [gradients per
+        recomputation] in grad_reduce.py); None: the count never completes it (Note [expert
+        gradients])."""
         if self.state is GradState.IDLE:
             self._move(GradState.FILLING)
+            self.needed = needed
         elif self.state is not GradState.FILLING:
             raise InternalError(f"unit {self.index}: a gradient arrived while {self.state.name}")
         self.arrived += 1
-        if needed is not None and self.arrived == needed:
+        if self.needed is not None and self.arrived == self.needed:
             self._move(GradState.READY)
             return True
         return False
@@ -160,6 +164,9 @@ class GatheringPart:
     index: int
     in_use: int = 0  # module calls now running that need the unit gathered
     users: int = 0  # modules that gather it; more than one: Note [shared units]
+    # module calls that gathered it in the forwards since the last backward (Note [gradients
+    # per recomputation] in grad_reduce.py)
+    calls: int = 0
     keep_after: frozenset[int] = frozenset()  # forward positions after which it stays gathered
     keep_for_backward: bool = False  # held from the end of forward into backward
 
@@ -168,6 +175,12 @@ class GatheringPart:
 
     def hold(self) -> None:
         self.in_use += 1
+
+    def count_call(self) -> None:
+        self.calls += 1
+
+    def forget_calls(self) -> None:
+        self.calls = 0
 
     def let_go(self) -> None:
         if self.in_use == 0:
