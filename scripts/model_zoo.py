@@ -622,8 +622,9 @@ def write_table(outcomes: list[Outcome], path: Path, command: str, fine: bool = 
             "(scripts/zoo_settings.py), and on the input embedding too; a family without them is "
             "skipped with the reason. `bf16`: zerorun's bf16 mixed precision against plain torch's own "
             "(a bf16 model, fp32 masters stepped by AdamW, bf16 gradients), "
-            f"{BF16_TOLERANCE:g} relative: the same roundings at the same points on both sides, exact at 2 ranks "
-            "(scripts/zoo_settings.py says why). "
+            f"{BF16_TOLERANCE:g} relative: the same roundings at the same points on both sides, exact at 2 ranks, "
+            "but in AdamW's kernel (zerorun's fused on a CPU, plain torch's per-tensor: an fp32 ulp apart in "
+            "some masters, now and then a bf16 weight a step apart; scripts/zoo_settings.py says why and how much). "
             "`skew`: the MoE set (Mixtral, Qwen2-MoE, OLMoE, Switch Transformers, a plain per-expert "
             "MoE) on a batch whose rank-0 rows repeat one token, so that rank 0's routers leave experts "
             "idle that rank 1 runs.\n\n" + "\n".join(overview(outcomes)))

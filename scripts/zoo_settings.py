@@ -13,7 +13,8 @@ bf16 is zerorun's mixed precision (``precision.dtype: bf16``): the model in bf16
 that the optimizer steps, gradients reduced in bf16. Plain torch does the same in one process
 (``Bf16Masters``): the model cast to bf16, fp32 copies stepped by AdamW and copied back, each
 half batch's bf16 gradient summed into ``.grad`` in bf16, floating inputs cast to bf16 (the
-engine casts them). Both then round the same values at the same points; see ``BF16_TOLERANCE``.
+engine casts them). Both then round the same values at the same points but in the optimizer's
+kernel; see ``BF16_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,16 @@ ATTENTION_WORDS = ("attn", "attention")
 # bf16 against bf16 plain torch, relative per step. Both sides round the same values at the same
 # points: the same bf16 forward and backward on the same half batches, the two halves' bf16
 # gradients summed once (a sum of two correctly rounded whatever the order, so exact at 2 ranks),
-# the same fp32 AdamW on masters taken from the same bf16 weights. What may differ is fp32 noise
-# in the mean of the two halves' losses (observed <= 1e-7; Gemma 4 unified 2.3e-5, unexplained),
-# so the fp32 bound holds. A bound at
-# bf16's own resolution (2^-8 = 3.9e-3) would let through defects of the size issue 36 found
+# fp32 AdamW on masters taken from the same bf16 weights. Not the same AdamW kernel: on a CPU
+# zerorun switches the user's AdamW to torch's fused kernel (Note [host optimizer kernels] in
+# zerorun/zero/offload/placements.py), plain torch steps with its per-tensor default, and the two
+# round some masters an fp32 ulp apart. In fp32 that is noise; in bf16 a master an ulp apart now
+# and then publishes the neighbouring bf16 weight, and Adam turns that into more: Gemma 4
+# unified's text model had 2,411 of the 65,536 fp32 masters of one o_proj an ulp apart after the
+# first step and one of its bf16 weights a step apart, and its loss 2.3e-5 apart by the third;
+# with plain torch's AdamW fused too, masters and weights are bit-identical and the losses 4.9e-8
+# apart. Beside that, fp32 noise in the mean of the two halves' losses (observed <= 1e-7). So the
+# fp32 bound holds. A bound at bf16's own resolution (2^-8 = 3.9e-3) would let through defects of the size issue 36 found
 # (4.6e-4 to 1.3e-2); at 3 ranks the order of a 16-bit sum matters, and this bound would not hold.
 BF16_TOLERANCE = 1e-4
 
