@@ -1,5 +1,6 @@
-"""Imported by scripts/model_zoo.py: the fine set's LoRA and bf16 settings, applied alike to
-plain torch and to zerorun.
+"""Imported by scripts/model_zoo.py: a job's ``Setting`` (how a family is trained beyond the
+plain loop), and what the fine set's LoRA and bf16 settings do, applied alike to plain torch and
+to zerorun.
 
     python scripts/model_zoo.py --fine --setting fine,no-pool,lora=attention --only llama
 
@@ -19,8 +20,12 @@ kernel; see ``BF16_TOLERANCE``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+TOLERANCE = 1e-4  # relative, per step, in fp32
 
 LORA_RANK, LORA_ALPHA = 4, 8
 # A linear layer counts as an attention projection when a module on its path is named like one.
@@ -40,6 +45,52 @@ ATTENTION_WORDS = ("attn", "attention")
 # fp32 bound holds. A bound at bf16's own resolution (2^-8 = 3.9e-3) would let through defects of the size issue 36 found
 # (4.6e-4 to 1.3e-2); at 3 ranks the order of a 16-bit sum matters, and this bound would not hold.
 BF16_TOLERANCE = 1e-4
+CHECKPOINTING = ("reentrant", "non-reentrant", "zerorun")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How a family is trained beyond the plain loop (the same for plain torch, where it applies).
+
+    plan: "default" (the engine's unit plan) or "fine" (``allgather_bucket_size: 1``: every
+    module holding parameters gathers its own unit, as the blocks and experts of a real model
+    do). checkpointing: "" or Hugging Face's ``gradient_checkpointing_enable`` with
+    "reentrant" / "non-reentrant", or "zerorun" (our own, config ``activation_checkpointing``
+    over the model's ``_no_split_modules``). pool: False switches the CPU gather pool off, so
+    units free and re-allocate their storage as CUDA units do (the GPU path, emulated).
+    use_cache: each forward asks for the key/value cache. skew: rank 0's rows repeat one token
+    (its routers leave experts idle). compile: torch.compile before or after ``initialize``.
+    lora: PEFT LoRA on the attention projections, or on them and the input embedding. dtype:
+    "fp32" or "bf16" (below: how plain torch matches each)."""
+
+    plan: str = "default"
+    checkpointing: str = ""
+    pool: bool = True
+    use_cache: bool = False  # each forward asks for the key/value cache (the tiny configs turn it off)
+    skew: bool = False  # rank 0's rows repeat one token: its routers leave experts idle
+    compile: str = ""  # "before" / "after" initialize: torch.compile of the model (COMPILE_BACKEND)
+    lora: str = ""  # PEFT LoRA on "attention" or "attention+embedding" (``apply_lora``)
+    dtype: str = "fp32"  # "bf16": zerorun's bf16 mixed precision, plain torch's the same (``Bf16Masters``)
+
+    @property
+    def tag(self) -> str:
+        parts = [self.plan] if self.plan != "default" else []
+        parts += [f"ckpt={self.checkpointing}"] if self.checkpointing else []
+        parts += [] if self.pool else ["no-pool"]
+        parts += ["use_cache"] if self.use_cache else []
+        parts += ["skew"] if self.skew else []
+        parts += [f"compile-{self.compile}"] if self.compile else []
+        parts += [f"lora={self.lora}"] if self.lora else []
+        parts += [self.dtype] if self.dtype != "fp32" else []
+        return ",".join(parts)
+
+    @property
+    def tolerance(self) -> float:
+        """Relative, per step: ``TOLERANCE`` in fp32; bf16's own (``BF16_TOLERANCE``)."""
+        return BF16_TOLERANCE if self.dtype == "bf16" else TOLERANCE
+
+
+DEFAULT = Setting()
 
 
 class NotApplicable(Exception):
