@@ -37,10 +37,12 @@ arguments (``cache``, ``layer_past``, ``past_key_value(s)``) are None, except fo
 says it only reads the cache (``_can_checkpoint_with_cache``).
 
 Note [no early stop]. By default the non-reentrant checkpoint aborts the recomputation as soon as
-it has rebuilt every tensor backward needs, by raising out of the middle of the forward. The
-module's forward post-hooks then never run, and stage 3 would never release (reshard) the
-parameters its pre-hooks gathered for the recomputation. We turn early stop off so every
-recomputation is a complete forward with balanced pre/post hooks.
+it has rebuilt every tensor backward needs, by raising out of the middle of the forward, so the
+forward post-hooks of the calls it interrupts never run, but those registered ``always_call``.
+Stage 3 needs no more than that (Note [anyone's checkpoint]); other hooks on a checkpointed
+module (a user's, a profiler's) may pair every pre-hook with its post-hook. So our own checkpoint
+turns early stop off: its recomputation is exactly the forward again, hooks included (Note
+[checkpoint at __call__, not at forward]), at the cost of the recomputation's tail.
 """
 
 from __future__ import annotations
@@ -66,7 +68,17 @@ def is_recomputing() -> bool:
     user's ``torch.utils.checkpoint`` around a block's ``__call__``) says nothing, and stage 3
     took its recomputation for a second forward (its prefetch plan indexed past the recorded
     order). A module's forward that runs while autograd executes a backward graph is a
-    recomputation, whoever's checkpoint asked for it."""
+    recomputation, whoever's checkpoint asked for it.
+
+    Such a checkpoint keeps torch's early stop: its recomputation raises out of the forward once
+    it has rebuilt what backward needs, past the post-hooks of the calls it interrupts. Stage 3's
+    post-hooks are ``always_call`` (param_gather.py), which torch runs on the way out of a
+    forward that raised, so the interrupted calls still let go of what they hold (a 2-layer
+    Hugging Face Llama whose recomputations left their units held trained to a loss of 4.854
+    against the reference's 4.892 by its third step). Stage 3 used to hold torch's flag off for
+    the whole of each forward as well; with ``always_call`` that changed nothing but the user's
+    own checkpoints (tests/distributed/test_stage3_recompute.py, torch's early stop on, passes
+    without it, and fails with neither), so the flag is the user's again."""
     return getattr(_recomputation, "depth", 0) > 0 or torch._C._current_graph_task_id() != -1
 
 
@@ -77,29 +89,6 @@ def _recomputing():
         yield
     finally:
         _recomputation.depth -= 1
-
-
-class ForwardWithoutEarlyStop:
-    """Note [anyone's checkpoint], continued: a checkpoint the model applies itself keeps torch's
-    early stop, so its recomputation ends without the module's forward post-hooks, and stage 3
-    never let go of what the recomputation's pre-hooks held (a 2-layer Hugging Face Llama with
-    ``gradient_checkpointing_enable()`` at stage 3 trained to a loss of 4.854 against the
-    reference's 4.892 by its third step). The flag is read when a checkpoint's forward runs, so
-    stage 3 holds it off for the whole of each forward: ``begin`` in the root's pre-hook,
-    ``end`` in its post-hook (a forward that raised is ended by the next ``begin``)."""
-
-    def __init__(self):
-        self._open: contextlib.AbstractContextManager | None = None
-
-    def begin(self) -> None:
-        self.end()
-        self._open = set_checkpoint_early_stop(False)
-        self._open.__enter__()
-
-    def end(self) -> None:
-        if self._open is not None:
-            self._open.__exit__(None, None, None)
-            self._open = None
 
 
 def _contexts():

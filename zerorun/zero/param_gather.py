@@ -84,7 +84,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from zerorun.zero.activation_checkpointing import ForwardWithoutEarlyStop
 from zerorun.errors import UsageError
 from zerorun.zero import param_access
 from zerorun.zero.gather_pass import PassState, PassTracker, in_backward
@@ -188,7 +187,6 @@ class ParamGatherer:
                 record.unit.state_listeners.append(self._count_live)
                 self._count_live(record.unit)
         self.root = root
-        self._no_early_stop = ForwardWithoutEarlyStop()  # Note [anyone's checkpoint]
         root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
         root.register_forward_hook(_eager(self._root_post_forward))
 
@@ -196,8 +194,9 @@ class ParamGatherer:
         if module not in self._hooked:
             self._hooked.add(module)
             module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
-            # always_call: a recomputation that torch stops early (it raises out of the forward once
-            # it has what backward needs) still lets go of what its calls hold.
+            # always_call (Note [anyone's checkpoint] in activation_checkpointing.py): a recomputation
+            # that torch stops early (it raises out of the forward once it has what backward needs)
+            # still lets go of what its calls hold, so any checkpoint may keep torch's early stop.
             module.register_forward_hook(_eager(self._post_forward), always_call=True)
 
     def _records_of(self, module: nn.Module) -> list[UnitRecord]:
@@ -240,7 +239,6 @@ class ParamGatherer:
             for record in self.records:
                 record.gathering.forget_calls()
         self.passes.move(PassState.FORWARD)
-        self._no_early_stop.begin()  # Note [anyone's checkpoint] (activation_checkpointing.py)
         if self.pool is not None:
             self.pool.expect(None)  # forward keeps what it releases: the next module takes it
         self._recording = []
@@ -417,7 +415,6 @@ class ParamGatherer:
     def _root_post_forward(self, module, args, output) -> None:
         if self.passes.state is not PassState.FORWARD:
             return  # the whole model recomputed in backward (Note [pass state])
-        self._no_early_stop.end()
         self.passes.move(PassState.BACKWARD if torch.is_grad_enabled() else PassState.IDLE)
         self._unwatch_all()
         if not torch.is_grad_enabled():
