@@ -51,7 +51,10 @@ answer: the calls that gathered the unit in forward when the arrival comes from 
 backward's own, else 1), and a parameter's later arrivals add into its bucket slot, as autograd
 adds into ``.grad``. When fewer come (two calls in one region), the end of backward completes
 the unit, as it does a unit with unused parameters; the count is the same on every rank, since
-the forward's calls are (the prefetch relies on that too).
+the forward's calls are (the prefetch relies on that too). A unit used both inside a reentrant
+region and outside any in one forward is not counted right when its first arrival comes from
+backward's own graph (once, it says); a later region's arrival is then refused with an
+InternalError, at the latest when backward ends, before the step could use a partial sum.
 """
 
 from __future__ import annotations
@@ -334,6 +337,12 @@ class GradReducer:
         self._next = 0
         for pool in self._pools.values():
             pool.clear()
+        late = [record.index for record in self.records if record.gradient.state is not GradState.IDLE]
+        if late:  # Note [gradients per recomputation]: refused before the step uses a partial sum
+            raise InternalError(
+                f"unit {late[0]}: a gradient arrived after the unit's reduction in this backward",
+                hint="a module used both inside a reentrant checkpoint region and outside it in one forward: "
+                     "checkpoint it with use_reentrant=False")
 
     @staticmethod
     def _create_full(record: UnitRecord, arriving: int | None = None) -> torch.Tensor:

@@ -273,6 +273,7 @@ class ParamGatherer:
         self._pinned.append(record)
         record.unit.gather(self.group)
         if self.passes.state is not PassState.FORWARD:
+            self._see_backward_task()
             return None  # the plan is forward's: a recomputation or a backward repeats it
         self._unwatch(record)
         stack = self._observer.stack() if self._observer.active else None
