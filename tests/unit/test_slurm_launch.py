@@ -268,7 +268,9 @@ def test_the_summary_header_says_how_slurm_ended_the_job_as_the_closing_line_doe
     supervisor._name_slurm_ending()
     assert asked == [1]
     # One that saved on a preemption and stopped did not finish.
-    supervisor._checkpoint_asked = True
+    from zerorun.launch.supervision_state import SaveRequest
+
+    supervisor._save.move(SaveRequest.PASSED_ON)
     supervisor._name_slurm_ending()
     assert asked == [1, 1]
 

@@ -155,7 +155,7 @@ def test_the_closing_block_names_the_rank_the_first_failure_blamed():
     for channel in supervisor.channels:
         channel.stop = lambda: None  # no agent runs here
     # What run() sets up before it reads the first event.
-    supervisor._failure, supervisor._exit_codes, supervisor._running, supervisor._stopping_since = None, {}, {0, 1}, None
+    supervisor._failure, supervisor._exit_codes, supervisor._running = None, {}, {0, 1}
     supervisor._tails[0] = collections.deque(
         ["zerorun: error: rank 0: setting up NVMe offload failed on rank 1 (its error says why)"])
     supervisor._tails[1] = collections.deque(["zerorun: error: zero.offload_param.nvme_path: its file system has 8 KiB free"])
@@ -179,7 +179,7 @@ def _two_rank_supervisor():
     supervisor = Supervisor(plan, types.SimpleNamespace(on_worker_exit=lambda host, rank, rc: None))
     for channel in supervisor.channels:
         channel.stop = lambda: None  # no agent runs here
-    supervisor._failure, supervisor._exit_codes, supervisor._running, supervisor._stopping_since = None, {}, {0, 1}, None
+    supervisor._failure, supervisor._exit_codes, supervisor._running = None, {}, {0, 1}
     supervisor._tails[0] = collections.deque(["Traceback (most recent call last):", '  File "job.py", line 8',
                                               "RuntimeError: deliberate failure on rank 0"])
     supervisor._tails[1] = collections.deque(["step 3"])

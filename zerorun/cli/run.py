@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import typer
 
 from zerorun.errors import JobFailed, LaunchError
+
+if TYPE_CHECKING:
+    from zerorun.cli.run_options import RunArgs
 
 # Our options that take no value; every other option takes one (unless written --opt=value).
 FLAG_OPTIONS = frozenset({"--no-dashboard", "--dry-run", "--help", "-h", "--resume", "--local-rank-arg",
@@ -140,92 +143,48 @@ def route_run_argv(argv: list[str], gpu_counter=None) -> list[str]:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("run", help="Launch SCRIPT (or -m MODULE) on every rank; the default command.")
-    def run(
-        target: Optional[list[str]] = typer.Argument(None, metavar="SCRIPT [ARGS]...", show_default=False),
-        nproc: Optional[int] = typer.Option(None, "--nproc", help="CPU workers per host (gloo)."),
-        gpus: Optional[int] = typer.Option(None, "--gpus", help="GPU workers per host, one per visible GPU."),
-        module: Optional[str] = typer.Option(None, "-m", "--module", help="Run a module like python -m."),
-        hostfile: Optional[str] = typer.Option(None, "--hostfile", help="DeepSpeed-style hostfile: 'host slots=N'."),
-        include: Optional[str] = typer.Option(None, "--include", help="Hosts/slots to use: worker-0:0,2@worker-1."),
-        exclude: Optional[str] = typer.Option(None, "--exclude", help="Hosts/slots to leave out (same grammar)."),
-        num_nodes: Optional[int] = typer.Option(None, "--num-nodes", help="Use only the first N hosts."),
-        master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Rendezvous address (default: first host)."),
-        master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port (default: a free one)."),
-        ssh_port: Optional[int] = typer.Option(None, "--ssh-port", help="ssh port of every remote host."),
-        ssh_opt: Optional[list[str]] = typer.Option(None, "--ssh-opt", help="Extra ssh argument (repeatable); also env ZERORUN_SSH_OPTS."),
-        env_file: Optional[str] = typer.Option(None, "--env-file", help="KEY=VALUE file forwarded to workers (default .zerorun.env)."),
-        config: Optional[str] = typer.Option(None, "--config", help="zerorun YAML or DeepSpeed JSON config."),
-        settings: Optional[list[str]] = typer.Option(
-            None, "--set", help="Config override KEY=VALUE, e.g. --set zero.stage=3 (repeatable; beats env and file)."
-        ),
-        run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Logs, config and metrics (default ./zerorun-runs/<time>-<id>)."),
-        no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain prefixed output instead of the live dashboard."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (hosts, ranks, env, commands); start nothing."),
-        grace: float = typer.Option(3.0, "--grace", help="Seconds between TERM and KILL when stopping workers."),
-        hang_timeout: Optional[float] = typer.Option(
-            None, "--hang-timeout", metavar="SECONDS",
-            help="End the job when no rank made progress this long, showing every rank's stack "
-                 "(config telemetry.hang_timeout_s, default 600; 0 = never). Its clock starts when every "
-                 "rank has joined the rendezvous: start-up is not a hang.",
-        ),
-        startup_timeout: Optional[float] = typer.Option(
-            None, "--startup-timeout", metavar="SECONDS",
-            help="End the job when some rank has not joined the rendezvous this long after launch "
-                 "(config telemetry.startup_timeout_s, default 0 = never).",
-        ),
-        resume: bool = typer.Option(False, "--resume", help="Load the latest checkpoint of checkpoint.dir on start (= --set checkpoint.resume=true)."),
-        local_rank_arg: bool = typer.Option(
-            False, "--local-rank-arg/--no-local-rank-arg",
-            help="Append --local_rank=N to the script's arguments, as DeepSpeed's launcher does (on by "
-                 "default with DeepSpeed launcher flags or a script given --deepspeed/--deepspeed_config)."),
-        as_deepspeed: bool = typer.Option(
-            False, "--as-deepspeed",
-            help="The workers' `import deepspeed` gives zerorun.deepspeed (with DeepSpeed's package "
-                 "metadata), so DeepSpeed programs and transformers/Accelerate run unchanged."),
-        accelerate_config: Optional[str] = typer.Option(
-            None, "--accelerate-config", metavar="FILE",
-            help="Run the DeepSpeed job an `accelerate config` file describes (its process count, "
-                 "deepspeed_config section and mixed precision become the workers' ACCELERATE_* variables, "
-                 "as under accelerate launch), with --as-deepspeed; options given here win over the file."),
-        launcher: Optional[str] = typer.Option(
-            None, "--launcher", metavar="ssh|slurm|local",
-            help="How nodes are reached: srun steps inside a Slurm allocation (the default there), "
-                 "ssh, or local (this machine only, ignoring Slurm).",
-        ),
-        max_restarts: int = typer.Option(
-            0, "--max-restarts", metavar="N", min=0,
-            help="After a worker failure start the whole job again, from the last complete checkpoint "
-                 "(checkpoint.dir), up to N times, waiting 1, 2, 4 ... s (torchrun's --max_restarts)."),
-        standalone: bool = typer.Option(False, "--standalone", help="torchrun's: this host, a free port (the default)."),
-        rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", help="torchrun's: c10d or static (etcd is refused)."),
-        rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun's: HOST[:PORT] = --master-addr/--master-port."),
-        rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="torchrun's job id: accepted, no effect."),
-        rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", help="torchrun's: refused (join_timeout is --startup-timeout)."),
-    ) -> None:
-        from zerorun.cli.torchrun_options import rendezvous
-        from zerorun.launch.prepare import LaunchOptions, dry_run_text, prepare
-        from zerorun.launch.run_job import execute
+    from zerorun.cli.run_options import command
 
-        job_script = job_target(module, list(target or []), local_rank_arg)
-        overrides = config_overrides(settings, resume, hang_timeout, startup_timeout)
-        master_addr, master_port, rdzv_notes = rendezvous(
-            standalone=standalone, backend=rdzv_backend, endpoint=rdzv_endpoint, rdzv_id=rdzv_id, conf=rdzv_conf,
-            master_addr=master_addr, master_port=master_port, hostfile=hostfile)
-        options = LaunchOptions(
-            target=job_script, nproc=nproc, gpus=gpus, hostfile=hostfile, include=include, exclude=exclude,
-            num_nodes=num_nodes, master_addr=master_addr, master_port=master_port, ssh_port=ssh_port,
-            ssh_options=list(ssh_opt or []), env_file=env_file, config=config, config_overrides=overrides, run_dir=run_dir,
-            dashboard=not no_dashboard, grace_s=grace, launcher=launcher, as_deepspeed=as_deepspeed,
-        )
-        job = prepared_job(options, prepare, dry_run=dry_run, accelerate_config=accelerate_config,
-                           notes=rdzv_notes, max_restarts=max_restarts)
-        if dry_run:
-            print(dry_run_text(job))
-            return
-        print(f"zerorun: run directory {job.plan.run_dir}", file=sys.stderr, flush=True)
-        job, result, causes = run_with_restarts(job, max_restarts, prepare, execute)
-        close_job(job, outcome_of(job, result), restart_summary(causes, max_restarts) if max_restarts else "")
+    app.command("run", help="Launch SCRIPT (or -m MODULE) on every rank; the default command.")(command(launch))
+
+
+def launch(args: RunArgs) -> None:
+    """The run command (its options: cli/run_options.py RunArgs): prepare the job, then print its
+    plan (--dry-run) or run it, with any restarts, and close it with its state's line and status."""
+    from zerorun.launch.prepare import dry_run_text, prepare
+    from zerorun.launch.run_job import execute
+
+    options, rdzv_notes = launch_options(args)
+    job = prepared_job(options, prepare, dry_run=args.dry_run, accelerate_config=args.accelerate_config,
+                       notes=rdzv_notes, max_restarts=args.max_restarts)
+    if args.dry_run:
+        print(dry_run_text(job))
+        return
+    print(f"zerorun: run directory {job.plan.run_dir}", file=sys.stderr, flush=True)
+    job, result, causes = run_with_restarts(job, args.max_restarts, prepare, execute)
+    close_job(job, outcome_of(job, result), restart_summary(causes, args.max_restarts) if args.max_restarts else "")
+
+
+def launch_options(args: RunArgs):
+    """The command line as launch/prepare.py's LaunchOptions (torchrun's rendezvous options read
+    into the master address and port), and the notes that reading made."""
+    from zerorun.cli.torchrun_options import rendezvous
+    from zerorun.launch.prepare import LaunchOptions
+
+    # In the order the errors are checked: the script, the overrides, then torchrun's options.
+    target = job_target(args.module, list(args.target or []), args.local_rank_arg)
+    overrides = config_overrides(args.settings, args.resume, args.hang_timeout, args.startup_timeout)
+    master_addr, master_port, notes = rendezvous(
+        standalone=args.standalone, backend=args.rdzv_backend, endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+        conf=args.rdzv_conf, master_addr=args.master_addr, master_port=args.master_port, hostfile=args.hostfile)
+    options = LaunchOptions(
+        target=target, nproc=args.nproc, gpus=args.gpus, hostfile=args.hostfile, include=args.include,
+        exclude=args.exclude, num_nodes=args.num_nodes, master_addr=master_addr, master_port=master_port,
+        ssh_port=args.ssh_port, ssh_options=list(args.ssh_opt or []), env_file=args.env_file, config=args.config,
+        config_overrides=overrides, run_dir=args.run_dir, dashboard=not args.no_dashboard, grace_s=args.grace,
+        launcher=args.launcher, as_deepspeed=args.as_deepspeed,
+    )
+    return options, notes
 
 
 def outcome_of(job, result):

@@ -28,6 +28,7 @@ from zerorun.launch import watchdog
 from zerorun.launch.channel import AgentChannel, OutputSink
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.processes import describe_exit
+from zerorun.launch.supervision_state import Phase, SaveRequest, phase_tracker, save_tracker
 
 TAIL_LINES = 400  # enough for a faulthandler dump of a few threads
 # Exit codes of a rank ended by our own stop (TERM, then KILL): never a cause.
@@ -155,16 +156,19 @@ class Supervisor:
         # One warning line per quiet spell, after hang_warn_s (telemetry.hang_after_s); 0 = none.
         self._hang_warn_s = hang_warn_s
         self._warned_at: float | None = None
-        self._dumping_since: float | None = None
+        # Note [supervision states] in supervision_state.py: where the job is, and since when
+        # (monotonic); the two DUMPING phases' data: the ranks missing from the collective others
+        # wait in (a hang), the ranks still starting (the start-up limit; fixed then, because
+        # ranks that end of the stack dump stop "starting" meanwhile).
+        self._phase = phase_tracker()
+        self._phase_since = 0.0
         self._hang_missing: tuple[int, ...] = ()
-        # The ranks still starting when the start-up limit ended the job (None: it was a hang);
-        # fixed then, because ranks that end of the stack dump stop "starting" meanwhile.
-        self._starting_at_dump: list[int] | None = None
+        self._starting_at_dump: list[int] = []
         self._lost_hosts: set[str] = set()
         self._signal: int | None = None
+        # Written by the signal handlers (request_checkpoint); the loop moves ``_save`` from it.
         self._checkpoint_signal: int | None = None
-        self._checkpoint_asked = False
-        self._checkpoint_deferred = False
+        self._save = save_tracker()
         # Under Slurm with checkpoint.on_signal: asks Slurm whether a SIGTERM is a preemption
         # (signals.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
         self._is_preemption = is_preemption
@@ -175,6 +179,8 @@ class Supervisor:
         # joined (Note [a preemption before the steps]).
         self._preempted_already = preempted_already
         self._joined: set[int] = set()
+        # Facts, not states: an agent step reported Slurm's SIGTERM (then the job's record need
+        # not be asked about a preemption), and a SIGTERM's meaning is being asked of Slurm (once).
         self._agent_term = False
         self._term_judged = False
 
@@ -224,7 +230,6 @@ class Supervisor:
         self._failed_at = 0.0  # wall clock: when the first failure came (Note [one cause under srun])
         self._exit_codes: dict[int, int] = {}
         self._running = set(self._tails)
-        self._stopping_since: float | None = None
         leftovers: dict[str, str] = {}
         self.view.start()
         try:
@@ -233,11 +238,11 @@ class Supervisor:
             next_check = 0.0
             while self._running:
                 now = time.monotonic()
-                if self._interrupt.is_set() and self._stopping_since is None and self._dumping_since is None:
+                if self._interrupt.is_set() and self._phase.state is Phase.RUNNING:
                     self._stop_all()
-                if self._checkpoint_signal is not None and not self._checkpoint_asked:
+                if self._checkpoint_signal is not None and self._save.state is not SaveRequest.PASSED_ON:
                     self._pass_on_checkpoint_request(self._checkpoint_signal)
-                if self._stopping_since is not None and now - self._stopping_since > self.grace_s + 8.0:
+                if self._phase.state is Phase.STOPPING and now - self._phase_since > self.grace_s + 8.0:
                     break  # hosts that do not answer: finish() below closes their sessions
                 if now >= next_check:
                     next_check = now + 0.5
@@ -246,12 +251,13 @@ class Supervisor:
                     self._handle(*self.events.get(timeout=0.1))
                 except queue.Empty:
                     continue
-            if self._dumping_since is not None and self._failure is None:
+            if self._phase.state.dumping and self._failure is None:
                 self._blame_hang()
         finally:
             for channel in self.channels:
                 channel.finish()
             self._drain()
+            self._move(Phase.ENDED)
             leftovers = self._confirm_ended()
             self._sink.close()
             self._name_slurm_ending()
@@ -263,7 +269,7 @@ class Supervisor:
         # step) saved nothing: the job ended on its own, and says nothing of a save.
         return JobResult(self._failure, self._interrupt.is_set(), self._exit_codes, self.plan.run_dir, leftovers,
                          self._signal if self._interrupt.is_set() else None,
-                         self._checkpoint_signal if self._checkpoint_asked else None)
+                         self._checkpoint_signal if self._save.state is SaveRequest.PASSED_ON else None)
 
     # Note [a preemption before the steps]: a preemption with a grace time signals the job's
     # steps, not the batch script; one that comes while the launcher starts, before the agent
@@ -298,7 +304,8 @@ class Supervisor:
         """A job whose workers Slurm killed (scancel, preemption, a node failure) failed only in
         the workers' exits, and one that saved on a preemption did not finish: the summary's
         header says what the closing line will say."""
-        stopped = self._failure is not None or self._signal == signal.SIGTERM or self._checkpoint_asked
+        stopped = (self._failure is not None or self._signal == signal.SIGTERM
+                   or self._save.state is SaveRequest.PASSED_ON)
         if self._slurm_ending is None or not stopped:
             return
         word = SLURM_ENDINGS.get(self._slurm_ending() or "")
@@ -317,12 +324,12 @@ class Supervisor:
         if collector is not None:
             steps = {v.rank: v.step for v in collector.snapshot(output_lines=0).ranks}
             if any((steps.get(rank) or 0) < 1 for rank in self._tails):
-                if not self._checkpoint_deferred:
-                    self._checkpoint_deferred = True
+                if self._save.state is SaveRequest.NONE:
+                    self._save.move(SaveRequest.DEFERRED)
                     self._sink.output("launcher", None, f"{name}: the ranks have not all made a step yet; the "
                                       "checkpoint is asked for once they have (checkpoint.on_signal)")
                 return
-        self._checkpoint_asked = True
+        self._save.move(SaveRequest.PASSED_ON)
         self._sink.output("launcher", None, f"{name}: asking every rank to save a checkpoint at its next step "
                           "and stop (checkpoint.on_signal)")
         for channel in self.channels:
@@ -341,7 +348,7 @@ class Supervisor:
             self._watch.rank_started(rank, time.monotonic())  # an ended rank is not starting
             self._exit_codes[rank] = rc
             self.view.on_worker_exit(host, rank, rc)
-            if rc != 0 and self._dumping_since is None and self._failure is None:
+            if rc != 0 and not self._phase.state.dumping and self._failure is None:
                 # Only the first failure is the root cause: ranks that die after we began
                 # stopping are its consequences (or our own TERM) -- unless the first one's own
                 # error names another rank as the cause (Note [the cause a failure names]).
@@ -368,7 +375,7 @@ class Supervisor:
             self._running -= lost
 
     def _fail(self, failure: Failure) -> None:
-        if self._failure is None and self._stopping_since is None:
+        if self._failure is None and self._phase.state is not Phase.STOPPING:
             self._failure = failure
             self._failed_at = time.time()
             self._stop_all()
@@ -421,18 +428,23 @@ class Supervisor:
                       f"stopped it ({describe_exit(rc)})")
         self._failure = self._exit_failure(rank, rc, reason)
 
+    def _move(self, phase: Phase) -> None:
+        """Note [supervision states]: an illegal move is an InternalError."""
+        self._phase.move(phase)
+        self._phase_since = time.monotonic()
+
     def _stop_all(self) -> None:
-        self._stopping_since = time.monotonic()
+        self._move(Phase.STOPPING)
         for channel in self.channels:
             channel.stop()
 
     # --- hangs (Note [hang timeout] in watchdog.py) -----------------------------------------
     def _check_progress(self, now: float) -> None:
-        if self._stopping_since is not None:
+        if self._phase.state is Phase.STOPPING:
             return
-        if self._dumping_since is not None:
+        if self._phase.state.dumping:
             # Stacks asked for: every worker ends on SIGABRT; give a stuck one a few seconds.
-            if now - self._dumping_since > 3.0:
+            if now - self._phase_since > 3.0:
                 self._blame_hang()
             return
         self._watch.progress(self._sink.last_output)
@@ -457,7 +469,7 @@ class Supervisor:
             self._sink.output("launcher", None, f"START-UP: rank(s) {starting} still starting after "
                               f"{self._watch.startup_timeout_s:g} s (--startup-timeout); collecting every rank's "
                               "Python stack and ending the job")
-            self._begin_dump(now)
+            self._begin_dump(Phase.DUMPING_STARTUP)
             return
         idle = self._watch.idle_s(now)
         if self._warned_at is not None and self._watch.last_progress > self._warned_at:
@@ -471,7 +483,7 @@ class Supervisor:
             self._sink.output("launcher", None, f"HANG: no rank has made progress for {self._watch.timeout_s:g} s "
                               "(--hang-timeout); collecting every rank's Python stack and ending the job")
             self._hang_missing = self._collective_missing()
-            self._begin_dump(now)
+            self._begin_dump(Phase.DUMPING_HANG)
 
     def _left_mid_collective(self, ranks) -> bool:
         """Note [failing exits] in comm/process_group.py: a rank whose script ended (activity
@@ -493,8 +505,8 @@ class Supervisor:
                            log_tail=list(self._tails[rank])))
         return True
 
-    def _begin_dump(self, now: float) -> None:
-        self._dumping_since = now
+    def _begin_dump(self, phase: Phase) -> None:
+        self._move(phase)
         for channel in self.channels:
             channel.dump_stacks()
 
@@ -514,14 +526,13 @@ class Supervisor:
         }
         stacks = {rank: stack for rank, stack in stacks.items() if stack}
         timeout = self._watch.timeout_s
-        if self._starting_at_dump is not None:
+        if self._phase.state is Phase.DUMPING_STARTUP:
             starting = self._starting_at_dump
             names = "rank " + str(starting[0]) if len(starting) == 1 else "ranks " + ", ".join(map(str, starting))
             reason = (f"still starting after {self._watch.startup_timeout_s:g} s (--startup-timeout): {names} "
                       f"had not joined the rendezvous (torch.distributed.init_process_group)")
             hosts = sorted({self._host_of[rank] for rank in starting})
             failure = Failure(", ".join(hosts), starting[0] if len(starting) == 1 else None, reason, stacks=stacks)
-            self._dumping_since = None
             self._fail(failure)
             return
         culprits = watchdog.blame(stacks, self._hang_missing, ranks=tuple(self._host_of))
@@ -545,7 +556,6 @@ class Supervisor:
             reason = (f"hung: no rank made progress for {timeout:g} s; the stacks do not tell which rank the "
                       "others wait for")
             failure = Failure(hosts[0] if len(hosts) == 1 else ", ".join(hosts), None, reason, stacks=stacks)
-        self._dumping_since = None
         self._fail(failure)
 
     # --- teardown check (Note [workers die with their agent] in agent.py) ---------------------
