@@ -10,7 +10,6 @@ experts of a real model are.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import time
 import traceback
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gloo_world import start_processes
+from gloo_world import end_rank_now, run_ranks
 
 WORLD = 2
 WIDTH = 6
@@ -111,42 +110,25 @@ def train_on(engine, inputs: tuple, seen: dict) -> None:
     engine.step()
 
 
-def _rank(rank: int, init_file: str, out_dir: str, body_name: str, module_name: str) -> None:
+def _rank(rank: int, body_name: str, module_name: str) -> dict:
     import importlib
-
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.host_channel import close_host_channels
-    from zerorun.zero.comm.process_group import leaving_together
 
     faulthandler.dump_traceback_later(RANK_DEADLINE_S, exit=True)  # a hang ends the rank, with its stacks
     torch.set_num_threads(1)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     body = getattr(importlib.import_module(module_name), body_name)
     seen: dict = {"rank": rank}
-    failed = False
-    with leaving_together():
-        try:
-            body(rank, seen)
-        except Exception as err:
-            failed = True
-            seen["error"] = {"type": type(err).__name__, "message": str(err),
-                             "hint": getattr(err, "hint", None), "at": time.monotonic(),
-                             "traceback": traceback.format_exc()[-3000:]}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
-        if failed:
-            # The world is broken, as a script's would be after the error: the rank ends here, as
-            # a script's process ends with it (no exit barrier, no destroy waiting on a peer's
-            # collective that gloo still has in flight, such as the ring's receives).
-            close_host_channels(finished=False)
-            os._exit(0)
+    try:
+        body(rank, seen)
+    except Exception as err:
+        seen["error"] = {"type": type(err).__name__, "message": str(err),
+                         "hint": getattr(err, "hint", None), "at": time.monotonic(),
+                         "traceback": traceback.format_exc()[-3000:]}
+        # The world is broken, as a script's would be after the error: the rank ends here.
+        end_rank_now(seen)
+    return seen
 
 
 def run_world(tmp: Path, body_name: str, module_name: str) -> dict[int, dict]:
     """Run ``module_name.body_name(rank, seen)`` on WORLD forked ranks; every rank's ``seen``."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    context = start_processes(_rank, (str(tmp / "rendezvous"), str(tmp), body_name, module_name), WORLD, join=False)
-    while not context.join():
-        pass
-    return {rank: json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(WORLD)}
+    return run_ranks(_rank, WORLD, tmp, body_name, module_name)

@@ -1,8 +1,15 @@
 """Imported by tests/distributed/* and tests/integrations/hf_world.py: start small gloo worlds
-quickly, and spawn one and collect every rank's result.
+quickly, and run a body on every rank of one and collect what each returned.
 
-The worker of ``spawn_and_collect`` is ``worker(rank, rendezvous_file, out_dir)``: it joins with
-a ``file://`` init method (no ports to race for) and writes ``out_dir/rank{R}.json``.
+Note [one world helper]: ``run_ranks(body, world, tmp, *args)`` runs ``body(rank, *args)`` on
+``world`` forked ranks that have joined one gloo group (a ``file://`` init method under ``tmp``:
+no ports to race for), inside ``leaving_together`` (Note [clean exit] in
+zerorun/zero/comm/process_group.py) unless told not to, and returns ``{rank: value}``. The value
+travels as JSON, so a test sees what the hand-written per-rank files used to hold (tuples as
+lists, dict keys as strings), and its assertions read the same. A body that raises fails its rank
+and so the test (torch's ProcessRaisedException names it); a body that reports an error as its
+value instead, after which the world is broken, ends its rank with ``end_rank_now(value)``. The older ``spawn_and_collect`` leaves
+joining and writing ``out_dir/rank{R}.json`` to its worker, ``worker(rank, rendezvous_file, out_dir)``.
 
 Note [forked ranks]: a rank started with multiprocessing's "spawn" is a fresh interpreter that
 imports torch and zerorun again, 2-3 s of CPU per rank; the default run starts some 40 worlds,
@@ -23,6 +30,7 @@ import atexit
 import json
 import os
 from pathlib import Path
+from typing import Any, NoReturn
 
 # Imported by the fork server before its first rank: what nearly every rank imports anyway, and
 # nothing that decides something at import from what a rank sets up first. transformers is left
@@ -66,6 +74,49 @@ def _in_environ(rank: int, entry, environ: dict, args: tuple) -> None:
     # clean return: a failing rank must not wait at the exit barrier for peers that may never come
     # (a spawned one skipped it too, its sys.exit(1) noted as failing: Note [failing exits]).
     atexit._run_exitfuncs()
+
+
+def run_ranks(body, world: int, tmp: Path, *args, leave_together: bool = True) -> dict[int, Any]:
+    """Note [one world helper]: ``{rank: body(rank, *args)}`` from ``world`` forked gloo ranks."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    start_processes(_rank_body, (body, world, str(tmp), args, leave_together), world)
+    return {rank: json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(world)}
+
+
+# This rank's (rank, results folder) inside run_ranks: where end_rank_now delivers.
+_delivery: tuple[int, str] | None = None
+
+
+def _rank_body(rank: int, body, world: int, tmp: str, args: tuple, leave_together: bool) -> None:
+    import contextlib
+
+    import torch.distributed as dist
+
+    from zerorun.zero.comm.process_group import leaving_together
+
+    global _delivery
+    _delivery = (rank, tmp)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
+    with leaving_together() if leave_together else contextlib.nullcontext():
+        value = body(rank, *args)
+    _deliver(value)
+
+
+def _deliver(value: Any) -> None:
+    assert _delivery is not None, "only a run_ranks body delivers a value"
+    rank, tmp = _delivery
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(value))
+
+
+def end_rank_now(value: Any) -> NoReturn:
+    """Inside a run_ranks body after an error that broke the world: deliver ``value`` and end the
+    rank here, as a script's process ends with its error (no exit barrier, no destroy waiting on
+    a peer's collective that gloo still has in flight, such as the ring's receives)."""
+    from zerorun.zero.comm.host_channel import close_host_channels
+
+    _deliver(value)
+    close_host_channels(finished=False)
+    os._exit(0)
 
 
 def spawn_and_collect(worker, out_dir: Path, world: int) -> dict[int, dict]:

@@ -11,19 +11,18 @@ rank 1 reads is damaged: the load is refused on both ranks and neither engine ch
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 pytestmark = pytest.mark.slow
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _fill_then_damage(rank: int, out_dir: str) -> dict:
     import errno
     import os
 
@@ -33,65 +32,61 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     import zerorun
     from zerorun.errors import CheckpointError
     from zerorun.zero.checkpoint import tensor_files
-    from zerorun.zero.comm.process_group import leaving_together
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    with leaving_together():
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-        engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero": {"stage": 2}})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), {"zero": {"stage": 2}})
 
-        def train():
-            engine.backward(engine(torch.randn(4, 7)).pow(2).mean())
-            engine.step()
+    def train():
+        engine.backward(engine(torch.randn(4, 7)).pow(2).mean())
+        engine.step()
 
-        real = os.fsync
+    real = os.fsync
 
-        def failed_save() -> CheckpointError | None:
-            """A save during which rank 0's disk is full."""
-            if rank == 0:
-                def full(fd):
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                tensor_files.os.fsync = full
-            try:
-                engine.save_checkpoint(f"{out_dir}/ckpt")
-                return None
-            except CheckpointError as exc:
-                return exc
-            finally:
-                tensor_files.os.fsync = real
-
-        train()
-        first_failed = failed_save()  # the directory holds no checkpoint yet
-        engine.save_checkpoint(f"{out_dir}/ckpt")
-        train()
-        failed = failed_save()
-        error = None if failed is None else str(failed)
-        train()
-        engine.save_checkpoint(f"{out_dir}/ckpt")
-        # A file only rank 1 reads is damaged: every rank refuses, none has changed.
-        dist.barrier()
+    def failed_save() -> CheckpointError | None:
+        """A save during which rank 0's disk is full."""
         if rank == 0:
-            path = Path(out_dir, "ckpt", "global_step3", "rank1.safetensors")
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0xFF
-            path.write_bytes(bytes(data))
-        dist.barrier()
-        train()
-        before = [p.detach().clone() for p in engine.module.parameters()]
+            def full(fd):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            tensor_files.os.fsync = full
         try:
-            engine.load_checkpoint(f"{out_dir}/ckpt")
-            load_error = None
+            engine.save_checkpoint(f"{out_dir}/ckpt")
+            return None
         except CheckpointError as exc:
-            load_error = str(exc)
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)) and engine.global_step == 4
+            return exc
+        finally:
+            tensor_files.os.fsync = real
+
+    train()
+    first_failed = failed_save()  # the directory holds no checkpoint yet
+    engine.save_checkpoint(f"{out_dir}/ckpt")
+    train()
+    failed = failed_save()
+    error = None if failed is None else str(failed)
+    train()
+    engine.save_checkpoint(f"{out_dir}/ckpt")
+    # A file only rank 1 reads is damaged: every rank refuses, none has changed.
+    dist.barrier()
+    if rank == 0:
+        path = Path(out_dir, "ckpt", "global_step3", "rank1.safetensors")
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    train()
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.load_checkpoint(f"{out_dir}/ckpt")
+        load_error = None
+    except CheckpointError as exc:
+        load_error = str(exc)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True)) and engine.global_step == 4
     hints = [None if e is None else e.hint for e in (first_failed, failed)]
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"error": error, "load_error": load_error,
-                                                                "unchanged": unchanged, "hints": hints}))
+    return {"error": error, "load_error": load_error, "unchanged": unchanged, "hints": hints}
 
 
 def test_a_full_disk_on_one_rank_is_one_line_on_every_rank(tmp_path):
-    ranks = spawn_and_collect(_worker, tmp_path, world=2)
+    ranks = run_ranks(_fill_then_damage, 2, tmp_path, str(tmp_path))
     first, second = ranks[0]["error"], ranks[1]["error"]
     assert first.startswith("rank 0: writing ") and first.endswith("bytes (No space left on device)"), first
     assert second == "rank 1: writing checkpoint global_step2 failed on rank 0 (its error says why)", second

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect, start_processes
+from gloo_world import run_ranks, spawn_and_collect, start_processes
 
 from zerorun.zero.comm.host_channel import PEER_CHECK_S, SLOT_BYTES
 
@@ -45,54 +45,48 @@ def largest_allocation(run) -> int:
     return max([0, *sizes])
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def transports(rank: int, world: int, channel: str, out_dir: str) -> dict:
     from zerorun.zero.comm import collectives
     from zerorun.zero.comm.host_channel import host_channel
-    from zerorun.zero.comm.process_group import leaving_together
 
     from zerorun.zero.comm import host_channel as host_channel_module
 
-    settings = json.loads(Path(out_dir, "settings.json").read_text())
-    os.environ["ZERORUN_HOST_CHANNEL"] = "0" if settings["channel"] == "0" else "1"
-    if settings["channel"] == "one_rank_cannot" and rank == 1:  # no /dev/shm here: all take the ring
+    # Both read when the group's first collective opens its channel, not when the group is made.
+    os.environ["ZERORUN_HOST_CHANNEL"] = "0" if channel == "0" else "1"
+    if channel == "one_rank_cannot" and rank == 1:  # no /dev/shm here: all take the ring
         host_channel_module.SHM_DIR = str(Path(out_dir, "missing"))
     sys.stderr = open(Path(out_dir, f"rank{rank}.err"), "w")  # what the ranks say about the transport
-    world = settings["world"]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results: dict = {}
-    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
-        for dtype in (torch.float32, torch.bfloat16):
-            name = str(dtype).removeprefix("torch.")
-            bucket = rank_input(rank, world, dtype)
-            expected = sum(rank_input(r, world, dtype).float() for r in range(world))[rank * CHUNK : (rank + 1) * CHUNK]
-            out = torch.empty(CHUNK, dtype=dtype)
-            largest = largest_allocation(
-                lambda out=out, bucket=bucket: collectives.reduce_scatter(out, bucket, group=None, async_op=True).wait())
-            in_place = rank_input(rank, world, dtype)
-            own_chunk = in_place[rank * CHUNK : (rank + 1) * CHUNK]
-            collectives.reduce_scatter(own_chunk, in_place, group=None)
-            gathered = torch.empty(CHUNK * world, dtype=dtype)
-            collectives.all_gather(gathered, bucket[rank * CHUNK : (rank + 1) * CHUNK], group=None, async_op=True).wait()
-            expected_gather = torch.cat([rank_input(r, world, dtype)[r * CHUNK : (r + 1) * CHUNK] for r in range(world)])
-            gathered_in_place = torch.zeros(CHUNK * world, dtype=dtype)
-            gathered_in_place[rank * CHUNK : (rank + 1) * CHUNK] = bucket[rank * CHUNK : (rank + 1) * CHUNK]
-            collectives.all_gather(gathered_in_place, gathered_in_place[rank * CHUNK : (rank + 1) * CHUNK], group=None)
-            results[name] = {
-                "reduce_scatter_exact": bool(torch.equal(out.float(), expected)),
-                "in_place_reduce_scatter_exact": bool(torch.equal(own_chunk.float(), expected)),
-                "input_untouched": bool(torch.equal(bucket, rank_input(rank, world, dtype))),
-                "largest_allocation": largest,
-                "chunk_bytes": CHUNK * bucket.element_size(),
-                "all_gather_exact": bool(torch.equal(gathered, expected_gather)),
-                "in_place_all_gather_exact": bool(torch.equal(gathered_in_place, expected_gather)),
-            }
-        channel = host_channel(None)
-        results["channel_used"] = channel is not None
-        results["files_left"] = [path for path in (channel.files if channel else []) if os.path.exists(path)]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        bucket = rank_input(rank, world, dtype)
+        expected = sum(rank_input(r, world, dtype).float() for r in range(world))[rank * CHUNK : (rank + 1) * CHUNK]
+        out = torch.empty(CHUNK, dtype=dtype)
+        largest = largest_allocation(
+            lambda out=out, bucket=bucket: collectives.reduce_scatter(out, bucket, group=None, async_op=True).wait())
+        in_place = rank_input(rank, world, dtype)
+        own_chunk = in_place[rank * CHUNK : (rank + 1) * CHUNK]
+        collectives.reduce_scatter(own_chunk, in_place, group=None)
+        gathered = torch.empty(CHUNK * world, dtype=dtype)
+        collectives.all_gather(gathered, bucket[rank * CHUNK : (rank + 1) * CHUNK], group=None, async_op=True).wait()
+        expected_gather = torch.cat([rank_input(r, world, dtype)[r * CHUNK : (r + 1) * CHUNK] for r in range(world)])
+        gathered_in_place = torch.zeros(CHUNK * world, dtype=dtype)
+        gathered_in_place[rank * CHUNK : (rank + 1) * CHUNK] = bucket[rank * CHUNK : (rank + 1) * CHUNK]
+        collectives.all_gather(gathered_in_place, gathered_in_place[rank * CHUNK : (rank + 1) * CHUNK], group=None)
+        results[name] = {
+            "reduce_scatter_exact": bool(torch.equal(out.float(), expected)),
+            "in_place_reduce_scatter_exact": bool(torch.equal(own_chunk.float(), expected)),
+            "input_untouched": bool(torch.equal(bucket, rank_input(rank, world, dtype))),
+            "largest_allocation": largest,
+            "chunk_bytes": CHUNK * bucket.element_size(),
+            "all_gather_exact": bool(torch.equal(gathered, expected_gather)),
+            "in_place_all_gather_exact": bool(torch.equal(gathered_in_place, expected_gather)),
+        }
+    opened = host_channel(None)
+    results["channel_used"] = opened is not None
+    results["files_left"] = [path for path in (opened.files if opened else []) if os.path.exists(path)]
+    return results
 
 
 @pytest.mark.parametrize("channel", ["1", "0"], ids=["host_channel", "ring"])
@@ -113,8 +107,7 @@ def test_every_rank_takes_the_ring_when_one_cannot_open_the_channel(tmp_path):
 
 
 def check_collectives(tmp_path, world: int, channel: str) -> None:
-    (tmp_path / "settings.json").write_text(json.dumps({"world": world, "channel": channel}))
-    results = spawn_and_collect(worker, tmp_path, world)
+    results = run_ranks(transports, world, tmp_path, world, channel, str(tmp_path))
     for rank, result in results.items():
         assert result.pop("channel_used") == (channel == "1"), f"rank {rank}: the wrong transport ran"
         if channel in ("0", "1"):  # the channel, or the ring by the user's choice: nothing to say

@@ -13,14 +13,13 @@ away must fail: it is the attributes that make the save work.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -73,65 +72,63 @@ def attribute_checks(engine) -> dict:
     return checks
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
+def train_and_save(rank: int, out_dir: str) -> dict:
     import torch.distributed as dist
 
     import zerorun
-    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
-        dschat = load_dschat()
-        model = build_model("opt")
-        engine = zerorun.initialize(model, optimizer_for(model), {
-            "zero": {"stage": 3, "param_persistence_threshold": 0, "allgather_bucket_size": 3000}})
-        losses = []
-        for step in range(STEPS):
-            ids = global_batch(step)[rank * 2 : (rank + 1) * 2]
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / WORLD)
-        trained = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
-        result: dict = {"losses": losses, "checks": attribute_checks(engine)}
+    dschat = load_dschat()
+    model = build_model("opt")
+    engine = zerorun.initialize(model, optimizer_for(model), {
+        "zero": {"stage": 3, "param_persistence_threshold": 0, "allgather_bucket_size": 3000}})
+    losses = []
+    for step in range(STEPS):
+        ids = global_batch(step)[rank * 2 : (rank + 1) * 2]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    trained = {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    result: dict = {"losses": losses, "checks": attribute_checks(engine)}
 
-        dschat.save_zero_three_model(engine, rank, f"{out_dir}/with", zero_stage=3)
-        dist.barrier()
+    dschat.save_zero_three_model(engine, rank, f"{out_dir}/with", zero_stage=3)
+    dist.barrier()
+    if rank == 0:
+        saved = torch.load(f"{out_dir}/with/pytorch_model.bin")
+        result["saved_names"] = sorted(saved)
+        result["mismatched"] = [k for k, v in saved.items() if not torch.equal(v, trained[k])]
+        reference, result["reference_losses"] = train_reference("opt")  # plain torch, same global batch
+        # k_proj's bias is left out: softmax ignores it, so its exact gradient is zero and
+        # Adam turns either run's rounding noise into full-size steps of random sign.
+        result["far_from_plain_torch"] = [
+            k for k, v in reference.named_parameters()
+            if not k.endswith("k_proj.bias") and not torch.allclose(saved[k], v.detach(), rtol=1e-4, atol=2e-5)]
+
+    # The same save, the attributes gone: what DeepSpeed-Chat would do on a stage 3 without them.
+    for param in engine.module.parameters():
+        for name in ATTRIBUTES:
+            if hasattr(param, name):
+                delattr(param, name)
+    try:  # only rank 0 writes, so only rank 0 can fail: no collective inside
+        dschat.save_zero_three_model(engine, rank, f"{out_dir}/without", zero_stage=3)
         if rank == 0:
-            saved = torch.load(f"{out_dir}/with/pytorch_model.bin")
-            result["saved_names"] = sorted(saved)
-            result["mismatched"] = [k for k, v in saved.items() if not torch.equal(v, trained[k])]
-            reference, result["reference_losses"] = train_reference("opt")  # plain torch, same global batch
-            # k_proj's bias is left out: softmax ignores it, so its exact gradient is zero and
-            # Adam turns either run's rounding noise into full-size steps of random sign.
-            result["far_from_plain_torch"] = [
-                k for k, v in reference.named_parameters()
-                if not k.endswith("k_proj.bias") and not torch.allclose(saved[k], v.detach(), rtol=1e-4, atol=2e-5)]
-
-        # The same save, the attributes gone: what DeepSpeed-Chat would do on a stage 3 without them.
-        for param in engine.module.parameters():
-            for name in ATTRIBUTES:
-                if hasattr(param, name):
-                    delattr(param, name)
-        try:  # only rank 0 writes, so only rank 0 can fail: no collective inside
-            dschat.save_zero_three_model(engine, rank, f"{out_dir}/without", zero_stage=3)
-            if rank == 0:
-                saved = torch.load(f"{out_dir}/without/pytorch_model.bin")
-                wrong = [k for k, v in saved.items() if not torch.equal(v, trained[k])]
-                result["without"] = f"saved, {len(wrong)} of {len(saved)} tensors differ from the trained ones"
-        except Exception as err:
-            result["without"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0]}"
-        dist.barrier()
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+            saved = torch.load(f"{out_dir}/without/pytorch_model.bin")
+            wrong = [k for k, v in saved.items() if not torch.equal(v, trained[k])]
+            result["without"] = f"saved, {len(wrong)} of {len(saved)} tensors differ from the trained ones"
+    except Exception as err:
+        result["without"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0]}"
+    dist.barrier()
+    return result
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return spawn_and_collect(worker, tmp_path_factory.mktemp("dschat_save"), WORLD)
+    out = tmp_path_factory.mktemp("dschat_save")
+    return run_ranks(train_and_save, WORLD, out, str(out))
 
 
 @pytest.mark.slow

@@ -18,13 +18,11 @@ move a parameter by ~lr, 100x the tolerance) and losses at 1e-5 relative, the is
 from __future__ import annotations
 
 import copy
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -135,27 +133,21 @@ def run_variant(config: dict, rank: int) -> dict:
     }
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def each_variant(rank: int) -> dict:
     torch.set_num_threads(1)  # two ranks share two cores
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
-        results = {}
-        for name, config in VARIANTS.items():
-            try:
-                results[name] = run_variant(config, rank)
-            except Exception as err:  # reported by the variant's own test, not as a crashed world
-                results[name] = {"error": f"{type(err).__name__}: {err}"}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    results = {}
+    for name, config in VARIANTS.items():
+        try:
+            results[name] = run_variant(config, rank)
+        except Exception as err:  # reported by the variant's own test, not as a crashed world
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+    return results
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return spawn_and_collect(worker, tmp_path_factory.mktemp("hf_gpt2"), WORLD)
+    return run_ranks(each_variant, WORLD, tmp_path_factory.mktemp("hf_gpt2"))
 
 
 @pytest.mark.slow

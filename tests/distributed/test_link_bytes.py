@@ -10,11 +10,9 @@ by link class (Note [link classes] in zerorun/zero/comm/link_split.py), on 2 glo
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 N = 1000  # elements per rank's chunk
 
@@ -46,15 +44,14 @@ def _issue_each(group, collectives) -> None:
     c.barrier(group=group)
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
+def sends_by_link(rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from zerorun.zero.comm import collectives
 
     for name in ("ZERORUN_HOST_SLOTS", "LOCAL_WORLD_SIZE", "ZERORUN_HOST_CHANNEL"):
-        os.environ.pop(name, None)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+        os.environ.pop(name, None)  # read at the group's first collective, not when it is made
     sends = Sends()
     collectives.add_observer(sends)
     _issue_each(None, collectives)
@@ -70,13 +67,13 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     two_hosts = list(sends.ops)
     collectives.remove_observer(sends)
     dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"one_host": one_host, "two_hosts": two_hosts}))
+    return {"one_host": one_host, "two_hosts": two_hosts}
 
 
 def test_two_ranks_of_one_host_send_within_it_and_a_two_host_map_moves_the_same_bytes_between(tmp_path):
     from zerorun.zero.comm import quantize
 
-    results = spawn_and_collect(worker, tmp_path, 2)
+    results = run_ranks(sends_by_link, 2, tmp_path, leave_together=False)
     chunk = 4 * N
     for rank, r in results.items():
         broadcast = 2 * chunk if rank == 0 else 0  # rank 1 is the last of the ring from source 0

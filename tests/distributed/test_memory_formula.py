@@ -18,13 +18,12 @@ Adam's state exists (it is created by the first step) and gradients are held (no
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -100,21 +99,14 @@ def measure(stage: int, rank: int) -> dict:
     return breakdown
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def measure_each_stage(rank: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
-        results = {stage: measure(stage, rank) for stage in FORMULA}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    return {stage: measure(stage, rank) for stage in FORMULA}
 
 
 @pytest.fixture(scope="module")
 def breakdowns(tmp_path_factory) -> dict:
-    return spawn_and_collect(worker, tmp_path_factory.mktemp("memory_formula"), WORLD)
+    return run_ranks(measure_each_stage, WORLD, tmp_path_factory.mktemp("memory_formula"))
 
 
 @pytest.mark.slow

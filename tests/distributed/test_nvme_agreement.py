@@ -8,19 +8,16 @@ one line during initialize: rank 1 its own, rank 0 one naming rank 1.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import end_rank_now, run_ranks
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
+def initialize_on_nvme(rank: int, out_dir: str) -> None:
     import shutil
     from collections import namedtuple
-
-    import torch.distributed as dist
 
     import zerorun
     from zerorun.errors import ZerorunError
@@ -30,7 +27,6 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     if rank == 1:
         usage = namedtuple("usage", "total used free")
         shutil.disk_usage = lambda path: usage(10 << 20, 0, 8 << 10)  # 8 KiB free on this rank only
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
     nvme = str(Path(out_dir) / f"nvme{rank}")
@@ -43,12 +39,11 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         result = {"error": str(err), "type": type(err).__name__}
     except Exception as err:  # what the old code died of on rank 0
         result = {"error": str(err).splitlines()[0][:300], "type": type(err).__name__}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    os._exit(0)
+    end_rank_now(result)
 
 
 def test_a_full_disk_on_one_rank_is_one_line_on_every_rank_during_initialize(tmp_path):
-    results = spawn_and_collect(worker, tmp_path, 2)
+    results = run_ranks(initialize_on_nvme, 2, tmp_path, str(tmp_path), leave_together=False)
     assert results[1]["error"] and "its file system has 8.0 KiB free" in results[1]["error"], results
     assert results[0]["type"] == "RuntimeConfigError", results
     assert results[0]["error"] == "rank 0: setting up NVMe offload failed on rank 1 (its error says why)", results

@@ -14,14 +14,13 @@ needs: the optimizer state, 50 MB per rank, is 8x the buffer). Each must:
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -33,42 +32,37 @@ MODES = {
 }
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
+def _train_offloaded(rank: int, out_dir: str, settings: dict) -> dict:
     import psutil
     import torch
-    import torch.distributed as dist
 
     import planner_mlp
     import zerorun
     from zerorun.zero.host_memory import trim_host_heap
-    from zerorun.zero.comm.process_group import leaving_together
 
     torch.set_num_threads(1)
-    settings = json.loads((Path(out_dir) / "settings.json").read_text())
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    with leaving_together():
-        torch.manual_seed(0)
-        model = planner_mlp.build()
-        offload = dict(settings["offload"])
-        if offload["device"] == "nvme":
-            offload["nvme_path"] = out_dir
-        engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {
-            "zero": {"stage": 2, "reduce_bucket_size": 1_100_000, "offload_optimizer": offload}})
-        gen = torch.Generator().manual_seed(5)
-        losses = []
-        for _ in range(3):
-            x = torch.randn(4, planner_mlp.WIDTH, generator=gen)[rank * 2 : rank * 2 + 2]
-            loss = engine(x).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-        if offload["device"] == "nvme":
-            engine.quiesce()
-        trim_host_heap()  # what is resident now is what is held, not what glibc kept
-        result = {"losses": losses, "breakdown": engine.memory_breakdown(),
-                  "params": sum(p.numel() for p in model.parameters()),
-                  "settled_rss": psutil.Process().memory_info().rss}
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    torch.manual_seed(0)
+    model = planner_mlp.build()
+    offload = dict(settings["offload"])
+    if offload["device"] == "nvme":
+        offload["nvme_path"] = out_dir
+    engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {
+        "zero": {"stage": 2, "reduce_bucket_size": 1_100_000, "offload_optimizer": offload}})
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(4, planner_mlp.WIDTH, generator=gen)[rank * 2 : rank * 2 + 2]
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    if offload["device"] == "nvme":
+        engine.quiesce()
+    trim_host_heap()  # what is resident now is what is held, not what glibc kept
+    result = {"losses": losses, "breakdown": engine.memory_breakdown(),
+              "params": sum(p.numel() for p in model.parameters()),
+              "settled_rss": psutil.Process().memory_info().rss}
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +70,7 @@ def runs(tmp_path_factory):
     found = {}
     for mode, offload in MODES.items():
         out = tmp_path_factory.mktemp(mode)
-        (out / "settings.json").write_text(json.dumps({"offload": offload}))
-        found[mode] = spawn_and_collect(_worker, out, world=2)
+        found[mode] = run_ranks(_train_offloaded, 2, out, str(out), {"offload": offload})
     return found
 
 

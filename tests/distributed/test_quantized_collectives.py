@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -43,15 +43,12 @@ class Bytes:
         self.ops.append((op, nbytes))
 
 
-def collectives_worker(rank: int, init_file: str, out_dir: str) -> None:
+def quantized_pair(rank: int, world: int, channel: str) -> dict:
     import torch.distributed as dist
 
     from zerorun.zero.comm import collectives, quantize
 
-    settings = json.loads(Path(out_dir, "settings.json").read_text())
-    os.environ["ZERORUN_HOST_CHANNEL"] = settings["channel"]
-    world = settings["world"]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    os.environ["ZERORUN_HOST_CHANNEL"] = channel  # read when the group's channel would open
     inputs = [torch.randn(N * world, generator=torch.Generator().manual_seed(7 + r)) * (r + 1) for r in range(world)]
     bytes_seen = Bytes()
     collectives.add_observer(bytes_seen)
@@ -73,15 +70,14 @@ def collectives_worker(rank: int, init_file: str, out_dir: str) -> None:
               "rs_within": bool((err <= bound + slack).all()), "rs_max_err": float(err.max()),
               "rs_max_bound": float(bound.max()), "ops": bytes_seen.ops}
     dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    return result
 
 
 @pytest.mark.parametrize(("world", "channel"), [(2, "1"), (3, "0")])
 def test_quantized_collectives(tmp_path, world, channel):
     from zerorun.zero.comm import quantize
 
-    (tmp_path / "settings.json").write_text(json.dumps({"world": world, "channel": channel}))
-    results = spawn_and_collect(collectives_worker, tmp_path, world)
+    results = run_ranks(quantized_pair, world, tmp_path, world, channel, leave_together=False)
     part = quantize.packed_nbytes(N, BLOCK)
     for rank, r in results.items():
         assert r["gather_exact"] and r["gather_rounded"], rank
@@ -114,12 +110,11 @@ def train(rank: int, world: int, zero: dict, steps: int, lr: float = 1e-3, save:
     return engine, losses
 
 
-def checkpoint_worker(rank: int, init_file: str, out_dir: str) -> None:
+def checkpoint_masters(rank: int, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from zerorun.zero.comm import quantize
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     quantized = {"quantized_weights": True, "quantized_gradients": True, "quantization_block_size": 64}
     engine, _ = train(rank, 2, quantized, steps=4, save=str(Path(out_dir, "ckpt")))
     saved = engine.full_state_dict(rank0_only=False)
@@ -133,23 +128,22 @@ def checkpoint_worker(rank: int, init_file: str, out_dir: str) -> None:
         packed = torch.empty(quantize.packed_nbytes(flat.numel(), 64), dtype=torch.uint8)
         off_grid += int((quantize.unpack(quantize.pack(flat, 64, packed), 64, torch.empty_like(flat)) != flat).sum())
     dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"same": same, "off_grid": off_grid}))
+    return {"same": same, "off_grid": off_grid}
 
 
 def test_checkpoint_holds_exact_masters(tmp_path):
-    results = spawn_and_collect(checkpoint_worker, tmp_path, 2)
+    results = run_ranks(checkpoint_masters, 2, tmp_path, str(tmp_path), leave_together=False)
     for rank, r in results.items():
         assert r["same"], rank
         assert r["off_grid"] > 1000, r  # the tiny GPT's 1.5M masters are not the rounded copies
 
 
-def frozen_worker(rank: int, init_file: str, out_dir: str) -> None:
+def quantize_blocks(rank: int) -> dict:
     import torch.distributed as dist
 
     import zerorun
     from gpt import GPT, preset
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = GPT(preset("nano"))
     model.blocks[0].requires_grad_(False)
@@ -158,29 +152,28 @@ def frozen_worker(rank: int, init_file: str, out_dir: str) -> None:
     blocks = {"frozen": [r.unit.quantize_block for r in engine.frozen_records],
               "trained": [r.unit.quantize_block for r in engine.records]}
     dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(blocks))
+    return blocks
 
 
 def test_nontrainable_weights_quantize_only_frozen_units(tmp_path):
-    blocks = spawn_and_collect(frozen_worker, tmp_path, 2)[0]
+    blocks = run_ranks(quantize_blocks, 2, tmp_path, leave_together=False)[0]
     assert blocks["frozen"] and all(b == 2048 for b in blocks["frozen"]), blocks
     assert blocks["trained"] and all(b is None for b in blocks["trained"]), blocks
 
 
-def accuracy_worker(rank: int, init_file: str, out_dir: str) -> None:
+def losses_per_variant(rank: int) -> dict:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     runs = {"none": {}, "qwz": {"quantized_weights": True}, "qgz": {"quantized_gradients": True},
             "both": {"quantized_weights": True, "quantized_gradients": True}}
     losses = {name: train(rank, 2, zero, steps=200)[1] for name, zero in runs.items()}
     dist.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(losses))
+    return losses
 
 
 @pytest.mark.long
 def test_quantized_training_converges_like_exact(tmp_path):
-    losses = spawn_and_collect(accuracy_worker, tmp_path, 2)[0]
+    losses = run_ranks(losses_per_variant, 2, tmp_path, leave_together=False)[0]
     (tmp_path.parent / "quantized_losses.json").write_text(json.dumps(losses))
     def tail(name):
         return sum(losses[name][-20:]) / 20

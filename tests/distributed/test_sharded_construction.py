@@ -10,7 +10,6 @@ then trains with the same losses.
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_parity_harness as harness
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 import zerorun
 from zerorun.errors import RuntimeConfigError
@@ -135,36 +134,29 @@ def _rss_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _construct_worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def _construct(rank: int, settings: dict) -> dict:
     torch.set_num_threads(1)
-    settings = json.loads((Path(out_dir) / "settings.json").read_text())
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    with leaving_together():
-        _reset_peak_rss()
-        baseline = _rss_bytes()
-        if settings["mode"] == "meta":
-            with torch.device("meta"):
-                model = _big_model()
-            engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3), BIG_CONFIG,
-                                        weights=settings["weights"])
-        else:
-            torch.manual_seed(0)
+    _reset_peak_rss()
+    baseline = _rss_bytes()
+    if settings["mode"] == "meta":
+        with torch.device("meta"):
             model = _big_model()
-            engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3), BIG_CONFIG)
-        growth = _peak_rss_bytes() - baseline
-        gen = torch.Generator().manual_seed(7)
-        losses = []
-        for _ in range(2):
-            x = torch.randn(4, BIG_WIDTH, generator=gen)[rank * 2 : rank * 2 + 2]
-            loss = engine(x).pow(2).mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"growth": growth, "losses": losses}))
+        engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3), BIG_CONFIG,
+                                    weights=settings["weights"])
+    else:
+        torch.manual_seed(0)
+        model = _big_model()
+        engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3), BIG_CONFIG)
+    growth = _peak_rss_bytes() - baseline
+    gen = torch.Generator().manual_seed(7)
+    losses = []
+    for _ in range(2):
+        x = torch.randn(4, BIG_WIDTH, generator=gen)[rank * 2 : rank * 2 + 2]
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return {"growth": growth, "losses": losses}
 
 
 @pytest.mark.slow
@@ -177,8 +169,7 @@ def test_meta_construction_bounds_setup_memory_at_stage3(tmp_path):
     for mode in ("eager", "meta"):
         out = tmp_path / mode
         out.mkdir()
-        (out / "settings.json").write_text(json.dumps({"mode": mode, "weights": str(weights)}))
-        results[mode] = spawn_and_collect(_construct_worker, out, world=2)
+        results[mode] = run_ranks(_construct, 2, out, {"mode": mode, "weights": str(weights)})
     for rank in range(2):
         eager, meta = results["eager"][rank], results["meta"][rank]
         ratio = meta["growth"] / eager["growth"]
@@ -196,22 +187,16 @@ def test_meta_model_goes_where_the_launcher_says(monkeypatch):
     assert model.weight.device.type == "cpu" and engine.pg.device.type == "cpu"
 
 
-def _partial_weights_worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    with leaving_together():
-        torch.manual_seed(100 + rank)  # eager models that disagree across ranks
-        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4))
-        engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 2}},
-                                    weights=zerorun.Weights({"0.weight": torch.ones(5, 6)}, strict=False))  # the rest is not in the weights
-        state = {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(state))
+def _partial_weights(rank: int) -> dict:
+    torch.manual_seed(100 + rank)  # eager models that disagree across ranks
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4))
+    engine = zerorun.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero": {"stage": 2}},
+                                weights=zerorun.Weights({"0.weight": torch.ones(5, 6)}, strict=False))  # the rest is not in the weights
+    state = {k: v.tolist() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    return state
 
 
 def test_eager_model_with_partial_weights_agrees_across_ranks(tmp_path):
-    ranks = spawn_and_collect(_partial_weights_worker, tmp_path, world=2)
+    ranks = run_ranks(_partial_weights, 2, tmp_path)
     assert ranks[0] == ranks[1]
     assert ranks[0]["0.weight"] == [[1.0] * 6] * 5

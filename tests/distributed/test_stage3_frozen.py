@@ -21,13 +21,12 @@ Issue 36 (items 4, 5) and issue 41 (row 2), on gloo ranks with tiny Llamas built
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -221,35 +220,26 @@ def resize_refusals(rank: int) -> dict:
     return found
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def run_cases(rank: int, world: int, out_dir: str, cases: list[str], parity: bool) -> dict:
     torch.set_num_threads(1)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    spec = json.loads(Path(out_dir, "spec.json").read_text())
-    world = spec["world"]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    with leaving_together():
-        results: dict = {}
-        for case in spec["cases"]:
-            try:
-                if case == "resize":
-                    results[case] = resize_refusals(rank)
-                else:
-                    results[case] = stage3_run(case, rank, world, out_dir)
-                    if spec["parity"]:
-                        results[case]["reference"] = plain_losses(case, world)
-            except Exception as err:  # reported by the case's own test
-                results[case] = {"error": f"{type(err).__name__}: {err}"}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    results: dict = {}
+    for case in cases:
+        try:
+            if case == "resize":
+                results[case] = resize_refusals(rank)
+            else:
+                results[case] = stage3_run(case, rank, world, out_dir)
+                if parity:
+                    results[case]["reference"] = plain_losses(case, world)
+        except Exception as err:  # reported by the case's own test
+            results[case] = {"error": f"{type(err).__name__}: {err}"}
+    return results
 
 
 def run_world(out_dir: Path, world: int, cases: list[str], parity: bool) -> dict:
     pytest.importorskip("peft", reason="peft is in the `test` extra")
-    Path(out_dir, "spec.json").write_text(json.dumps({"world": world, "cases": cases, "parity": parity}))
-    return spawn_and_collect(worker, out_dir, world)
+    return run_ranks(run_cases, world, out_dir, world, str(out_dir), cases, parity)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,11 @@ zerorun/zero/grad_reduce.py).
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 WORLD = 2
 STEPS = 3
@@ -152,29 +150,23 @@ def stage3_run(kind: str, pool: bool, rank: int) -> dict:
             "most_gathered": max(gathered_at_block_end or [0])}
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def each_kind(rank: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():
-        results = {}
-        cases = [(kind, pool) for kind in KINDS for pool in (True, False)] + [(kind, False) for kind in REUSED]
-        for kind, pool in cases:
-            name = f"{kind}/{'pool' if pool else 'no-pool'}"
-            try:
-                results[name] = stage3_run(kind, pool, rank)
-            except Exception as err:  # reported by the case's own assertion
-                results[name] = {"error": f"{type(err).__name__}: {err}"}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    results = {}
+    cases = [(kind, pool) for kind in KINDS for pool in (True, False)] + [(kind, False) for kind in REUSED]
+    for kind, pool in cases:
+        name = f"{kind}/{'pool' if pool else 'no-pool'}"
+        try:
+            results[name] = stage3_run(kind, pool, rank)
+        except Exception as err:  # reported by the case's own assertion
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+    return results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return spawn_and_collect(worker, tmp_path_factory.mktemp("recompute"), WORLD)[0]
+    return run_ranks(each_kind, WORLD, tmp_path_factory.mktemp("recompute"))[0]
 
 
 @pytest.mark.timeout(900)

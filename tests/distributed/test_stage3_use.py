@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 pytest.importorskip("transformers", reason="transformers is in the `test` extra")
 
@@ -225,30 +224,23 @@ def _refused(read) -> bool:
     return False
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def each_case(rank: int, cases: list[str]) -> dict:
     torch.set_num_threads(1)  # two ranks share two cores
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
-        results: dict = {}
-        for name in json.loads(Path(out_dir, "cases.json").read_text()):
-            family, buckets = CASES[name]
-            try:
-                losses, read = stage3_losses(family, buckets, rank)
-                results[name] = {"losses": losses, "reference": reference_losses(family), "read": read}
-            except Exception as err:  # reported by the case's own test, not as a crashed world
-                results[name] = {"error": f"{type(err).__name__}: {err}"}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    results: dict = {}
+    for name in cases:
+        family, buckets = CASES[name]
+        try:
+            losses, read = stage3_losses(family, buckets, rank)
+            results[name] = {"losses": losses, "reference": reference_losses(family), "read": read}
+        except Exception as err:  # reported by the case's own test, not as a crashed world
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+    return results
 
 
 def run_cases(out_dir: Path, cases: list[str]) -> dict:
     pytest.importorskip("peft", reason="peft is in the `test` extra")
-    Path(out_dir, "cases.json").write_text(json.dumps(cases))
-    return spawn_and_collect(worker, out_dir, WORLD)
+    return run_ranks(each_case, WORLD, out_dir, cases)
 
 
 @pytest.fixture(scope="module")

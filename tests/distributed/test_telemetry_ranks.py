@@ -15,10 +15,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 STEPS = 5
 HOLD_S = 4.0  # how long rank 1 stays out of the final barrier
@@ -107,11 +106,10 @@ def test_two_ranks_stream_memory_comm_steps_and_a_hang(tmp_path):
     assert "(5×)" in summary and "samples/s" in summary
 
 
-def engine_worker(rank: int, init_file: str, out_dir: str) -> None:
+def engine_ops(rank: int) -> dict:
     """A recorder started before zerorun's collectives were imported (worker/boot does that),
     not yet subscribed to them: building an engine must subscribe it before its first one."""
     import torch
-    import torch.distributed as dist
 
     import zerorun
     import zerorun.telemetry as telemetry
@@ -134,17 +132,16 @@ def engine_worker(rank: int, init_file: str, out_dir: str) -> None:
 
     boot = Boot()
     telemetry._recorder, telemetry._created = boot, True
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.manual_seed(rank)  # different weights: rank 0's are broadcast
     zerorun.initialize(torch.nn.Linear(4, 3), None, {"zero": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"ops": boot.ops}))
+    return {"ops": boot.ops}
 
 
 @pytest.mark.slow
 def test_every_rank_counts_the_engines_first_broadcast(tmp_path):
     """Note [every collective counted] in zerorun/zero/engine.py: under srun on two nodes, node
     1's rank showed "-" for broadcast in the summary (its recorder subscribed after it)."""
-    results = spawn_and_collect(engine_worker, tmp_path, 2)
+    results = run_ranks(engine_ops, 2, tmp_path, leave_together=False)
     for rank in (0, 1):
         assert "broadcast" in results[rank]["ops"], (rank, results[rank])
 

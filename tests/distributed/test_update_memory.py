@@ -12,12 +12,9 @@ The same run with the cap lifted must exceed the bound, so the test can fail.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from gloo_world import spawn_and_collect
+from gloo_world import run_ranks
 
 WORLD = 2
 CAP = 2_000  # master elements per optimizer call
@@ -64,22 +61,15 @@ def step_growth(stage: int, precision: str, cap: int, rank: int) -> dict:
             "share": sum(r.master.numel() for r in engine.records)}
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from zerorun.zero.comm.process_group import leaving_together
-
+def growth_per_run(rank: int) -> dict:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    with leaving_together():  # Note [clean exit] in zerorun/zero/comm/process_group.py
-        results = {f"{stage}-{precision}-{cap}": step_growth(stage, precision, cap, rank)
-                   for stage in (1, 2, 3) for precision in ("fp32", "bf16") for cap in (CAP, 10 ** 9)}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    return {f"{stage}-{precision}-{cap}": step_growth(stage, precision, cap, rank)
+            for stage in (1, 2, 3) for precision in ("fp32", "bf16") for cap in (CAP, 10 ** 9)}
 
 
 @pytest.fixture(scope="module")
 def growths(tmp_path_factory) -> dict:
-    return spawn_and_collect(worker, tmp_path_factory.mktemp("update_memory"), WORLD)
+    return run_ranks(growth_per_run, WORLD, tmp_path_factory.mktemp("update_memory"))
 
 
 @pytest.mark.slow
