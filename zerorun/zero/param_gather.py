@@ -50,6 +50,15 @@ fired at once) too. With one ahead, every block's unit was gathered synchronousl
 no parameters (an Embedding) are left out, so a tied embedding is not gathered again at the
 very end of backward.
 
+Note [hooks on views]: "right before the module's backward" is a hook on the tensors the module
+returned. A Linear on 3-d input returns a view of its matmul's output, and a model may add to
+that view in place (RoCBert's embeddings: ``embedding_in += token_type_embeddings``): autograd
+then rebuilds the view's history and the hook registered on it never fires, so the module's
+units were never gathered for its backward, saved only while the predicted prefetch happened to
+reach them (after a recomputation the next backward follows the observed order, which lacked
+the module: "setStorage ... storage of size 0"). A hook on the view's base survives the
+in-place change, and fires at the same point: the view's gradient flows straight into it.
+
 Note [prefetch budget]: that fixed lookahead (one module in forward, BACKWARD_PREFETCH in
 backward) is the least prefetched. ``prefetch_bucket_size`` (DeepSpeed's
 stage3_prefetch_bucket_size, in elements) lets it reach further along the recorded order: more
@@ -496,8 +505,16 @@ class ParamGatherer:
             self._note_backward(module)
             return grad
 
+        # Note [hooks on views]: a hook on a view is lost when the view is changed in place (autograd
+        # rebuilds its history), so a view's hook goes on its base while that base is an
+        # intermediate result (a leaf's hooks would outlive this pass).
+        targets = {}
         for tensor in tensors:
-            tensor.register_hook(before_backward)
+            base = tensor._base
+            target = base if base is not None and base.grad_fn is not None else tensor
+            targets[id(target)] = target
+        for target in targets.values():
+            target.register_hook(before_backward)
 
     def _hook_inputs(self, module: nn.Module, args, kwargs):
         """Release ``module``'s shared units once its backward is over (Note [shared units]):
