@@ -119,9 +119,9 @@ def _shrink_values(values: dict, keep: set[str] = frozenset()) -> dict:
             out[key] = min(value, SIZES[key]) if key not in ("num_labels",) else SIZES[key]
         elif key in TOKEN_IDS and isinstance(value, int) and value >= 8:
             out[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(key, 3)
-        elif ("dropout" in key or key.endswith("_pdrop") or key in ("drop_path_rate", "layerdrop")) \
+        elif ("dropout" in key or "jitter" in key or key.endswith("_pdrop") or key in ("drop_path_rate", "layerdrop")) \
                 and isinstance(value, float):
-            out[key] = 0.0
+            out[key] = 0.0  # random in training mode: a rank's half batch draws apart from the whole batch
         elif key in ("depths", "num_layers", "block_repeats") and isinstance(value, list) and \
                 all(isinstance(v, int) for v in value):
             out[key] = [1] * len(value)
@@ -131,7 +131,7 @@ def _shrink_values(values: dict, keep: set[str] = frozenset()) -> dict:
 def tiny_config(model_type: str, variant: int = 0):
     """The family's config class with its defaults, the common size fields shrunk (``SIZES``,
     but for those ``VARIANTS[variant]`` keeps), token ids kept inside the vocabulary and every
-    dropout at 0; nested configs (a text and a vision config) shrunk the same way."""
+    dropout and router jitter (Switch Transformers' multiplicative noise) at 0; nested configs (a text and a vision config) shrunk the same way."""
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type.removesuffix(LORA_SUFFIX)]

@@ -512,3 +512,18 @@ def test_prefetch_window_within_the_budget_and_the_live_room():
     assert prefetch_window([5, 5, 5], minimum=1, budget=100, room=12) == 2  # max_live's room bounds it all
     assert prefetch_window([5, 5], minimum=2, budget=0, room=4) == 0  # even the minimum
     assert prefetch_window([], minimum=1, budget=100, room=100) == 0
+
+
+def test_after_backward_passes_inputs_a_module_may_change_in_place():
+    """Note [shared units] / [expert gradients]: AfterBackward sits on a module's inputs; the
+    module adding to one in place (Switch Transformers' experts under checkpointing) failed
+    with "Output 0 of AfterBackward is a view and is being modified inplace"."""
+    from zerorun.zero.gather_plan import AfterBackward
+
+    called = []
+    x = torch.randn(3, requires_grad=True)
+    (h,) = AfterBackward.apply(lambda: called.append(True), x * 2)
+    h += 1.0
+    (h * h).sum().backward()
+    assert called == [True]
+    assert torch.equal(x.grad, 2 * 2 * (x.detach() * 2 + 1.0))

@@ -22,7 +22,13 @@ class AfterBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, callback, *tensors):
         ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
+        # Detached, not views: a view made inside a Function may not be changed in place, and
+        # a module may add to its input in place (Switch Transformers' expert blocks under
+        # checkpointing did: "Output 0 of AfterBackward is a view and is being modified
+        # inplace"). A detached tensor shares the input's storage and version counter, so an
+        # in-place change reaches the same values, and is caught by autograd where it
+        # would be caught without this function.
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
