@@ -331,7 +331,9 @@ def test_node_0_names_the_rank_of_node_1_that_failed_first(tmp_path):
     assert "zerorun summary (failed" in node0_out.getvalue()
 
 
-def test_node_0_whose_ranks_ended_well_fails_when_a_rank_of_node_1_failed(tmp_path):
+def two_started_nodes(tmp_path):
+    """Node 0's job-wide view and node 1's forwarding view of a 2-node srun job, started; and
+    node 0's output."""
     nodes = ("127.0.0.1", "127.0.0.1")
     for node in ("node0", "node1"):
         (tmp_path / "slurm-1.0" / node).mkdir(parents=True)
@@ -342,6 +344,11 @@ def test_node_0_whose_ranks_ended_well_fails_when_a_rank_of_node_1_failed(tmp_pa
                      stream=io.StringIO(), nodes=nodes, per_node=1, node_rank=1)
     node0.start()
     node1.start()
+    return node0, node1, node0_out
+
+
+def test_node_0_whose_ranks_ended_well_fails_when_a_rank_of_node_1_failed(tmp_path):
+    node0, node1, node0_out = two_started_nodes(tmp_path)
     node1.on_worker_exit("n2", 1, -9)
     node0.on_worker_exit("n1", 0, 0)
     node1.stop(True)
@@ -368,16 +375,7 @@ def forged_hello(server: ViewServer, node: int) -> bytes:
 def test_a_node_joins_once_so_a_token_holder_cannot_forge_its_exit(tmp_path):
     """A second hello for node 1, while it is joined and after it is done, is refused and
     counted; node 1's own clean exit stands, the job succeeds, and node 0 names node 1 once."""
-    nodes = ("127.0.0.1", "127.0.0.1")
-    for node in ("node0", "node1"):
-        (tmp_path / "slurm-1.0" / node).mkdir(parents=True)
-    node0_out = io.StringIO()
-    node0 = JobWideView(run_dir=tmp_path / "slurm-1.0" / "node0", token="node0", world_size=2, dashboard=False,
-                        stream=node0_out, nodes=nodes, per_node=1)
-    node1 = NodeView(run_dir=tmp_path / "slurm-1.0" / "node1", token="node1", world_size=2, dashboard=False,
-                     stream=io.StringIO(), nodes=nodes, per_node=1, node_rank=1)
-    node0.start()
-    node1.start()
+    node0, node1, node0_out = two_started_nodes(tmp_path)
     server = node0.server
     assert server is not None
     deadline = time.monotonic() + 30
