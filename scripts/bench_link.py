@@ -8,8 +8,9 @@ script says so in one line and exits 2.
 
 Peers in one run, on the 33.7M-parameter GPT of examples/gpt.py in fp32 (the model and the
 systems of scripts/bench_cpu.py): torch DDP, FSDP2 and zerorun stages 1-3, and zerorun stage 3
-with ZeRO++'s quantized weights (``+qwz``), quantized gradients (``+qgz``) or both. Per system
-and rate:
+with ZeRO++'s quantized weights (``+qwz``), quantized gradients (``+qgz``) or both, and with
+hpZ (``+hpz``: secondary copies partitioned over each host's ranks, for --ranks-per-host 2 and
+up). Per system and rate:
 
   step s      median over the timed steps of the slowest rank's step
   link MB     bytes one rank sends per step to the other host: the namespace's veth transmit
@@ -55,7 +56,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
 
-SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3+qwz", "zero3+qgz", "zero3+qwz+qgz")
+SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3+qwz", "zero3+qgz", "zero3+qwz+qgz", "zero3+hpz")
 SUBNET = "10.231.{}.{}"
 RANK_TIMEOUT_S = 1800
 
@@ -154,7 +155,7 @@ def run_world(link: Link, system: str, options: dict, hosts: int, per_host: int,
             env = dict(os.environ, PYTHONPATH=str(HERE.parent), GLOO_SOCKET_IFNAME=iface,
                        ZERORUN_HOST_CHANNEL="0", OMP_NUM_THREADS="1",
                        ZERORUN_HOST_SLOTS=str(world) if one_host else ",".join([str(per_host)] * hosts))
-            spec = {**options, "system": system, "rank": rank, "world": world, "iface": iface,
+            spec = {**options, "system": system, "rank": rank, "world": world, "iface": iface, "per_host": per_host,
                     "counts": rank % per_host == 0 if not one_host else rank == 0,
                     "init_file": str(run_dir / "rendezvous"), "out": str(run_dir / f"rank{rank}.json")}
             argv = ["ip", "netns", "exec", ns, sys.executable, str(Path(__file__).resolve()), "--rank-spec", json.dumps(spec)]
@@ -217,7 +218,10 @@ def rank_main(spec: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{spec['init_file']}", rank=rank, world_size=world)
     cfg = preset(spec["preset"])
     torch.manual_seed(0)
-    trainer = build_trainer(spec["system"], GPT(cfg), lr=1e-4, block_class=Block, zerorun_config=spec["zerorun_config"])
+    config = spec["zerorun_config"]
+    if "+hpz" in spec["system"]:  # ZeRO++ hpZ: the secondary copies partitioned over each host's ranks
+        config = {**config, "zero": {**config.get("zero", {}), "hpz_partition_size": spec["per_host"]}}
+    trainer = build_trainer(spec["system"], GPT(cfg), lr=1e-4, block_class=Block, zerorun_config=config)
 
     def counters() -> dict[str, int]:
         def read(iface: str) -> int:

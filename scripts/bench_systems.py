@@ -43,7 +43,9 @@ OFFLOADS = {"cpu": {"offload_optimizer": {"device": "cpu"}},
             "params": {"offload_param": {"device": "cpu"}},
             # ZeRO++ (scripts/bench_link.py): quantized weight gathers and gradient reduce-scatters
             "qwz": {"quantized_weights": True},
-            "qgz": {"quantized_gradients": True}}
+            "qgz": {"quantized_gradients": True},
+            # ZeRO++ hpZ: its partition size is the ranks per host, which scripts/bench_link.py sets
+            "hpz": {}}
 
 
 def zerorun_system_config(system: str) -> dict:

@@ -174,10 +174,9 @@ def test_deepspeed_bad_value_names_both_keys():
 
 def test_deepspeed_unsupported_features_are_named():
     assert problems({"train_batch_size": 8, "pipeline": {"stages": 2},
-                     "zero_optimization": {"zero_hpz_partition_size": 2}}) == [
+                     "zero_optimization": {"mics_shard_size": 2}}) == [
         "pipeline: is a DeepSpeed feature zerorun does not have; remove this section",
-        "zero_optimization.zero_hpz_partition_size = 2: not supported: hierarchical partitioning "
-        "(ZeRO++ hpZ) is not supported; remove it",
+        "zero_optimization.mics_shard_size = 2: not supported: MiCS sharding is not supported; remove it",
     ]
 
 

@@ -212,6 +212,7 @@ def _training_from_config(path: Path):
         nvme_buffer_size=int(zero.offload_optimizer.buffer_size),
         nvme_params=param_device == "nvme",
         pin_memory=bool(zero.offload_optimizer.pin_memory),
+        hpz_partition_size=int(zero.hpz_partition_size),
     )
     activation = {
         "micro_batch": cfg.batch.micro_batch_size,

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from zerorun.config import build as typed
 from zerorun.config import deepspeed, rules, sources, torch_signatures
@@ -30,12 +30,15 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     torch_in_child: bool = False,
+    hosts: Sequence[int] | None = None,
 ) -> ZerorunConfig:
     """Load, translate, override and validate a config; raise ConfigError listing every problem.
 
     source: None (defaults) | path to .yaml/.yml/.json | dict | ZerorunConfig; zerorun or
         DeepSpeed format, told apart by the keys.
     world_size: when given, the batch sizes are derived / checked against it.
+    hosts: each rank's host index, when known (the launcher's plan, the worker's host map):
+        hpZ's partition size is checked against it (rules.check_hpz).
     overrides: dotted key path -> value, from command-line flags (highest precedence).
     environ: where ZERORUN_<SECTION>__<KEY> variables are read; os.environ by default, {} to
         ignore the environment (a config the launcher already resolved). A ZerorunConfig source
@@ -51,7 +54,7 @@ def load_config(
         environ = {} if isinstance(source, ZerorunConfig) else os.environ
     label, data, notes = _read_source(source)
     try:
-        return _load(label, data, notes, world_size, overrides or {}, environ, torch_in_child)
+        return _load(label, data, notes, world_size, overrides or {}, environ, torch_in_child, hosts)
     except RecursionError:
         raise ConfigError(f"invalid config {label}: nested too deeply to be a config") from None
 
@@ -76,7 +79,8 @@ def _read_source(source: Any) -> tuple[str, Any, list[str]]:
 
 
 def _load(label: str, data: Any, notes: list[str], world_size: int | None,
-          overrides: Mapping[str, Any], environ: Mapping[str, str], torch_in_child: bool = False) -> ZerorunConfig:
+          overrides: Mapping[str, Any], environ: Mapping[str, str], torch_in_child: bool = False,
+          hosts: Sequence[int] | None = None) -> ZerorunConfig:
     problems = Problems()
     aliases: dict[str, str] = {}
     if not isinstance(data, dict):
@@ -112,6 +116,7 @@ def _load(label: str, data: Any, notes: list[str], world_size: int | None,
             torch_signatures.check_names(config, problems)  # Note [no torch in the launcher]
         else:
             rules.check_torch_names(config, problems)
+        rules.check_hpz(config.zero.hpz_partition_size, world_size, hosts, problems)
         if not any(p.path.startswith("batch.") for p in problems.items):
             config.batch = rules.resolve_batch(config.batch, world_size, problems)
     problems.items = [_as_written(problem, aliases) for problem in problems.items]

@@ -10,7 +10,7 @@ import inspect
 import warnings
 from dataclasses import replace
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from zerorun.config.problems import Problems, did_you_mean
 from zerorun.config.schema import BatchConfig, ZerorunConfig
@@ -55,6 +55,7 @@ RANGES: dict[str, Check] = {
     "zero.param_persistence_threshold": _at_least(0),
     "zero.max_reuse_distance": _at_least(0),
     "zero.quantization_block_size": _within(1, 2**30),
+    "zero.hpz_partition_size": _within(1, 2**20),
     "zero.offload_optimizer.buffer_count": _at_least(1),
     "zero.offload_optimizer.buffer_size": _at_least(1),
     "zero.offload_param.buffer_count": _at_least(1),
@@ -114,6 +115,10 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
                            ("quantized_gradients", 2, "quantized gradient reduce-scatters (ZeRO++ qgZ) need ZeRO stage 2 or 3")):
         if getattr(zero, key) and zero.stage < low:
             problems.add(f"zero.{key}", f"{what} (stage is {zero.stage}); raise zero.stage or set {key}: false", True)
+    if zero.hpz_partition_size > 1 and zero.stage != 3:
+        problems.add("zero.hpz_partition_size", "hierarchical partitioning (ZeRO++ hpZ) partitions stage 3's "
+                     f"parameters (stage is {zero.stage}); set zero.stage: 3 or hpz_partition_size: 1",
+                     zero.hpz_partition_size)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:
@@ -270,3 +275,23 @@ def resolve_batch(batch: BatchConfig, world_size: int | None, problems: Problems
                      f" x world_size = {micro} x {accum} x {world_size} = {micro * accum * world_size}; "
                      "fix one of them or leave one out to have it derived", train)
     return batch
+
+
+def check_hpz(hpz: int, world_size: int | None, hosts: Sequence[int] | None, problems: Problems) -> None:
+    """``zero.hpz_partition_size`` against the job (Note [secondary copy] in zero/unit/secondary.py):
+    it divides the world size, and each group of that many consecutive ranks is on one host
+    (``hosts``: each rank's host, ranks numbered host by host; None when not known)."""
+    if hpz <= 1 or world_size is None:
+        return
+    if world_size % hpz:
+        problems.add("zero.hpz_partition_size", f"must divide the world size ({world_size} ranks); use "
+                     "the ranks per host or a divisor of it", hpz)
+        return
+    if hosts is None or len(hosts) != world_size:
+        return
+    per_host = {host: hosts.count(host) for host in hosts}
+    split = [start for start in range(0, world_size, hpz) if len(set(hosts[start:start + hpz])) > 1]
+    if split or any(count % hpz for count in per_host.values()):
+        counts = ",".join(str(count) for count in per_host.values())
+        problems.add("zero.hpz_partition_size", f"must equal the ranks per host or divide it (ranks per "
+                     f"host: {counts}); the secondary copies are partitioned within one host", hpz)

@@ -69,6 +69,11 @@ class ZeroConfig:
     quantized_gradients: bool = False
     # Elements per quantization block: each block's error is at most half its max |x| / 127.
     quantization_block_size: int = 2048
+    # ZeRO++ hpZ (DeepSpeed's zero_hpz_partition_size; Note [secondary copy] in
+    # zero/unit/secondary.py), stage 3: each rank also keeps 1/hpz of every gathered unit,
+    # partitioned among groups of this many ranks on one host, and backward gathers from those
+    # copies, within the host. 1: off. It must divide the ranks of every host.
+    hpz_partition_size: int = 1
 
 
 @dataclass

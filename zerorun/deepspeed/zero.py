@@ -189,6 +189,8 @@ def _refresh_from_full(record, optimizer) -> None:
     if unit.partitioned:
         lo, hi = unit.layout.chunk_range(unit.rank)
         unit.shard.copy_(unit.full[lo:hi])
+        if unit.secondary is not None:  # Note [secondary copy]: forward's values no longer
+            unit.secondary.invalidate()
     if record.master_is_model_storage:
         return
     with record.state_home.resident(record, optimizer):

@@ -138,7 +138,7 @@ def prepare(options: LaunchOptions, environ: Mapping[str, str] | None = None, cw
     all_local = all(is_local_host(h, found.local_names) for h in found.hosts)
     run_notes: list[str] = []
     plan = _job_plan(options, found, context, mode, environ, cwd, env_file_vars, token, all_local, run_notes)
-    config, notes = _job_config(options, cwd, plan.world_size, environ, all_local)
+    config, notes = _job_config(options, cwd, plan.world_size, environ, all_local, _rank_hosts(plan))
     notes += run_notes
     notes += _worker_env_for_options(plan, options, config, environ)
     from zerorun.config import to_dict
@@ -240,7 +240,15 @@ def _run_dir(options: LaunchOptions, cwd: str, role, step_label: str,
     return fresh
 
 
-def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapping[str, str], all_local: bool):
+def _rank_hosts(plan) -> tuple[int, ...] | None:
+    """Each rank's host index in the plan, or None when the plan holds only some of the job's
+    ranks (srun's per-node launchers): zero.hpz_partition_size is checked against it."""
+    hosts = tuple(index for index, node in enumerate(plan.nodes) for _ in node.workers)
+    return hosts if len(hosts) == plan.world_size else None
+
+
+def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapping[str, str], all_local: bool,
+                hosts: tuple[int, ...] | None = None):
     """The validated config (--config, else ./zerorun.yaml, then environment and --set) and the
     notes to print about it."""
     from zerorun.config import load_config
@@ -249,7 +257,7 @@ def _job_config(options: LaunchOptions, cwd: str, world_size: int, environ: Mapp
     config_source, config_note = launcher_config_file(options.config, cwd, options.target.script)
     config = load_config(
         config_source, world_size=world_size, overrides=options.config_overrides or None, environ=environ,
-        torch_in_child=True,
+        torch_in_child=True, hosts=hosts,
     )
     notes = ([config_note] if config_note else []) + list(config.notes)
     if all_local:

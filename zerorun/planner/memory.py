@@ -9,6 +9,7 @@ copy when the parameters are 16-bit, so K = 12 there and 8 in fp32 training).
     stage 1: params pΨ     grads pΨ     optimizer KΨ/N
     stage 2: params pΨ     grads pΨ/N   optimizer KΨ/N
     stage 3: params pΨ/N   grads pΨ/N   optimizer KΨ/N
+             (+ pΨ/h in params with hpZ's secondary copies, partition size h)
 
 Shards are ceil(Ψ/N) elements (the flat buffers pad to a multiple of N). Communication
 buffers and activations are separate columns so the model-state column is the textbook one.
@@ -83,6 +84,9 @@ class Training:
     # zero.offload_optimizer.pin_memory: an offloaded run on CUDA pins its host tensors from
     # one arena per placement (Note [pinned arena]); a CPU run pins nothing whatever it says.
     pin_memory: bool = True
+    # ZeRO++ hpZ (zero.hpz_partition_size), stage 3: each rank also holds 1/h of every sharded
+    # unit in the gather dtype (Note [secondary copy] in zero/unit/secondary.py), in params.
+    hpz_partition_size: int = 1
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -183,6 +187,8 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         # IS its master, so it counts 4 bytes as a parameter and no master beside it.
         params += (4 - p) * shard(sharded, n)
         optimizer -= MASTER_COPY_BYTES * shard(sharded, n)
+    if stage == 3 and training.hpz_partition_size > 1:
+        params += p * secondary_elements(sharded, n, training.hpz_partition_size)
     host = nvme = 0.0
     if training.offload != "none":
         # An offloaded master is always a tensor of its own (make_master in zerorun/zero/offload/master.py), even in
@@ -220,6 +226,12 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         nvme_per_rank=float(nvme),
         ranks_per_host=job.gpus_per_node,
     )
+
+
+def secondary_elements(sharded: int, world_size: int, hpz: int) -> int:
+    """hpZ's secondary copy per rank: 1/h of the sharded elements as the layout pads them (to a
+    multiple of N, so of h), the engine's ``secondary_parameters`` line in elements."""
+    return shard(sharded, world_size) * world_size // hpz
 
 
 def _stage3_plan(model: ModelSpec, training: Training) -> tuple[list | None, int]:

@@ -18,6 +18,9 @@ used first (zero.max_reuse_distance): a transformer's output head, V x h (tied o
 head's unit is the embedding's). Known from the shape (--preset, --hf-config); 0 otherwise, an
 upper bound.
 
+hpZ (ZeRO++'s secondary copies, partition size h): backward's all-gathers stay within the host,
+(h-1)/h p(Ψ - K), and the reduce-scatter runs within the host then across (_hpz_traffic below).
+
 ZeRO++ (Note [quantized collectives] in zero/comm/collectives.py): qwZ's gathers move int8 codes
 and an fp32 scale per block of b elements, q = 1 + 4/b bytes per element instead of p; qgZ's
 reduce-scatter sends each other rank its chunk in the same form, point to point.
@@ -56,11 +59,13 @@ class Traffic:
 
 
 def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz: bool = False,
-                 qgz: bool = False, block: int = 2048, kept: int = 0) -> Traffic:
+                 qgz: bool = False, block: int = 2048, kept: int = 0, hpz: int = 1) -> Traffic:
     n, g = job.world_size, job.gpus_per_node
     hosts = max(1, n // g)
     quantized = 1 + 4 / block  # bytes per element on the wire, Note [packed layout] in comm/quantize.py
     ring = (n - 1) / n * num_params  # elements one rank sends in one ring reduce-scatter or all-gather
+    if stage == 3 and hpz > 1:
+        return _hpz_traffic(num_params, job, param_bytes, qwz=qwz, qgz=qgz, quantized=quantized, kept=kept, hpz=hpz)
     if stage == 0:
         ring_bytes, exchange_bytes = 2 * ring * param_bytes, 0.0
     elif stage == 1:
@@ -80,9 +85,45 @@ def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz
     return Traffic(label, stage, link, ring_bytes + exchange_bytes - link)
 
 
+def _hpz_traffic(num_params: int, job: Job, p: int, *, qwz: bool, qgz: bool, quantized: float, kept: int,
+                 hpz: int) -> Traffic:
+    """Stage 3 with hpZ (Note [secondary copy] in zero/unit/secondary.py): forward's all-gather
+    over the world ring as without it; backward's, Ψ - K elements exact in the gather dtype,
+    over the host group of h = hpz ranks, within the host: (h-1)/h p(Ψ - K); the reduce-scatter
+    with qgZ the same exchange, else in two (Note [hierarchical reduce-scatter] in
+    comm/collectives.py): (h-1)/h pΨ within the host, then over the A = N/h ranks of this local
+    index, one per host group, a ring sending (A-1)/A pΨ/h of which H/A crosses hosts."""
+    n, g = job.world_size, job.gpus_per_node
+    hosts = max(1, n // g)
+    ring_link = hosts / n if hosts > 1 else 0.0
+    forward = (n - 1) / n * num_params * (quantized if qwz else p)
+    backward = (hpz - 1) / hpz * (num_params - kept) * p
+    link, local = forward * ring_link, forward * (1 - ring_link) + backward
+    if qgz:
+        exchange = (n - 1) / n * num_params * quantized
+        share = (n - g) / (n - 1)
+        link, local = link + exchange * share, local + exchange * (1 - share)
+    else:
+        across = n // hpz
+        local += (hpz - 1) / hpz * num_params * p
+        if across > 1:
+            second = (across - 1) / across * num_params / hpz * p
+            share = hosts / across if hosts > 1 else 0.0
+            link, local = link + second * share, local + second * (1 - share)
+    label = "stage 3" + next(name for name, w, q in OPTIONS[3] if (w, q) == (qwz, qgz)) + "+hpz"
+    return Traffic(label, 3, link, local)
+
+
 def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048, kept: int = 0) -> list[Traffic]:
-    return [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept)
+    """Every stage and option; hpZ rows (its partition size the ranks per host) when there are
+    several hosts of several ranks."""
+    rows = [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept)
             for stage, options in OPTIONS.items() for _, qwz, qgz in options]
+    g = job.gpus_per_node
+    if g > 1 and job.world_size > g and job.world_size % g == 0:
+        rows += [step_traffic(num_params, job, 3, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept, hpz=g)
+                 for qwz, qgz in ((False, False), (True, True))]
+    return rows
 
 
 def kept_numel(shape) -> int:

@@ -25,11 +25,11 @@ from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import announce_monitor, get_recorder
 from zerorun.worker import preemption_grace
-from zerorun.zero import full_state, param_access
+from zerorun.zero import full_state, hpz, param_access
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
-from zerorun.zero.comm import agreement, collectives
+from zerorun.zero.comm import agreement, collectives, link_split
 from zerorun.zero.engine_api import LIVE_ENGINES, DeepSpeedEngineAPI, engine_built
 from zerorun.zero.activation_checkpointing import apply_from_config
 from zerorun.zero.construct import Materializer
@@ -85,7 +85,7 @@ def initialize(model: nn.Module, optimizer=None, config=None, *, weights=None, p
         raise RuntimeConfigError("the model has no parameters to train")
     get_recorder()  # subscribed before any collective of ours: Note [every collective counted] in Engine
     pg = resolve_process_group(first.device)  # this worker's device: a model built elsewhere moves there
-    cfg = load_config(cfg, world_size=pg.world_size)
+    cfg = load_config(cfg, world_size=pg.world_size, hosts=link_split.job_hosts(os.environ, pg.world_size))
     with agreement.phase("setup"):
         engine = Engine(model, optimizer, cfg, pg, weights=weights, param_init_fn=param_init_fn,
                         model_parameters=model_parameters, state_home_for=state_home_for)
@@ -251,6 +251,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                                           holder_records=holder_records, leaf_units=partition.leaf_units,
                                           prefetch_elements=cfg.zero.prefetch_bucket_size,
                                           max_live_elements=cfg.zero.max_live_parameters)
+        self.hpz_groups = (None, None)  # ZeRO++ hpZ (zero/hpz.py): the host group, the group across hosts
+        if self.gatherer is not None and cfg.zero.hpz_partition_size > 1:
+            self.hpz_groups = hpz.attach(self.gatherer, cfg.zero.hpz_partition_size, self.pg.world_size, self.pg.rank)
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
@@ -268,6 +271,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         if self.gatherer is not None:  # Note [expert gradients] in grad_reduce.py
             self.gatherer.on_backward_over = self.reducer.close_unit
         self._quantize_collectives(cfg.zero)
+        if self.hpz_groups[1] is not None:  # ZeRO++ hpZ over several hosts
+            self.reducer.hierarchy = self.hpz_groups
         self.optimizer = optimizer  # the user's object steps the masters (update.py)
         from zerorun.schedulers import build_scheduler  # torch's classes and DeepSpeed's five
 
@@ -477,6 +482,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             "optimizer_state": placed["device"],
             "communication_buffers": transient,
         }
+        if self.hpz_groups[0] is not None:  # ZeRO++ hpZ: the host-local copies backward gathers from
+            breakdown["secondary_parameters"] = hpz.secondary_nbytes(self.records + self.frozen_records)
         breakdown["total"] = sum(breakdown.values())
         # Offloaded state (offload/placements.py): host memory and NVMe files, outside the device total.
         breakdown["offloaded_host"] = placed["host"] + params["host"]

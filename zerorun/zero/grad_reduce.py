@@ -179,6 +179,9 @@ class GradReducer:
         # Elements per int8 block of a quantized reduce-scatter (ZeRO++ qgZ: Note [quantized
         # collectives] in comm/collectives.py); None: exact.
         self.quantize_block: int | None = None
+        # ZeRO++ hpZ's (host group, group across hosts): exact reduce-scatters run as two, within
+        # the host then across (Note [hierarchical reduce-scatter] in comm/collectives.py); None: flat.
+        self.hierarchy: tuple | None = None
         self._next = 0
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
@@ -296,7 +299,10 @@ class GradReducer:
             self._zero_unwritten(unit, bucket, written)
         # The window's first contribution reduces straight into the accumulator.
         out = into if into is not None else torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
-        if self.quantize_block is None:
+        if self.quantize_block is None and self.hierarchy is not None:
+            handle = collectives.hierarchical_reduce_scatter(out, bucket, within=self.hierarchy[0], across=self.hierarchy[1],
+                                                             async_op=True, unit=unit.collective_id)
+        elif self.quantize_block is None:
             handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True, unit=unit.collective_id)
         else:
             handle = collectives.quantized_reduce_scatter(out, bucket, group=self.group,

@@ -585,10 +585,13 @@ class ParamGatherer:
                 record.unit.release()
 
     def release_all(self) -> None:
-        """Release every idle unit and let the pool go (at each step, before the update; before a
-        checkpoint load rewrites shards)."""
+        """Release every idle unit, invalidate hpZ's secondary copies and let the pool go (at each
+        step, before the update; before a checkpoint load rewrites shards)."""
         self._unpin()
         self._release_idle()
+        for record in self.records:  # the shards change next (Note [secondary copy] in unit/secondary.py)
+            if record.unit.secondary is not None:
+                record.unit.secondary.invalidate()
         if self.pool is not None:
             self.pool.clear()
         self._backward_task = None

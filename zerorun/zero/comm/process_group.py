@@ -282,3 +282,24 @@ def _watch_for_uncaught_exceptions() -> None:
         previous(kind, value, traceback)
 
     sys.excepthook = note
+
+
+def partition_groups(world_size: int, size: int, rank: int):
+    """ZeRO++ hpZ's subgroups (Note [secondary copy] in zero/unit/secondary.py): the group of
+    ``size`` consecutive ranks this rank is in (one host), and the group of the ranks at its
+    place in every such group (one per host; None when there is one host). Every rank creates
+    every group, in the same order, as ``dist.new_group`` requires."""
+    from zerorun.zero.unit.secondary import partition_groups as members
+
+    within, across = members(world_size, size)
+    mine_within = mine_across = None
+    for ranks in within:
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine_within = group
+    if len(within) > 1:
+        for ranks in across:
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine_across = group
+    return mine_within, mine_across

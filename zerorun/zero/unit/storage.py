@@ -58,6 +58,7 @@ from zerorun.zero.comm import collectives
 from zerorun.zero.host_memory import host_buffer
 from zerorun.zero.unit import staging
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
+from zerorun.zero.unit.secondary import SecondaryCopy
 
 
 # The group index of a frozen unit: in no optimizer group (Note [frozen units] in unit/partition.py).
@@ -201,6 +202,10 @@ class FlatUnit:
         # Elements per int8 block when this unit's gathers are quantized (ZeRO++ qwZ: Note
         # [quantized collectives] in comm/collectives.py); None: exact gathers.
         self.quantize_block: int | None = None
+        # ZeRO++ hpZ's host-local copy (Note [secondary copy] in unit/secondary.py), None: off;
+        # whether the gather in flight refreshes it.
+        self.secondary: SecondaryCopy | None = None
+        self._keep_secondary = False
         self._staged_shard: torch.Tensor | None = None  # Note [host shards]
         self.pool: GatherPool | None = None  # set by the stage-3 gatherer on CPU
         self._lent: torch.UntypedStorage | None = None  # the pool's (now empty) storage object
@@ -219,6 +224,8 @@ class FlatUnit:
         position = next(i for i, p in enumerate(self.params) if p is param)
         offset, numel = self.layout.offsets[position], param.numel()
         flat = value.reshape(-1)
+        if self.secondary is not None:
+            self.secondary.invalidate()
         with torch.no_grad():
             if self.state is not ParamState.SHARDED:
                 self.full[offset : offset + numel].copy_(flat)
@@ -265,6 +272,15 @@ class FlatUnit:
 
             check_mapped(*mapped)
         self._allocate_full()
+        secondary = self.secondary
+        kept = secondary.serves() if secondary is not None else None
+        if secondary is not None and kept is not None:  # backward: within the host
+            self._keep_secondary = False
+            self._gather_handle = collectives.all_gather(self.full, kept, group=secondary.group,
+                                                         async_op=True, unit=self.collective_id)
+            self._move(ParamState.GATHERING)
+            return
+        self._keep_secondary = secondary is not None and secondary.keeps()
         source = self.shard
         if source.dtype != self.dtype:  # Note [fp32 shard]: cast into this rank's slot
             lo, hi = self.layout.chunk_range(self.rank)
@@ -285,10 +301,13 @@ class FlatUnit:
         """Gathers issued inside are never quantized (qwZ): a full state dict, a
         GatheredParameters block, which may write the gathered values back to the masters."""
         block, self.quantize_block = self.quantize_block, None
+        secondary, self.secondary = self.secondary, None  # an exact copy is not forward's values
         try:
             yield
         finally:
-            self.quantize_block = block
+            self.quantize_block, self.secondary = block, secondary
+            if secondary is not None:  # the block may have written the masters
+                secondary.invalidate()
 
     def gather(self, group) -> None:
         """Make ``full`` valid (waiting for a prefetch if one is in flight)."""
@@ -302,6 +321,9 @@ class FlatUnit:
                 raise InternalError(f"unit {self.index}: gathering without a collective in flight")
             self._gather_handle.wait()
             self._gather_handle = self._staged_shard = None  # the collective has read the staged copy
+            if self._keep_secondary and self.secondary is not None:
+                self.secondary.keep(self.full)
+                self._keep_secondary = False
             self._move(ParamState.GATHERED)
 
     def release(self, *, detach: bool = False) -> None:
