@@ -105,3 +105,19 @@ def test_two_hosts_of_two_ranks_hpz_sends_what_the_estimate_says():
 def test_the_secondary_copy_is_a_1_over_h_of_the_padded_units():
     assert secondary_elements(PSI, 4, 2) == PSI // 2
     assert secondary_elements(7, 4, 2) == 4  # padded to 8 for 4 ranks
+
+
+def test_the_launcher_checks_it_against_its_plan():
+    from types import SimpleNamespace
+
+    from zerorun.launch.prepare import _rank_hosts
+
+    def plan(*workers: int, world: int | None = None):
+        nodes = [SimpleNamespace(workers=[None] * n) for n in workers]
+        return SimpleNamespace(nodes=nodes, world_size=world or sum(workers))
+
+    assert _rank_hosts(plan(2, 2)) == (0, 0, 1, 1)
+    assert _rank_hosts(plan(1, 1)) == (0, 1)
+    assert _rank_hosts(plan(2, world=4)) is None  # srun's per-node launcher plans its own node only
+    (refused,) = _problems({"stage": 3, "hpz_partition_size": 2}, 2, _rank_hosts(plan(1, 1)))
+    assert "ranks per host: 1,1" in refused
