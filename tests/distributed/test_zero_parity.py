@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zero_parity_harness as harness
+from zerorun.zero.engine import CHUNK_ALIGNMENT
 from gloo_world import start_processes
 
 TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-1), "fp16": (2e-3, 1e-2)}
@@ -40,7 +41,7 @@ TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (1e-2, 1e-1), "fp16": (2e-3, 1e-2)}
 # bit-identical at 2 ranks, where a sum of two parts has one order), 2^-11 in fp16.
 CROSS_STAGE_TOLERANCE = {"bf16": (2.0**-8, 2e-2), "fp16": (1e-3, 5e-3)}
 PARITY_CASES = [c for c in harness.cases() if "overflow" not in c.name]
-OVERFLOW_CASE = next(c for c in harness.cases() if "overflow" in c.name)
+OVERFLOW_CASES = [c for c in harness.cases() if "overflow" in c.name]
 
 
 def _run_world(world: int) -> dict:
@@ -163,8 +164,9 @@ def test_comparison_catches_a_wrong_reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_fp16_overflow_skips_step_and_lowers_scale(world):
-    got = results(world)[OVERFLOW_CASE.name]
+@pytest.mark.parametrize("overflow_case", OVERFLOW_CASES, ids=lambda c: c.name)
+def test_fp16_overflow_skips_step_and_lowers_scale(world, overflow_case):
+    got = results(world)[overflow_case.name]
     skipped = got["skipped"]
     assert skipped[0] == 1, "a 2^20 loss scale must overflow on the first step"
     assert 0 < skipped[-1] < harness.STEPS, "the scale must come down far enough to train"
@@ -172,9 +174,52 @@ def test_fp16_overflow_skips_step_and_lowers_scale(world):
         assert scale == 2.0 ** (harness.OVERFLOW_SCALE_POWER - skips)
     assert got["skipped_agree"]
     first_applied = skipped[-1]
-    ref = reference(OVERFLOW_CASE)
+    ref = reference(overflow_case)
     # Skipped steps left the parameters untouched, so the loss right after equals the
     # reference's first loss evaluated on that step's batch: compare step 0 (same params).
     assert math.isclose(got["losses"][0], ref["losses"][0], rel_tol=TOLERANCE["fp16"][0])
     moved = (got["final"]["inner.weight"].float() - got["initial"]["inner.weight"].float()).abs().max()
     assert first_applied < harness.STEPS and moved > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage1_sends_one_all_reduce_per_step(world):
+    """Stage 1 reduce-scatters each unit's locally accumulated gradient at the boundary and
+    all-gathers the updated chunks after the step (Note [scatter in place] in
+    zerorun/zero/grad_reduce.py): per unit, a reduce-scatter and an all-gather of its padded
+    buffer, (N-1)/N of it sent by each rank in each, so 2 (N-1)/N in all, DDP's all-reduce; it
+    all-reduced, then all-gathered (3 (N-1)/N, 1.5x) before. The window's first micro-step
+    sends nothing, and after the boundary's backward no trained parameter shows a ``.grad``
+    (its buffer holds a partial sum outside this rank's chunk); before it, all do. Stage 0's
+    all-reduce in the same world sends the same bytes per step."""
+    share = (world - 1) / world
+    stage1 = [c for c in harness.cases() if c.stage == 1 and "overflow" not in c.name]
+    assert any(c.accumulation > 1 and c.clipping > 0 for c in stage1)
+    for case in stage1:
+        got = results(world)[case.name]
+        units = got["units"]
+        assert len(units) >= 3, "several units, so bucketing and launch order are exercised"
+        # the norm's float64 all-reduce, gloo's own, by the ring formula (Note [link classes])
+        norm = [("all_reduce", 8, 2 * (8 // world) * (world - 1))] if case.clipping > 0 or case.dtype == "fp16" else []
+        expected = sorted([("reduce_scatter", b, share * b) for b in units] + norm
+                          + [("all_gather", b, share * b) for b in units])
+        window = case.accumulation
+        for micro, ops in enumerate(got["micro_steps"]):
+            boundary = micro % window == window - 1
+            if not boundary:
+                assert ops == [], f"{case.name} micro-step {micro}: communicated before the boundary: {ops}"
+                assert got["grads_held"][micro] == [True, True], f"{case.name} micro-step {micro}: local sum not kept"
+                continue
+            # reduce-scatters in the engine's reduce order, all-gathers in unit order
+            assert sorted(map(tuple, ops)) == expected, f"{case.name} micro-step {micro}: {ops}"
+            assert got["grads_held"][micro] == [False, False], f"{case.name} micro-step {micro}: a partial .grad shown"
+        sent = sum(sent for op, _, sent in got["micro_steps"][window - 1] if op != "all_reduce")
+        assert sent == 2 * share * sum(units), case.name
+        # Stage 0 in the same world: its buckets are padded to 8 elements, stage 1's to 8 N.
+        ddp = results(world)[case.name.replace("s1-", "s0-", 1).split("+")[0]]
+        gradient_all_reduces = [op for op in ddp["micro_steps"][window - 1] if op[0] == "all_reduce" and op[1] > 8]
+        ddp_sent = sum(op[2] for op in gradient_all_reduces)
+        assert len(gradient_all_reduces) == len(ddp["units"]) == len(units), case.name
+        assert ddp_sent == sum(2 * (b // world) * (world - 1) for b in ddp["units"]), case.name
+        assert abs(sent - ddp_sent) <= 2 * share * 4 * world * CHUNK_ALIGNMENT * len(units), (case.name, sent, ddp_sent)

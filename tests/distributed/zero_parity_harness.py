@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zerorun.zero.comm import collectives
 from zerorun.zero.comm.process_group import leaving_together
 from zerorun.zero.engine import initialize
 from zerorun.zero.offload.placements import OnDevice, OnFile
@@ -116,8 +117,9 @@ def cases() -> list[Case]:
     found.append(Case("s3-sgd-root-unit-fp32", 3, "sgd", accumulation=2, extra={"zero": {"allgather_bucket_size": 10**6}}))
     # fp16 overflow: a loss scale of 2^20 overflows fp16 gradients, so every rank must skip
     # the step and halve the scale until it fits, then train normally.
-    found.append(Case("s2-fp16-overflow", 2, dtype="fp16",
-                      extra={"precision": {"initial_scale_power": OVERFLOW_SCALE_POWER, "hysteresis": 1}}))
+    for stage in (1, 2):  # stage 1: the overflow seen in the reduced chunks (Note [scatter in place])
+        found.append(Case(f"s{stage}-fp16-overflow", stage, dtype="fp16",
+                          extra={"precision": {"initial_scale_power": OVERFLOW_SCALE_POWER, "hysteresis": 1}}))
     return found + offload_cases()
 
 
@@ -174,7 +176,37 @@ def offload_cases() -> list[Case]:
     return found
 
 
-def train_step(engine, case: Case, rank: int, world: int, step: int) -> float:
+class PerMicroStep:
+    """An observer on zerorun/zero/comm/collectives.py: per micro-step, every collective as
+    [op, bytes, bytes this rank sends], and whether the trained parameters (all but ``unused``)
+    held a ``.grad`` after its backward: [any, all]."""
+
+    def __init__(self, engine):
+        self.units = [r.unit.layout.padded_numel * r.unit.full.element_size() for r in engine.records]
+        self.trained = [p for n, p in engine.module.named_parameters() if p.requires_grad and not n.startswith("unused.")]
+        self.micro_steps: list[list] = []
+        self.grads_held: list[list[bool]] = []
+        self._ops: dict[int, list] = {}
+
+    def collective_started(self, seq, op, nbytes):
+        self._ops.setdefault(seq, [op, nbytes, 0])[:2] = [op, nbytes]
+
+    def collective_finished(self, seq, op, nbytes, seconds, waited):
+        pass
+
+    def collective_sent(self, seq, op, within, between):
+        self._ops.setdefault(seq, [op, 0, 0])[2] = within + between
+
+    def after_backward(self) -> None:
+        held = [p.grad is not None for p in self.trained]
+        self.grads_held.append([any(held), all(held)])
+
+    def after_step(self) -> None:
+        self.micro_steps.append([self._ops[seq] for seq in sorted(self._ops)])
+        self._ops.clear()
+
+
+def train_step(engine, case: Case, rank: int, world: int, step: int, observed: PerMicroStep | None = None) -> float:
     """One optimizer step on this rank's rows of the global batch; the mean loss over ranks."""
     rows_per_micro = GLOBAL_BATCH // (world * case.accumulation)
     tokens, targets = global_batch(step)
@@ -184,7 +216,11 @@ def train_step(engine, case: Case, rank: int, world: int, step: int) -> float:
         rows = slice(start, start + rows_per_micro)
         loss = engine(tokens[rows], targets[rows])
         engine.backward(loss)
+        if observed is not None:
+            observed.after_backward()
         engine.step()
+        if observed is not None:
+            observed.after_step()
         window += loss.detach().float()
     if world > 1:
         dist.all_reduce(window)
@@ -199,10 +235,15 @@ def train_engine(case: Case, rank: int, world: int) -> dict:
     homes = EmbeddingsOnDevice(rank) if case.embeddings_on_device else None
     engine = initialize(model, build_optimizer(model, case.optimizer), case.config(), state_home_for=homes)
     losses, scales, skipped = [], [], []
-    for step in range(STEPS):
-        losses.append(train_step(engine, case, rank, world, step))
-        scales.append(engine.loss_scale)
-        skipped.append(engine.skipped_steps)
+    observed = PerMicroStep(engine)
+    collectives.add_observer(observed)
+    try:
+        for step in range(STEPS):
+            losses.append(train_step(engine, case, rank, world, step, observed))
+            scales.append(engine.loss_scale)
+            skipped.append(engine.skipped_steps)
+    finally:
+        collectives.remove_observer(observed)
     skips = torch.tensor([engine.skipped_steps, -engine.skipped_steps])
     if world > 1:
         dist.all_reduce(skips, op=dist.ReduceOp.MAX)
@@ -214,6 +255,9 @@ def train_engine(case: Case, rank: int, world: int) -> dict:
         "initial": initial,
         "final": engine.full_state_dict(rank0_only=True),
         "global_step": engine.global_step,
+        "units": observed.units,
+        "micro_steps": observed.micro_steps,
+        "grads_held": observed.grads_held,
     }
 
 
@@ -239,8 +283,6 @@ def train_reference(case: Case, lr_scale: float = 1.0) -> dict:
 
 def check_collectives(rank: int, world: int) -> list[str]:
     """zerorun.zero.comm.collectives against torch's own all_reduce; returns the failures."""
-    from zerorun.zero.comm import collectives
-
     failures = []
     gen = torch.Generator().manual_seed(rank)
     for n in (1, 5, 1000):

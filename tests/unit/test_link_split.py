@@ -100,8 +100,8 @@ def step_collectives(stage: int, world: int, qwz: bool, qgz: bool) -> list[tuple
     reduce = [("exchange", quantize.packed_nbytes(PSI // world, BLOCK))] if qgz else [("ring", P * PSI)]
     if stage == 0:
         return [("all_reduce", P * PSI)]
-    if stage == 1:
-        return [("all_reduce", P * PSI), ("ring", P * PSI)]
+    if stage == 1:  # the gradient reduce-scattered at the boundary (Note [scatter in place])
+        return [("ring", P * PSI), ("ring", P * PSI)]
     if stage == 2:
         return reduce + [("ring", P * PSI)]
     gathers = list(UNITS) + list(UNITS[1:])  # forward, then backward without the head

@@ -24,7 +24,7 @@ PSI = 33_674_240  # the benchmark GPT
 def test_two_hosts_one_rank_each():
     job = Job(gpus_per_node=1, nodes=2)
     q = 1 + 4 / 2048
-    expected = {"stage 0": 4 * PSI, "stage 1": 6 * PSI, "stage 2": 4 * PSI, "stage 2+qgz": 2 * PSI + PSI / 2 * q,
+    expected = {"stage 0": 4 * PSI, "stage 1": 4 * PSI, "stage 2": 4 * PSI, "stage 2+qgz": 2 * PSI + PSI / 2 * q,
                 "stage 3": 6 * PSI, "stage 3+qwz": 2 * PSI + PSI * q, "stage 3+qgz": 4 * PSI + PSI / 2 * q,
                 "stage 3+qwz+qgz": 1.5 * PSI * q}
     rows = {row.label: row for row in all_traffic(PSI, job, 4)}

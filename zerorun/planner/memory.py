@@ -270,8 +270,11 @@ def bucket_elements(model: ModelSpec, training: Training) -> int:
 def communication_buffer_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     """Transient buffers the collectives need, at their peak (see Note [engine buffers]).
 
-    stage 0/1: 0. Gradients are all-reduced in place in the persistent gradient buffer, and
-               the updated parameters are all-gathered in place into the parameter buffer.
+    stage 0/1: 0. Gradients are all-reduced in place in the persistent gradient buffer (stage
+               1: reduce-scattered into its own chunk, Note [scatter in place] in
+               zero/grad_reduce.py; only the CPU ring between hosts keeps a receive slice per
+               reduce-scatter in flight, not counted), and the updated parameters are
+               all-gathered in place into the parameter buffer.
     stage 2:   gradient buckets of p·B bytes: up to (in-flight + 1) alive, one filling while
                the others are reduce-scattered, each in-flight one with its p·B/N output;
                never more buckets than the model has (Ψ/B of them).
@@ -380,7 +383,7 @@ def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> 
     of the F units in flight, whose outputs the buckets column counts (in fp32 the output
     becomes the accumulator: counting both overstated the 8.4M MLP's stage 3 by 4.2 MB).
     Stage 2: the F + 1 buckets alive (F in flight, one filling) have no shard yet, 4·Σ⌈B/N⌉.
-    Stages 0-1 all-reduce full buffers (no buckets to credit against), and a single rank
+    Stages 0-1 reduce full buffers in place (no buckets to credit against), and a single rank
     communicates nothing.
     """
     if training.stage < 2 or job.world_size == 1 or training.offload != "none":

@@ -7,8 +7,8 @@ rank send (N-1)/N B for a reduce-scatter or an all-gather and twice that for an 
 (gloo's ring, and zerorun's comm/ring.py). Per step, what zerorun issues:
 
     stage 0 (and DDP)   all-reduce of the gradients                      2 (N-1)/N pΨ
-    stage 1             all-reduce of the gradients + all-gather of the
-                        updated parameters                               3 (N-1)/N pΨ
+    stage 1             reduce-scatter of the gradients at the boundary
+                        + all-gather of the updated parameters           2 (N-1)/N pΨ
     stage 2             reduce-scatter + all-gather                      2 (N-1)/N pΨ
     stage 3             all-gather in forward and in backward +
                         reduce-scatter                                   (N-1)/N p(3Ψ - K)
@@ -68,8 +68,8 @@ def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz
         return _hpz_traffic(num_params, job, param_bytes, qwz=qwz, qgz=qgz, quantized=quantized, kept=kept, hpz=hpz)
     if stage == 0:
         ring_bytes, exchange_bytes = 2 * ring * param_bytes, 0.0
-    elif stage == 1:
-        ring_bytes, exchange_bytes = 3 * ring * param_bytes, 0.0
+    elif stage == 1:  # Note [scatter in place] in zero/grad_reduce.py
+        ring_bytes, exchange_bytes = 2 * ring * param_bytes, 0.0
     elif stage == 2:
         gather = ring * param_bytes
         ring_bytes, exchange_bytes = (gather, ring * quantized) if qgz else (2 * gather, 0.0)

@@ -259,7 +259,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
             update_bucket_size=cfg.zero.update_bucket_size,
         )
-        policy = ReducePolicy.ALL_REDUCE if self.stage <= 1 else ReducePolicy.REDUCE_SCATTER
+        policy = ReducePolicy.for_stage(self.stage)  # Note [scatter in place] in grad_reduce.py (stage 1)
         self.reducer = GradReducer(
             self.records, partition.reduce_order, policy, self.group,
             on_unit_complete=self.gatherer.unit_grads_done if self.gatherer else None,

@@ -1,11 +1,16 @@
 """Gradient reduction during backward: one bucketed collective per unit, launched from
 post-accumulate-grad hooks so communication overlaps the rest of backward.
 
-Two policies, one mechanism (the stage picks the policy):
+Three policies, one mechanism (the stage picks the policy):
 
-ALL_REDUCE (stages 0-1)  every unit keeps a persistent full-size gradient buffer and each
+ALL_REDUCE (stage 0)  every unit keeps a persistent full-size gradient buffer and each
     parameter's ``.grad`` IS a view into it, so autograd accumulates in place (no copy).
     Micro-steps inside an accumulation window communicate nothing; the last one all-reduces.
+SCATTER_AT_BOUNDARY (stage 1)  the same full buffer and ``.grad`` views through the window, and
+    the same silent micro-steps; the boundary's backward reduce-scatters each unit's buffer, so
+    this rank receives only the chunk its optimizer partition updates (Note [scatter in place]).
+    With the all-gather of the updated parameters after the step, a step moves one all-reduce's
+    bytes, as DDP does: an all-reduce there sent 1.5x DDP's (docs/benchmarks.md, bench_link).
 REDUCE_SCATTER (stages 2-3)  no full gradient is kept: a unit's gradients are copied into a
     transient bucket, reduce-scattered, and only this rank's chunk is added into a persistent
     fp32 shard accumulator. This runs on every micro-step: accumulating locally would need the
@@ -18,10 +23,19 @@ accumulator (in fp32 its output buffer simply becomes the accumulator) and ``zer
 after the step, as FSDP2 frees its sharded gradients. So during forward and most of backward
 the gradient column holds only the units already reduced, and at stage 3 the units being
 gathered for backward never have a shard beside their gathered parameters; the planner counts
-this (planner/memory.py, ``unreduced_gradient_bytes``). ALL_REDUCE (stage 1): a unit's full
+this (planner/memory.py, ``unreduced_gradient_bytes``). SCATTER_AT_BOUNDARY (stage 1): a unit's full
 buffer is allocated at the first arrival of one of its gradients in the window (that first
-gradient is added in; the others accumulate into the buffer's views in place) and dropped,
-with every ``.grad`` view, after the step. Stage 0 keeps its buffers, as DDP keeps its buckets.
+gradient is added in; the others accumulate into the buffer's views in place) and dropped
+after the step. Stage 0 keeps its buffers, as DDP keeps its buckets.
+
+Note [scatter in place]: SCATTER_AT_BOUNDARY reduce-scatters a unit's full buffer into that
+buffer's own chunk (``record.gradient.chunk`` is a view of it), as NCCL allows in place and as
+both CPU transports do (the ring keeps a receive slice of its own, the host channel copies its
+own part before it writes), so no output buffer exists beside the full one. After the reduction
+the rest of the buffer holds only this rank's unreduced sum, which nothing may read as a
+gradient: every ``.grad`` view of the unit is dropped then (``.grad`` is None from the boundary's
+backward to the next window, as at stages 2-3; ``get_global_grad_norm()`` is the norm of the
+reduced chunks), and the buffer itself goes after the step (Note [lazy gradient shards]).
 
 Note [launch order]: collectives must be issued in the same order on every rank. A unit is
 launched only when it is complete AND every unit before it in ``order`` has launched; whatever
@@ -76,11 +90,22 @@ from zerorun.zero.unit.storage import FlatUnit
 
 class ReducePolicy(enum.Enum):
     ALL_REDUCE = "all_reduce"
+    SCATTER_AT_BOUNDARY = "scatter_at_boundary"
     REDUCE_SCATTER = "reduce_scatter"
 
+    @property
+    def keeps_full(self) -> bool:
+        """A full gradient buffer per unit, accumulated locally through the window."""
+        return self is not ReducePolicy.REDUCE_SCATTER
 
-# REDUCE_SCATTER keeps at most this many buckets in flight, so transient gradient memory
-# stays a few buckets, not the whole model (the point of stage 2).
+    @classmethod
+    def for_stage(cls, stage: int) -> ReducePolicy:
+        return {0: cls.ALL_REDUCE, 1: cls.SCATTER_AT_BOUNDARY}.get(stage, cls.REDUCE_SCATTER)
+
+
+# A reduce-scatter policy keeps at most this many buckets in flight, so transient gradient memory
+# stays a few buckets, not the whole model (the point of stage 2; at stage 1, the CPU ring's
+# receive slices).
 #
 # Note [in flight by events]: a reduce-scatter is in flight until it is known finished, not until
 # a host call returned. On the CPU that is its wait(): the oldest is waited for (the host blocks)
@@ -186,7 +211,7 @@ class GradReducer:
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
         self.lazy_gradients = lazy_gradients  # Note [lazy gradient shards]
-        if policy is ReducePolicy.ALL_REDUCE:
+        if policy.keeps_full:
             if not lazy_gradients:
                 for record in records:
                     self._create_full(record)
@@ -223,7 +248,7 @@ class GradReducer:
         if grad is None:
             raise InternalError(f"unit {record.index}: a gradient hook fired for a parameter without .grad")
         gradient = record.gradient
-        if self.policy is ReducePolicy.ALL_REDUCE:
+        if self.policy.keeps_full:
             full = gradient.full
             if full is None:  # Note [lazy gradient shards]: the window's first arrival
                 full = self._create_full(record, arriving=position)
@@ -284,12 +309,21 @@ class GradReducer:
         gradient = record.gradient
         into = gradient.start_reduce(record.unit.dtype)  # READY -> REDUCING, or InternalError
         unit = record.unit
-        if self.policy is ReducePolicy.ALL_REDUCE:
+        if self.policy.keeps_full:
             full = gradient.full
             if full is None:  # nothing arrived on this rank; other ranks may contribute
                 full = self._create_full(record)
-            handle = collectives.all_reduce(full, group=self.group, async_op=True, unit=unit.collective_id)
+            if self.policy is ReducePolicy.ALL_REDUCE:
+                handle = collectives.all_reduce(full, group=self.group, async_op=True, unit=unit.collective_id)
+                self._in_flight.append((record, handle, None))
+                return
+            chunk = gradient.chunk
+            if chunk is None:
+                raise InternalError(f"unit {record.index}: a full gradient buffer without its chunk")
+            # Note [scatter in place]: this rank's chunk of the sum lands in the buffer's own chunk.
+            handle = collectives.reduce_scatter(chunk, full, group=self.group, async_op=True, unit=unit.collective_id)
             self._in_flight.append((record, handle, None))
+            self._retire_beyond_limit()
             return
         bucket, written, buffer = gradient.hand_over_bucket()
         if bucket is None:  # nothing arrived on this rank; other ranks may still contribute
@@ -309,7 +343,10 @@ class GradReducer:
                                                           block=self.quantize_block, async_op=True,
                                                           unit=unit.collective_id)
         self._in_flight.append((record, handle, (out, bucket, buffer)))
-        # Note [in flight by events]
+        self._retire_beyond_limit()
+
+    def _retire_beyond_limit(self) -> None:
+        """Note [in flight by events]"""
         while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or self._in_flight[0][1].finished_on_device()):
             self._complete_oldest()
 
@@ -321,6 +358,9 @@ class GradReducer:
             out, _bucket, pooled = buffers  # an unpooled bucket dies with this tuple
         # Note [lazy gradient shards]: the window's first contribution becomes the chunk.
         record.gradient.finish_reduce(out)
+        if self.policy is ReducePolicy.SCATTER_AT_BOUNDARY:
+            for param in record.unit.params:  # Note [scatter in place]: no view shows a partial sum
+                param.grad = None
         if pooled is not None:
             self._pool_of(record.unit).give_back(pooled)
         if self.on_unit_reduced is not None and self.communicate:
@@ -328,7 +368,7 @@ class GradReducer:
 
     def finish_backward(self) -> None:
         """Issue what unused parameters held back (in order), then wait for everything."""
-        if self.policy is ReducePolicy.ALL_REDUCE and not self.communicate:
+        if self.policy.keeps_full and not self.communicate:
             return
         for index in self.order[self._next :]:
             record = self.records[index]
@@ -352,7 +392,7 @@ class GradReducer:
 
     @staticmethod
     def _create_full(record: UnitRecord, arriving: int | None = None) -> torch.Tensor:
-        """ALL_REDUCE: the unit's zeroed full gradient buffer (returned); every parameter's
+        """ALL_REDUCE, SCATTER_AT_BOUNDARY: the unit's zeroed full gradient buffer (returned); every parameter's
         ``.grad`` but the ``arriving`` one's (added in by the caller) becomes a view into it."""
         unit = record.unit
         full = torch.zeros_like(unit.full)
