@@ -11,7 +11,7 @@ raises ``CollectiveMismatch`` at that collective, within seconds, naming each ra
 and the likely cause, and every loss computed before it equals plain torch's (1e-5 relative).
 With ``generate``'s default (synced at stage 3) the same uneven lengths give plain torch's tokens.
 The branch case runs twice: descriptors in the host channel's slot headers, and without a
-channel (``ZERORUN_HOST_CHANNEL=0``: the ring, descriptors in a side all-gather through gloo).
+channel (``ZERORUN_HOST_CHANNEL=0``: the ring driver, descriptors in band before the data).
 """
 
 from __future__ import annotations

@@ -45,6 +45,20 @@ def largest_allocation(run) -> int:
     return max([0, *sizes])
 
 
+def reduce_scatter_inline(out: torch.Tensor, bucket: torch.Tensor) -> None:
+    """The transport's reduce-scatter on the calling thread, where the profiler sees its
+    allocations (both transports run collectives on a worker thread of their own; every rank
+    calls this at the same point while its workers are idle)."""
+    from zerorun.zero.comm.host_channel import host_channel
+    from zerorun.zero.comm.ring import Ring
+
+    channel = host_channel(None)
+    if channel is not None:
+        channel._reduce_scatter(out, bucket)
+    else:
+        Ring("reduce_scatter", out, bucket, None, tag=0x3FFF_FFF0).wait()
+
+
 def transports(rank: int, world: int, channel: str, out_dir: str) -> dict:
     from zerorun.zero.comm import collectives
     from zerorun.zero.comm.host_channel import host_channel
@@ -63,8 +77,8 @@ def transports(rank: int, world: int, channel: str, out_dir: str) -> dict:
         bucket = rank_input(rank, world, dtype)
         expected = sum(rank_input(r, world, dtype).float() for r in range(world))[rank * CHUNK : (rank + 1) * CHUNK]
         out = torch.empty(CHUNK, dtype=dtype)
-        largest = largest_allocation(
-            lambda out=out, bucket=bucket: collectives.reduce_scatter(out, bucket, group=None, async_op=True).wait())
+        collectives.reduce_scatter(out, bucket, group=None, async_op=True).wait()
+        largest = largest_allocation(lambda out=out, bucket=bucket: reduce_scatter_inline(out, bucket))
         in_place = rank_input(rank, world, dtype)
         own_chunk = in_place[rank * CHUNK : (rank + 1) * CHUNK]
         collectives.reduce_scatter(own_chunk, in_place, group=None)
@@ -199,3 +213,45 @@ def test_stale_channel_files_are_removed_by_pid_and_age(tmp_path):
         f"zerorun-inbox-p{dead}-abc", f"zerorun-outbox-p{dead}-abc"]
     assert shm_names.remove_files_of([os.getpid()], str(tmp_path)) == [str(tmp_path / f"zerorun-outbox-p{os.getpid()}-abc")]
     assert os.listdir(tmp_path) == ["zerorun-outbox-other"]
+
+
+def ring_in_background(rank: int, world: int) -> dict:
+    """Issue 40 (Note [ring progress]): between hosts a collective is issued without waiting for
+    its peers, and completes while the callers compute, however long the ring."""
+    from zerorun.zero.comm import collectives
+
+    os.environ["ZERORUN_HOST_CHANNEL"] = "0"
+    torch.set_num_threads(1)
+    shard = torch.full((CHUNK,), float(rank))
+    expected = torch.cat([torch.full((CHUNK,), float(r)) for r in range(world)])
+    collectives.all_gather(torch.empty(world * CHUNK), shard, group=None)  # every transport is set up
+    # 1. The issue does not wait for the peers: the last rank issues 2 s after the others.
+    if rank == world - 1:
+        time.sleep(2.0)
+    started = time.monotonic()
+    first = torch.empty(world * CHUNK)
+    handle = collectives.all_gather(first, shard, group=None, async_op=True)
+    issued_s = time.monotonic() - started
+    handle.wait()
+    # 2. Every step moves while the ranks compute: the last rank computes 4 s, the others 1 s, so
+    # a ring whose later steps are posted by wait() holds the others' wait until the last one's.
+    second = torch.empty(world * CHUNK)
+    handle = collectives.all_gather(second, shard, group=None, async_op=True)
+    time.sleep(4.0 if rank == world - 1 else 1.0)
+    started = time.monotonic()
+    handle.wait()
+    waited_s = time.monotonic() - started
+    return {"issued_s": issued_s, "waited_s": waited_s,
+            "exact": bool(torch.equal(first, expected) and torch.equal(second, expected))}
+
+
+def test_ring_collectives_progress_while_the_caller_computes(tmp_path):
+    """Old main: a rank blocked at the issue until every peer issued too (the descriptors' side
+    all-gather: about 2 s here), and a ring of 3 moved only its first step before ``wait()``
+    (the first ranks' waits took about 3 s)."""
+    results = run_ranks(ring_in_background, 3, tmp_path, 3)
+    for rank, result in results.items():
+        assert result["exact"], rank
+    for rank in (0, 1):
+        assert results[rank]["issued_s"] < 1.0, (rank, results[rank])  # the last rank issued 2 s later
+        assert results[rank]["waited_s"] < 1.0, (rank, results[rank])  # the last rank waited 3 s later

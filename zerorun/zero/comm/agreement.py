@@ -22,13 +22,14 @@ whose collectives differ in kind or size still exchange their descriptors with e
   barrier, a ring fallback) first runs a header-only round on the channel, waited before the
   collective is issued: the channel's rounds then order every collective of the group, so a
   rank in an all-reduce and a rank in an all-gather meet in the channel and see it.
-- Ranks without a channel (other hosts, ZERORUN_HOST_CHANNEL=0): a side all-gather of the
-  descriptors (8 int64 per rank) through gloo, waited before the collective is issued.
-Waited before, not beside: gloo aborts the whole process (SIGABRT from its own thread, "Received
+- Ranks without a channel (other hosts, ZERORUN_HOST_CHANNEL=0): the group's ring driver thread
+  sends the descriptor (8 int64) to every peer under a header tag, point to point, and compares
+  before the collective's first byte moves (Note [headers in band] in ring_driver.py); the
+  caller is not held at the issue. A collective the driver does not run (gloo's own all-reduce,
+  broadcast, barrier) sends its descriptor in a header-only job, waited before it is issued.
+Before, not beside: gloo aborts the whole process (SIGABRT from its own thread, "Received
 data size doesn't match expected size") when a peer's message has another size, so no byte of
-a collective moves through gloo before the ranks agreed on it. The price is that an
-asynchronous collective on those paths is issued once every rank has reached it (the ranks
-run in step anyway; the transfer itself still overlaps compute).
+a collective moves through gloo before the ranks agreed on it.
 - NCCL on a GPU's communication stream: not checked yet (a host comparison per collective would
   block the host on the stream; a device-side comparison is the way, not written).
 Chosen over folding a fingerprint into the payload (extra elements summed by a reduce-scatter):

@@ -91,6 +91,7 @@ from zerorun.zero.comm.event_ledger import EventLedger
 from zerorun.zero.comm.host_channel import host_channel, usable as host_channel_usable
 from zerorun.zero.comm.link_split import Sent
 from zerorun.zero.comm.ring import Ring
+from zerorun.zero.comm.ring_driver import data_tag, ring_driver
 
 
 class CollectiveObserver(Protocol):
@@ -324,36 +325,17 @@ def _job_hosts(world_size: int) -> tuple[int, ...]:
     return hosts
 
 
-class _SideCheck:
-    """Without a host channel: every rank's descriptor through a gloo all-gather of HEADER_NUMEL
-    int64 each, compared when waited."""
-
-    __slots__ = ("_work", "_gathered", "_mine", "_group")
-
-    def __init__(self, group, descriptor: Descriptor):
-        size = dist.get_world_size(group)
-        self._mine, self._group = descriptor, group
-        header = torch.tensor(descriptor.encode(), dtype=torch.int64)
-        self._gathered = torch.empty(size * agreement.HEADER_NUMEL, dtype=torch.int64)
-        self._work = _all_gather_flat(self._gathered, header, group=group, async_op=True)
-
-    def wait(self) -> None:
-        self._work.wait()
-        rows = self._gathered.view(-1, agreement.HEADER_NUMEL).tolist()
-        size = len(rows)
-        ranks = [r if self._group is None else dist.get_global_rank(self._group, r) for r in range(size)]
-        agreement.check([Descriptor.decode(row) for row in rows], ranks)
-
-
 def _agree_first(group, descriptor: Descriptor, seq: int) -> None:
     """The ranks' check of a collective whose transport does not carry its descriptor, waited
     before the collective is issued (gloo aborts the process when a peer sends another size): a
     round of the group's host channel (it then orders every collective of the group), else a
-    side all-gather through gloo; nothing on NCCL (Note [collective agreement])."""
+    header-only job of the group's ring driver (Note [headers in band] in ring_driver.py); nothing
+    on NCCL (Note [collective agreement])."""
     if dist.get_backend(group) != "gloo":
         return
     channel = host_channel(group)
-    check = channel.submit("check", None, None, seq, descriptor) if channel is not None else _SideCheck(group, descriptor)
+    check = (channel.submit("check", None, None, seq, descriptor) if channel is not None
+             else ring_driver(group).submit("check", seq, descriptor, None))
     check.wait()
 
 
@@ -413,7 +395,19 @@ def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group) 
     channel = host_channel(group)  # opened by the group's first collective here, on every rank
     if channel is not None and host_channel_usable(output, input):
         return _Transport(lambda seq, d: channel.submit(kind, output, input, seq, d), True, "channel")
-    return _Transport(lambda seq, _: Ring(kind, output, input, group, tag=seq & 0x7FFFFFFF), False, "ring")
+    return _point_to_point(lambda tag: Ring(kind, output, input, group, tag=tag), group, channel is not None, "ring")
+
+
+def _point_to_point(start, group, direct: bool, route: str) -> _Transport:
+    """A collective of sends and receives, ``start(tag) -> object with wait()``. A gloo group
+    without a host channel runs it on its ring driver, which carries its descriptor (Note [ring
+    progress], Note [headers in band]). ``direct``: it starts from the caller instead: beside a
+    channel (a tensor the channel cannot move), after the channel's check round, so the channel
+    still orders every collective of the group; on NCCL (qgZ's exchange of GPU tensors)."""
+    if direct:
+        return _Transport(lambda seq, _: start(data_tag(seq)), False, route)
+    driver = ring_driver(group)
+    return _Transport(lambda seq, d: driver.submit(route, seq, d, start), True, route)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False,
@@ -592,9 +586,10 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group
             quantize.pack(input[r * n : (r + 1) * n], block, send[r * part : (r + 1) * part])
     own = input[rank * n : (rank + 1) * n].float()  # read now: the caller may reuse ``input`` after wait()
     received = torch.empty_like(send)
+    direct = dist.get_backend(group) != "gloo" or host_channel(group) is not None
     inner = _issue("reduce_scatter_q", (size - 1) * part, None, True,
-                   transport=_Transport(lambda seq, _: Exchange(send, received, part, group, tag=seq & 0x7FFFFFFF), False,
-                                        "exchange"),
+                   transport=_point_to_point(lambda tag: Exchange(send, received, part, group, tag=tag), group,
+                                             direct, "exchange"),
                    descriptor=agreement.describe("reduce_scatter_q", input, unit), group=group, part=part)
 
     def finish() -> None:

@@ -26,6 +26,7 @@ from zerorun.errors import RuntimeConfigError
 from zerorun.worker import device
 from zerorun.zero.comm import rendezvous
 from zerorun.zero.comm.host_channel import close_host_channels
+from zerorun.zero.comm.ring_driver import close_ring_drivers
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def leave_together(group=None, *, settle_timeout_s: float = 5.0, gpu: int | None
     else:
         dist.barrier(group=group)
     close_host_channels()  # every rank has issued its last collective (the barrier): finish and stop
+    close_ring_drivers()
     if dist.get_backend(group) == "gloo":
         probe = torch.zeros(1)
         unreferenced = sys.getrefcount(probe)
@@ -152,6 +154,7 @@ def leaving_together(group=None):
         yield
     except BaseException:
         close_host_channels(finished=False)
+        close_ring_drivers(finished=False)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         raise

@@ -16,9 +16,11 @@ Algorithm (N ranks, buffers cut into N equal chunks, right = rank+1, left = rank
                   left's running sum of chunk (rank-s-2) to our own; after N-1 steps our
                   running sum of chunk ``rank`` holds every rank's contribution.
   all-gather      step s forwards chunk (rank-s) to the right and receives chunk (rank-s-1).
-The first step is posted when the collective is issued, the rest when it is waited on, so
-for two ranks the whole transfer overlaps whatever the caller does in between.
-Tags are the collective's sequence number, identical on every rank of an SPMD program.
+Between hosts the group's ring driver runs every step of it on a thread of its own (Note [ring
+progress] in ring_driver.py), so the whole transfer overlaps the caller's compute whatever N is;
+beside a host channel (tensors it cannot move) the caller posts the first step when issuing and
+the rest when waiting. Tags come from the collective's sequence number, identical on every rank
+of an SPMD program.
 """
 
 from __future__ import annotations
