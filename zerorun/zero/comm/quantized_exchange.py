@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zerorun.zero.comm.ring import post_in_pieces
+
 
 class Exchange:
     def __init__(self, send: torch.Tensor, received: torch.Tensor, part: int, group, tag: int):
@@ -22,8 +24,8 @@ class Exchange:
         self._works: list = []
         for step in range(1, size):  # each rank sends right by `step` and receives from left by `step`
             to, frm = (rank + step) % size, (rank - step) % size
-            self._works.append(dist.isend(send[to * part : (to + 1) * part], peer(to), group=group, tag=tag))
-            self._works.append(dist.irecv(received[frm * part : (frm + 1) * part], peer(frm), group=group, tag=tag))
+            self._works += post_in_pieces(send[to * part : (to + 1) * part], peer(to),
+                                          received[frm * part : (frm + 1) * part], peer(frm), group, tag)
 
     def wait(self) -> None:
         for work in self._works:

@@ -126,8 +126,8 @@ class RingDriver:
         works = []
         for r in range(self.size):
             if r != self.rank:
+                works.append(dist.irecv(theirs[r], self.global_ranks[r], group=self.group, tag=tag))  # Note [receives first]
                 works.append(dist.isend(mine, self.global_ranks[r], group=self.group, tag=tag))
-                works.append(dist.irecv(theirs[r], self.global_ranks[r], group=self.group, tag=tag))
         for work in works:
             if work is not None:  # torch types these Optional; gloo always returns a work
                 work.wait()
