@@ -47,8 +47,7 @@ MAX_PIECES = 32
 def post_in_pieces(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int, group, tag: int) -> list:
     """irecv ``recv`` from ``frm`` and isend ``send`` to ``to`` (global ranks), each cut into the
     same pieces on both sides, posted in turn (Note [receives first]); the works to wait for."""
-    sends = send.view(-1).tensor_split(_pieces(send.numel() * send.element_size()))
-    recvs = recv.view(-1).tensor_split(_pieces(recv.numel() * recv.element_size()))
+    sends, recvs = _cut(send), _cut(recv)
     works = []
     for index in range(max(len(sends), len(recvs))):
         if index < len(recvs):
@@ -58,12 +57,28 @@ def post_in_pieces(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int, gr
     return works
 
 
+def post_receives(recv: torch.Tensor, frm: int, group, tag: int) -> list:
+    """The receiving half of ``post_in_pieces``, posted ahead of the sends (Note [receives ahead]
+    in ring_driver.py): the same pieces as the sender cuts."""
+    return [dist.irecv(piece, frm, group=group, tag=tag) for piece in _cut(recv)]
+
+
+def post_sends(send: torch.Tensor, to: int, group, tag: int) -> list:
+    return [dist.isend(piece, to, group=group, tag=tag) for piece in _cut(send)]
+
+
+def _cut(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tensor.view(-1).tensor_split(_pieces(tensor.numel() * tensor.element_size()))
+
+
 def _pieces(nbytes: int) -> int:
     return max(1, min(MAX_PIECES, nbytes // PIECE_BYTES))
 
 
 class Ring:
-    def __init__(self, kind: str, output: torch.Tensor, input: torch.Tensor, group, tag: int):
+    def __init__(self, kind: str, output: torch.Tensor, input: torch.Tensor, group, tag: int, *, start: bool = True):
+        """``start``: post the first step now; else the ring driver posts it in two halves
+        (``receive_first``, then ``send_first``: Note [receives ahead] in ring_driver.py)."""
         if kind not in ("reduce_scatter", "all_gather"):
             raise InternalError(f"a ring collective of kind {kind!r}")
         self.kind, self.output, self.input, self.tag = kind, output, input, tag
@@ -95,21 +110,29 @@ class Ring:
             mine = self._chunk(output, self.rank, n)
             if mine.data_ptr() != input.data_ptr():
                 mine.copy_(input)
-        self._post()
+        if start:
+            self._post()
 
     def _chunk(self, flat: torch.Tensor, index: int, n: int) -> torch.Tensor:
         index %= self.size
         return flat[index * n : (index + 1) * n]
 
-    def _post(self) -> None:
-        s = self.step
+    def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What this step sends and where what it receives lands."""
         if self.kind == "reduce_scatter":
-            send, recv = self._running, self._receive_buffer()
-        else:
-            n = self.input.numel()
-            send = self._chunk(self.output, self.rank - s, n)
-            recv = self._chunk(self.output, self.rank - s - 1, n)
+            return self._running, self._receive_buffer()
+        n = self.input.numel()
+        return self._chunk(self.output, self.rank - self.step, n), self._chunk(self.output, self.rank - self.step - 1, n)
+
+    def _post(self) -> None:
+        send, recv = self._step_buffers()
         self._works = post_in_pieces(send, self.right, recv, self.left, self.group, self.tag)
+
+    def receive_first(self) -> None:
+        self._works = post_receives(self._step_buffers()[1], self.left, self.group, self.tag)
+
+    def send_first(self) -> None:
+        self._works += post_sends(self._step_buffers()[0], self.right, self.group, self.tag)
 
     def _finish_step(self) -> None:
         for work in self._works:
