@@ -43,8 +43,11 @@ def _worker(rank: int, out_dir: str, jobs: list[Job]) -> None:
     warnings.filterwarnings("ignore")
     from datetime import timedelta
 
+    # An hour: a rank waits in a collective while its peer computes, and bf16 convolutions on a
+    # CPU without bf16 units are slow (TextNet's 640x640 tiny model: 53 s for one forward and
+    # backward of 2 images in bf16, 4 s in fp32), so 600 s ended TextNet's bf16 job mid-step.
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous-{_world_tag(jobs)}",
-                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=600))
+                            rank=rank, world_size=WORLD, timeout=timedelta(seconds=3600))
     from zerorun.zero.comm.process_group import leaving_together
 
     with leaving_together(), open(Path(out_dir) / f"rank{rank}-{_world_tag(jobs)}.jsonl", "a") as log:
