@@ -395,17 +395,17 @@ def _cpu_transport(kind: str, output: torch.Tensor, input: torch.Tensor, group) 
     channel = host_channel(group)  # opened by the group's first collective here, on every rank
     if channel is not None and host_channel_usable(output, input):
         return _Transport(lambda seq, d: channel.submit(kind, output, input, seq, d), True, "channel")
-    return _point_to_point(lambda tag, post: Ring(kind, output, input, group, tag=tag, start=post), group, channel is not None, "ring")
+    return _point_to_point(lambda tag, post: Ring(kind, output, input, group, tag=tag, start=post), group, "ring")
 
 
-def _point_to_point(start, group, direct: bool, route: str) -> _Transport:
+def _point_to_point(start, group, route: str) -> _Transport:
     """A collective of sends and receives, ``start(tag, post) -> a Ring or an Exchange`` (``post``:
     its first step posted at once). A gloo group without a host channel runs it on its ring
     driver, which carries its descriptor and posts it (Note [ring progress], Note [headers in
-    band], Note [receives ahead]). ``direct``: it starts from the caller instead: beside a
-    channel (a tensor the channel cannot move), after the channel's check round, so the channel
-    still orders every collective of the group; on NCCL (qgZ's exchange of GPU tensors)."""
-    if direct:
+    band], Note [receives ahead]). Otherwise it starts from the caller: beside a channel (a
+    tensor the channel cannot move), after the channel's check round, so the channel still
+    orders every collective of the group; on NCCL (qgZ's exchange of GPU tensors)."""
+    if dist.get_backend(group) != "gloo" or host_channel(group) is not None:
         return _Transport(lambda seq, _: start(data_tag(seq), True), False, route)
     driver = ring_driver(group)
     return _Transport(lambda seq, d: driver.submit(route, seq, d, lambda tag: start(tag, False)), True, route)
@@ -587,10 +587,9 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group
             quantize.pack(input[r * n : (r + 1) * n], block, send[r * part : (r + 1) * part])
     own = input[rank * n : (rank + 1) * n].float()  # read now: the caller may reuse ``input`` after wait()
     received = torch.empty_like(send)
-    direct = dist.get_backend(group) != "gloo" or host_channel(group) is not None
     inner = _issue("reduce_scatter_q", (size - 1) * part, None, True,
-                   transport=_point_to_point(lambda tag, post: Exchange(send, received, part, group, tag=tag, start=post), group,
-                                             direct, "exchange"),
+                   transport=_point_to_point(lambda tag, post: Exchange(send, received, part, group, tag=tag, start=post),
+                                             group, "exchange"),
                    descriptor=agreement.describe("reduce_scatter_q", input, unit), group=group, part=part)
 
     def finish() -> None:
