@@ -48,7 +48,7 @@ def sends_by_link(rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from zerorun.zero.comm import collectives
+    from zerorun.zero.comm import collectives, quantized_collectives
 
     for name in ("ZERORUN_HOST_SLOTS", "LOCAL_WORLD_SIZE", "ZERORUN_HOST_CHANNEL"):
         os.environ.pop(name, None)  # read at the group's first collective, not when it is made
@@ -63,7 +63,7 @@ def sends_by_link(rank: int) -> dict:
     ring_group = dist.new_group([0, 1])
     _issue_each(ring_group, collectives)
     out = torch.empty(N)
-    collectives.quantized_reduce_scatter(out, torch.ones(2 * N), group=ring_group, block=256)
+    quantized_collectives.quantized_reduce_scatter(out, torch.ones(2 * N), group=ring_group, block=256)
     two_hosts = list(sends.ops)
     collectives.remove_observer(sends)
     dist.destroy_process_group()

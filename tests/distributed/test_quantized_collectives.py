@@ -1,5 +1,5 @@
 """pytest tests/distributed/test_quantized_collectives.py — ZeRO++'s quantized collectives
-(Note [quantized collectives] in zerorun/zero/comm/collectives.py) on gloo ranks.
+(Note [quantized collectives] in zerorun/zero/comm/quantized_collectives.py) on gloo ranks.
 
 - The quantized all-gather hands every rank the same tensor: each rank's part read back from its
   int8 blocks, bit for bit what quantize.pack/unpack make of it; the reduce-scatter's result is
@@ -46,7 +46,7 @@ class Bytes:
 def quantized_pair(rank: int, world: int, channel: str) -> dict:
     import torch.distributed as dist
 
-    from zerorun.zero.comm import collectives, quantize
+    from zerorun.zero.comm import collectives, quantize, quantized_collectives
 
     os.environ["ZERORUN_HOST_CHANNEL"] = channel  # read when the group's channel would open
     inputs = [torch.randn(N * world, generator=torch.Generator().manual_seed(7 + r)) * (r + 1) for r in range(world)]
@@ -54,12 +54,12 @@ def quantized_pair(rank: int, world: int, channel: str) -> dict:
     collectives.add_observer(bytes_seen)
     # all-gather: rank r contributes inputs[r][:N]
     gathered = torch.empty(N * world)
-    collectives.quantized_all_gather(gathered, inputs[rank][:N], group=None, block=BLOCK)
+    quantized_collectives.quantized_all_gather(gathered, inputs[rank][:N], group=None, block=BLOCK)
     expected = torch.cat([quantize.unpack(quantize.pack(inputs[r][:N], BLOCK, torch.empty(
         quantize.packed_nbytes(N, BLOCK), dtype=torch.uint8)), BLOCK, torch.empty(N)) for r in range(world)])
     # reduce-scatter: the exact sum of everyone's chunk ``rank``, and the bound
     out = torch.empty(N)
-    collectives.quantized_reduce_scatter(out, inputs[rank], group=None, block=BLOCK, async_op=True).wait()
+    quantized_collectives.quantized_reduce_scatter(out, inputs[rank], group=None, block=BLOCK, async_op=True).wait()
     mine = slice(rank * N, (rank + 1) * N)
     exact = sum(inputs[r][mine].double() for r in range(world))
     bound = sum(quantize.max_error(inputs[r][mine], BLOCK).double() for r in range(world) if r != rank)

@@ -60,7 +60,7 @@ class ZeroConfig:
     leaf_modules: list[str] = field(default_factory=list)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
-    # ZeRO++ (DeepSpeed's zero_quantized_*; Note [quantized collectives] in comm/collectives.py):
+    # ZeRO++ (DeepSpeed's zero_quantized_*; Note [quantized collectives] in comm/quantized_collectives.py):
     # stage 3's parameter gathers (qwZ), and those of units whose parameters are all frozen,
     # move int8 blocks with one fp32 scale each; gradient reduce-scatters (qgZ, stages 2-3) too.
     # The masters stay exact. Off by default.

@@ -21,9 +21,9 @@ upper bound.
 hpZ (ZeRO++'s secondary copies, partition size h): backward's all-gathers stay within the host,
 (h-1)/h p(Ψ - K), and the reduce-scatter runs within the host then across (_hpz_traffic below).
 
-ZeRO++ (Note [quantized collectives] in zero/comm/collectives.py): qwZ's gathers move int8 codes
-and an fp32 scale per block of b elements, q = 1 + 4/b bytes per element instead of p; qgZ's
-reduce-scatter sends each other rank its chunk in the same form, point to point.
+ZeRO++ (Note [quantized collectives] in zero/comm/quantized_collectives.py): qwZ's gathers move
+int8 codes and an fp32 scale per block of b elements, q = 1 + 4/b bytes per element instead of
+p; qgZ's reduce-scatter sends each other rank its chunk in the same form, point to point.
 
 Where the bytes go: ranks are numbered host by host, so a ring crosses hosts on H of its N
 edges; a rank's ring traffic is on the link in that share, H/N, on average. qgZ's exchange
@@ -91,7 +91,7 @@ def _hpz_traffic(num_params: int, job: Job, p: int, *, qwz: bool, qgz: bool, qua
     over the world ring as without it; backward's, Ψ - K elements exact in the gather dtype,
     over the host group of h = hpz ranks, within the host: (h-1)/h p(Ψ - K); the reduce-scatter
     with qgZ the same exchange, else in two (Note [hierarchical reduce-scatter] in
-    comm/collectives.py): (h-1)/h pΨ within the host, then over the A = N/h ranks of this local
+    comm/quantized_collectives.py): (h-1)/h pΨ within the host, then over the A = N/h ranks of this local
     index, one per host group, a ring sending (A-1)/A pΨ/h of which H/A crosses hosts."""
     n, g = job.world_size, job.gpus_per_node
     hosts = max(1, n // g)

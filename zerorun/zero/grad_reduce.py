@@ -81,7 +81,7 @@ from collections.abc import Callable
 import torch
 
 from zerorun.errors import InternalError
-from zerorun.zero.comm import collectives
+from zerorun.zero.comm import collectives, quantized_collectives
 from zerorun.zero.host_memory import host_buffer
 from zerorun.zero.unit.parts import GradState
 from zerorun.zero.unit.record import UnitRecord
@@ -202,10 +202,11 @@ class GradReducer:
         self.on_unit_reduced = on_unit_reduced
         self.communicate = True
         # Elements per int8 block of a quantized reduce-scatter (ZeRO++ qgZ: Note [quantized
-        # collectives] in comm/collectives.py); None: exact.
+        # collectives] in comm/quantized_collectives.py); None: exact.
         self.quantize_block: int | None = None
         # ZeRO++ hpZ's (host group, group across hosts): exact reduce-scatters run as two, within
-        # the host then across (Note [hierarchical reduce-scatter] in comm/collectives.py); None: flat.
+        # the host then across (Note [hierarchical reduce-scatter] in comm/quantized_collectives.py);
+        # None: flat.
         self.hierarchy: tuple | None = None
         self._next = 0
         self._in_flight: deque = deque()
@@ -334,14 +335,14 @@ class GradReducer:
         # The window's first contribution reduces straight into the accumulator.
         out = into if into is not None else torch.empty(unit.layout.chunk_numel, dtype=unit.dtype, device=unit.device)
         if self.quantize_block is None and self.hierarchy is not None:
-            handle = collectives.hierarchical_reduce_scatter(out, bucket, within=self.hierarchy[0], across=self.hierarchy[1],
-                                                             async_op=True, unit=unit.collective_id)
+            handle = quantized_collectives.hierarchical_reduce_scatter(
+                out, bucket, within=self.hierarchy[0], across=self.hierarchy[1], async_op=True, unit=unit.collective_id)
         elif self.quantize_block is None:
             handle = collectives.reduce_scatter(out, bucket, group=self.group, async_op=True, unit=unit.collective_id)
         else:
-            handle = collectives.quantized_reduce_scatter(out, bucket, group=self.group,
-                                                          block=self.quantize_block, async_op=True,
-                                                          unit=unit.collective_id)
+            handle = quantized_collectives.quantized_reduce_scatter(out, bucket, group=self.group,
+                                                                    block=self.quantize_block, async_op=True,
+                                                                    unit=unit.collective_id)
         self._in_flight.append((record, handle, (out, bucket, buffer)))
         self._retire_beyond_limit()
 

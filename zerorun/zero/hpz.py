@@ -1,6 +1,6 @@
 """ZeRO++ hpZ: the engine's wiring of the secondary copies (Note [secondary copy] in
 zero/unit/secondary.py) and of the hierarchical reduce-scatter (Note [hierarchical
-reduce-scatter] in comm/collectives.py).
+reduce-scatter] in comm/quantized_collectives.py).
 
     zerorun --nproc 4 train.py   with zero: {stage: 3, hpz_partition_size: 2}
 """

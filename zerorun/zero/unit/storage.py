@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from zerorun.errors import InternalError
-from zerorun.zero.comm import collectives
+from zerorun.zero.comm import collectives, quantized_collectives
 from zerorun.zero.host_memory import host_buffer
 from zerorun.zero.unit import staging
 from zerorun.zero.unit.layout import ParamSpec, UnitLayout
@@ -198,9 +198,9 @@ class FlatUnit:
                     param.data = view.view(param.shape)
             self.shard = self.full[lo:hi]
             self.state = ParamState.REPLICATED
-        self._gather_handle: collectives.Issued | collectives.QuantizedHandle | None = None
+        self._gather_handle: collectives.Issued | quantized_collectives.QuantizedHandle | None = None
         # Elements per int8 block when this unit's gathers are quantized (ZeRO++ qwZ: Note
-        # [quantized collectives] in comm/collectives.py); None: exact gathers.
+        # [quantized collectives] in comm/quantized_collectives.py); None: exact gathers.
         self.quantize_block: int | None = None
         # ZeRO++ hpZ's host-local copy (Note [secondary copy] in unit/secondary.py), None: off;
         # whether the gather in flight refreshes it.
@@ -292,7 +292,7 @@ class FlatUnit:
             self._gather_handle = collectives.all_gather(self.full, source, group=group, async_op=True,
                                                          unit=self.collective_id)
         else:  # the shard stays exact; only the gathered copy forward/backward read is rounded
-            self._gather_handle = collectives.quantized_all_gather(
+            self._gather_handle = quantized_collectives.quantized_all_gather(
                 self.full, source, group=group, block=self.quantize_block, async_op=True, unit=self.collective_id)
         self._move(ParamState.GATHERING)
 
