@@ -1,5 +1,5 @@
 """pytest tests/distributed/test_prefetch_budget.py — stage 3 prefetches within the config's
-budget (Note [prefetch budget] in zerorun/zero/param_gather.py).
+budget (Note [prefetch budget] in zerorun/zero/gather_prefetch.py).
 
 Two gloo ranks, a chain of eight Linear(16, 16) layers, each its own unit (272 elements). At
 each layer's forward, after the engine's own hook, the test notes which units are in flight:
@@ -52,7 +52,7 @@ def train(rank: int, budget: dict) -> dict:
         flying = [u for u in units if u.state is ParamState.GATHERING]
         seen["in_flight"] = max(seen["in_flight"], len(flying))
         seen["in_flight_elements"] = max(seen["in_flight_elements"], sum(u.layout.numel for u in flying))
-        seen["live"] = max(seen["live"], gatherer.live_elements)
+        seen["live"] = max(seen["live"], gatherer.prefetcher.live_elements)
 
     for layer in model:
         if isinstance(layer, nn.Linear):

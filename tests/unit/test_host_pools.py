@@ -13,7 +13,7 @@ from torch import nn
 import zerorun
 from zerorun.zero.grad_reduce import BucketPool
 from zerorun.zero.host_memory import host_buffer
-from zerorun.zero.param_gather import gathers_still_wanted
+from zerorun.zero.gather_plan import gathers_still_wanted
 from zerorun.zero.unit.storage import GatherPool
 
 MIB = 1 << 20

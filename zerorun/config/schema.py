@@ -40,7 +40,7 @@ class ZeroConfig:
     # the multi-tensor update's temporaries are bounded by one group, not the model (update.py).
     update_bucket_size: int = 6_250_000
     overlap_comm: bool = True
-    # Stage 3, Note [prefetch budget] in zero/param_gather.py: elements prefetched beyond the
+    # Stage 3, Note [prefetch budget] in zero/gather_prefetch.py: elements prefetched beyond the
     # next module (two in backward) along the recorded order; 0 prefetches just those, the
     # least memory (FSDP2's lookahead). DeepSpeed's stage3_prefetch_bucket_size.
     prefetch_bucket_size: int = 0

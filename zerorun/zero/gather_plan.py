@@ -65,7 +65,7 @@ def plan_kept_units(
 
 
 def prefetch_window(ahead: list[int], minimum: int, budget: int, room: int) -> int:
-    """Pure: Note [prefetch budget] (param_gather.py). ``ahead[i]`` is the number of elements of
+    """Pure: Note [prefetch budget] (gather_prefetch.py). ``ahead[i]`` is the number of elements of
     the units of the i-th module call after the running one (a unit counted at its first call
     only). Returns
     how many of those calls to prefetch: at least ``minimum`` (the fixed lookahead), then more

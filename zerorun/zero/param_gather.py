@@ -8,6 +8,8 @@ Backward: units are released as soon as all their gradients have arrived (the re
 us), and anything still gathered is released when backward ends. A recomputation for activation
 checkpointing, of any kind, is a pass state of its own (RECOMPUTE, Note [pass state] in
 gather_pass.py): its calls gather and hold their units, record nothing, and release nothing.
+What is gathered ahead, and how far, is gather_prefetch.py's (Note [execution order], Note
+[prefetch budget]), along the orders recorded here.
 
 Note [gather follows use]: a unit is planned with an owner (unit/plan.py), but a model may use
 a parameter without calling its owner's forward: OPT's ``OPTForCausalLM`` calls
@@ -38,18 +40,6 @@ gathering module's output: BART's decoder output feeds the tied head, and the te
 ran in registration order, the model's gather before the head's release, so the model's
 backward found the shared unit released.
 
-Note [execution order]: the prefetch order is recorded from the first forward and re-recorded
-whenever the order changes, so a wrong guess costs one wasted gather, never correctness.
-Forward prefetches the module that starts next. Backward's hooks fire in the reverse of the
-order in which modules *finished* their forward: a block's output hook fires before its MLP's,
-although the block's own parameters (attention, norms) are read only after the MLP's backward.
-So backward follows that reversed finishing order, and prefetches BACKWARD_PREFETCH modules
-ahead: the block's hook then finds its units already gathered, and its MLP's (the next hook,
-fired at once) too. With one ahead, every block's unit was gathered synchronously in backward
-(a 4 MB all-gather per block of the 33.7M GPT, 2-3% of its step). Modules whose backward reads
-no parameters (an Embedding) are left out, so a tied embedding is not gathered again at the
-very end of backward.
-
 Note [hooks on views]: "right before the module's backward" is a hook on the tensors the module
 returned. A Linear on 3-d input returns a view of its matmul's output, and a model may add to
 that view in place (RoCBert's embeddings: ``embedding_in += token_type_embeddings``): autograd
@@ -58,18 +48,6 @@ units were never gathered for its backward, saved only while the predicted prefe
 reach them (after a recomputation the next backward follows the observed order, which lacked
 the module: "setStorage ... storage of size 0"). A hook on the view's base survives the
 in-place change, and fires at the same point: the view's gradient flows straight into it.
-
-Note [prefetch budget]: that fixed lookahead (one module in forward, BACKWARD_PREFETCH in
-backward) is the least prefetched. ``prefetch_bucket_size`` (DeepSpeed's
-stage3_prefetch_bucket_size, in elements) lets it reach further along the recorded order: more
-modules while the elements of their units (gathered, in flight or not yet asked for) add up to
-at most that many, so no more than that is held ahead of its use (0, zerorun's default, adds
-none: the least memory, as FSDP2's one-module lookahead). Between hosts a deeper window
-keeps the link busy through modules whose compute is shorter than their gather. No gather is
-issued early past ``max_live_parameters`` (DeepSpeed's stage3_max_live_parameters) elements
-gathered or in flight at once; a module's own gather when it runs is never held back. Every
-rank computes the same window from the same order and unit states, so the collectives stay
-paired.
 
 Note [kept gathered]: from the recorded order, two kinds of unit skip the release after a
 module's forward, because gathering them again would come soon and cost more than holding them:
@@ -97,10 +75,10 @@ from zerorun.errors import UsageError
 from zerorun.zero import param_access
 from zerorun.zero.gather_pass import PassState, PassTracker, in_backward
 from zerorun.zero.gather_plan import (
-    AfterBackward, gathers_still_wanted, plan_kept_units, prefetch_window, reads_params_in_backward, tensors_in,
+    AfterBackward, plan_kept_units, reads_params_in_backward, tensors_in,
 )
+from zerorun.zero.gather_prefetch import Prefetcher
 from zerorun.zero.gather_use import CallObserver, common_caller
-from zerorun.zero.unit.plan import BACKWARD_PREFETCH
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import GatherPool, ParamState
 
@@ -122,12 +100,6 @@ class ParamGatherer:
                  leaf_units: frozenset[int] = frozenset(), prefetch_elements: int = 0,
                  max_live_elements: int | None = None):
         self.max_reuse_distance = max_reuse_distance
-        # Note [prefetch budget]: how far past the fixed lookahead prefetch may reach, and the
-        # elements of partitioned units gathered or in flight now (kept by a state listener).
-        self.prefetch_elements = prefetch_elements
-        self.max_live_elements = max_live_elements
-        self.live_elements = 0
-        self._live_units: set[int] = set()
         # Note [expert gradients] (grad_reduce.py): units closed when their module's backward is
         # over, through ``on_backward_over`` (the engine's reducer); per unit, the calls of this
         # forward whose backward has not ended yet.
@@ -147,14 +119,10 @@ class ParamGatherer:
                 record.unit.pool = self.pool
         self.forward_order: list[nn.Module] = []
         self._recording: list[nn.Module] = []
-        # Note [execution order]: modules in the order their backward hooks fire, and where
-        # each first appears in it.
-        self.backward_order: list[nn.Module] = []
-        self._backward_position: dict[nn.Module, int] = {}
-        # Note [pools follow backward] (unit/storage.py): gathers of each byte size from each
-        # position of the recorded forward and backward on.
-        self._forward_wanted_from: list[dict[int, int]] = [{}]
-        self._wanted_from: list[dict[int, int]] = [{}]
+        # Note [execution order] and Note [prefetch budget] (gather_prefetch.py): the gathers
+        # issued ahead along the recorded orders.
+        self.prefetcher = Prefetcher(self._records_of, group, self.pool, prefetch_elements=prefetch_elements,
+                                   max_live_elements=max_live_elements)
         self._finished: list[nn.Module] = []
         # Note [pass state] (gather_pass.py): the pass now running; per recomputing call (a
         # stack), the records it holds; backward's order as forward predicts it, and as this
@@ -193,8 +161,8 @@ class ParamGatherer:
                 record.gathering.add_user()
         for record in self.records:
             if record.unit.partitioned:
-                record.unit.state_listeners.append(self._count_live)
-                self._count_live(record.unit)
+                record.unit.state_listeners.append(self.prefetcher.count_live)
+                self.prefetcher.count_live(record.unit)
         self.root = root
         root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
         root.register_forward_hook(_eager(self._root_post_forward))
@@ -210,35 +178,6 @@ class ParamGatherer:
 
     def _records_of(self, module: nn.Module) -> list[UnitRecord]:
         return self.module_records.get(module, [])
-
-    def _count_live(self, unit) -> None:
-        """Note [prefetch budget]: a unit's full copy starts to exist when its gather is issued
-        and stops when it is released (SHARDED -> GATHERING ... -> SHARDED)."""
-        live = unit.state is not ParamState.SHARDED
-        if live != (unit.index in self._live_units):
-            self._live_units.symmetric_difference_update({unit.index})
-            self.live_elements += unit.layout.numel if live else -unit.layout.numel
-
-    def _prefetch(self, order: list[nn.Module], start: int, minimum: int) -> int:
-        """Issue the gathers of the window of ``order`` from ``start`` on (Note [prefetch budget]);
-        returns the position just past it."""
-        ahead: list[int] = []  # per next call, the elements of its units, each unit counted once
-        counted: dict[int, UnitRecord] = {}
-        for module in order[start:]:
-            if len(ahead) >= minimum and (self.prefetch_elements <= 0 or sum(ahead) > self.prefetch_elements):
-                break
-            records = [r for r in self._records_of(module) if r.unit.partitioned and r.index not in counted]
-            counted.update((r.index, r) for r in records)
-            ahead.append(sum(r.unit.layout.numel for r in records))
-        # What the window holds already (gathered or in flight) is live already.
-        held = sum(r.unit.layout.numel for r in counted.values() if r.unit.state is not ParamState.SHARDED)
-        room = (self.max_live_elements - self.live_elements + held if self.max_live_elements is not None
-                else sum(ahead))
-        window = prefetch_window(ahead, minimum, self.prefetch_elements, room)
-        for module in order[start : start + window]:
-            for record in self._records_of(module):
-                record.unit.start_gather(self.group)
-        return start + window
 
     # -- forward ------------------------------------------------------------------------
     def _root_pre_forward(self, module, args) -> None:
@@ -376,7 +315,7 @@ class ParamGatherer:
             record.gathering.count_call()
             record.unit.gather(self.group)
             self._unwatch(record)
-        self._prefetch_forward(module)
+        self.prefetcher.forward(self.forward_order, module, self._on_order)
         if torch.is_grad_enabled() and any(_released_after_backward(r) or r.index in self.leaf_units
                                            for r in records):
             return self._hook_inputs(module, args, kwargs)
@@ -435,10 +374,10 @@ class ParamGatherer:
             backward = [m for m in reversed(self._finished) if reads_params_in_backward(m)]
             if backward != self._predicted_backward:
                 self._predicted_backward = backward
-                self._follow_backward(backward)
+                self.prefetcher.follow_backward(backward)
         if self._recording != self.forward_order:
             self.forward_order = list(self._recording)
-            self._forward_wanted_from = gathers_still_wanted(self._partitioned_sizes(self.forward_order))
+            self.prefetcher.follow_forward(self.forward_order)
             keep_after, keep_for_backward = plan_kept_units(
                 [[r.index for r in self._records_of(m)] for m in self.forward_order],
                 {r.index: r.unit.layout.numel for r in self.records}, self.max_reuse_distance,
@@ -448,44 +387,11 @@ class ParamGatherer:
                                       record.index in keep_for_backward)
         self._release_idle(for_backward=torch.is_grad_enabled())
 
-    def _prefetch_forward(self, module: nn.Module) -> None:
-        """Issue the async gather of the module expected to run after ``module`` in forward, and
-        tell the pool what the rest of forward will still gather (Note [pools follow backward])."""
-        order = self.forward_order
-        position = order.index(module) if module in order else -1
-        past = self._prefetch(order, position + 1, 1) if position >= 0 else 0
-        if self.pool is not None:
-            on_order = self._on_order and position >= 0
-            self.pool.expect(self._forward_wanted_from[min(max(past, position + 2), len(order))] if on_order else None)
-
-    def _partitioned_sizes(self, modules: list[nn.Module]) -> list[list[int]]:
-        """Per module, the byte sizes of the partitioned units its call gathers."""
-        return [[r.unit.full_nbytes for r in self._records_of(m) if r.unit.partitioned] for m in modules]
-
-    def _follow_backward(self, order: list[nn.Module]) -> None:
-        """Prefetch the next backwards along ``order`` (Note [execution order])."""
-        self.backward_order = order
-        self._backward_position = {}
-        for position, m in enumerate(order):
-            self._backward_position.setdefault(m, position)
-        self._wanted_from = gathers_still_wanted(self._partitioned_sizes(order))
-
     def _note_backward(self, module: nn.Module) -> None:
         """``module``'s units are gathered in backward (before its backward, or for its
         recomputation): note the order, prefetch the next ones."""
         self._observed_backward.setdefault(module, None)
-        self._prefetch_backward(module)
-
-    def _prefetch_backward(self, module: nn.Module) -> None:
-        """Issue the gathers of the modules whose backward follows ``module``'s (BACKWARD_PREFETCH
-        of them, more within the budget: Note [prefetch budget]),
-        and tell the pool what the rest of backward will still gather (Note [pools follow backward])."""
-        position = self._backward_position.get(module)
-        if position is None:
-            return
-        past = self._prefetch(self.backward_order, position + 1, BACKWARD_PREFETCH)
-        if self.pool is not None:
-            self.pool.expect(self._wanted_from[min(max(past, position + 1 + BACKWARD_PREFETCH), len(self._wanted_from) - 1)])
+        self.prefetcher.backward(module)
 
     # -- backward -----------------------------------------------------------------------
     def _hook_outputs(self, module: nn.Module, output) -> None:
@@ -570,8 +476,8 @@ class ParamGatherer:
         recomputation."""
         self._unpin()
         self._release_idle()
-        if self._recomputed and list(self._observed_backward) != self.backward_order:
-            self._follow_backward(list(self._observed_backward))
+        if self._recomputed and list(self._observed_backward) != self.prefetcher.backward_order:
+            self.prefetcher.follow_backward(list(self._observed_backward))
         self._observed_backward = {}
         self._recomputed = False
         self._backward_task = None

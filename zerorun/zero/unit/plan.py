@@ -149,7 +149,7 @@ def _enclosing_owners(name: str, owners: set[str]) -> int:
 def max_gathered_numel(units: list[PlannedUnit]) -> int:
     """Elements gathered at once at worst: a chain of nested units (a block and its MLP) run
     together, and in backward the next BACKWARD_PREFETCH modules' units are prefetched beside
-    them (param_gather.py, Note [execution order]). Bound: the largest (deepest chain + 1 +
+    them (gather_prefetch.py, Note [execution order]). Bound: the largest (deepest chain + 1 +
     BACKWARD_PREFETCH) units."""
     if not units:
         return 0
