@@ -16,9 +16,10 @@ import stat
 import threading
 import time
 
-from zerorun.launch import job_view
-from zerorun.launch.job_view import (JobWideView, NodeView, ViewForwarder, ViewServer, check_hello, merge_event,
-                                     node_ranks, read_view_file, view_file, write_view_file)
+from zerorun.launch import job_view, job_view_protocol
+from zerorun.launch.job_view import JobWideView, NodeView, ViewForwarder, ViewServer
+from zerorun.launch.job_view_protocol import (check_hello, merge_event, node_ranks, read_view_file, view_file,
+                                              write_view_file)
 from zerorun.telemetry import events
 from zerorun.ui.live import JobView
 
@@ -58,32 +59,32 @@ def test_the_view_file_is_private_and_checked(tmp_path):
 
 def test_a_hello_must_carry_the_token_and_name_another_node():
     def hello(**fields) -> bytes:
-        return job_view.encode({"t": "hello", **fields})
+        return job_view_protocol.encode({"t": "hello", **fields})
 
     assert check_hello(hello(token="tok", node=1), "tok", 3) == 1
     assert check_hello(hello(token="tok", node=2), "tok", 3) == 2
     for line in (hello(token="bad", node=1), hello(token="tok", node=0), hello(token="tok", node=3),
                  hello(token="tok", node=True), hello(token="tok", node="1"), hello(node=1),
-                 job_view.encode({"t": "tel", "token": "tok", "node": 1}), b"junk\n", b"[" * 100000 + b"\n"):
+                 job_view_protocol.encode({"t": "tel", "token": "tok", "node": 1}), b"junk\n", b"[" * 100000 + b"\n"):
         assert check_hello(line, "tok", 3) is None, line[:80]
 
 
 def test_forwarded_lines_become_node_0s_events_for_the_senders_ranks_only():
     ranks = node_ranks(1, 2)  # ranks 2 and 3
-    kind, line = merge_event(job_view.encode({"t": "tel", "line": step(3, "node1", 5).decode()}), ranks, "node0")
+    kind, line = merge_event(job_view_protocol.encode({"t": "tel", "line": step(3, "node1", 5).decode()}), ranks, "node0")
     record = json.loads(line)
     assert kind == "tel" and record["token"] == "node0" and record["rank"] == 3 and record["step"] == 5
-    assert merge_event(job_view.encode({"t": "exit", "rank": 2, "rc": -9}), ranks, "node0") == ("exit", 2, -9, 0.0, ())
+    assert merge_event(job_view_protocol.encode({"t": "exit", "rank": 2, "rc": -9}), ranks, "node0") == ("exit", 2, -9, 0.0, ())
     failed = {"t": "exit", "rank": 3, "rc": 1, "at": 12.5, "tail": ["Traceback", "ValueError: x"]}
-    assert merge_event(job_view.encode(failed), ranks, "node0") == ("exit", 3, 1, 12.5, ("Traceback", "ValueError: x"))
-    assert merge_event(job_view.encode({"t": "done"}), ranks, "node0") == ("done",)
+    assert merge_event(job_view_protocol.encode(failed), ranks, "node0") == ("exit", 3, 1, 12.5, ("Traceback", "ValueError: x"))
+    assert merge_event(job_view_protocol.encode({"t": "done"}), ranks, "node0") == ("done",)
     for event in ({"t": "tel", "line": step(0, "node1", 5).decode()},  # rank 0 is node 0's
                   {"t": "tel", "line": "not json"}, {"t": "tel", "line": 5}, {"t": "exit", "rank": 4, "rc": 0},
                   {"t": "exit", "rank": 2, "rc": "0"}, {"t": "exit", "rank": True, "rc": 0}, {"t": "out", "line": "x"},
                   {"t": "exit", "rank": 2, "rc": 1, "at": "now"}, {"t": "exit", "rank": 2, "rc": 1, "tail": "x"},
                   {"t": "exit", "rank": 2, "rc": 1, "tail": [1]},
-                  {"t": "exit", "rank": 2, "rc": 1, "tail": ["x"] * (job_view.FORWARDED_TAIL_LINES + 1)}):
-        assert merge_event(job_view.encode(event), ranks, "node0") is None, event
+                  {"t": "exit", "rank": 2, "rc": 1, "tail": ["x"] * (job_view_protocol.FORWARDED_TAIL_LINES + 1)}):
+        assert merge_event(job_view_protocol.encode(event), ranks, "node0") is None, event
     assert merge_event(b"\xff\xfe\n", ranks, "node0") is None
 
 
@@ -363,11 +364,11 @@ def forged_hello(server: ViewServer, node: int) -> bytes:
     which it sends a failed exit for that node's rank; b"" when it is refused."""
     port, token = read_view_file(server.path)
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(job_view.encode({"t": "hello", "token": token, "node": node}))
+        sock.sendall(job_view_protocol.encode({"t": "hello", "token": token, "node": node}))
         answer = sock.makefile("rb").readline(16)
         if answer == b"ok\n":
-            sock.sendall(job_view.encode({"t": "exit", "rank": node, "rc": 1, "at": time.time(), "tail": ["forged"]}))
-            sock.sendall(job_view.encode({"t": "done"}))
+            sock.sendall(job_view_protocol.encode({"t": "exit", "rank": node, "rc": 1, "at": time.time(), "tail": ["forged"]}))
+            sock.sendall(job_view_protocol.encode({"t": "done"}))
             time.sleep(0.3)  # node 0 reads them before this end closes
         return answer
 
