@@ -169,6 +169,11 @@ class Supervisor:
         # Written by the signal handlers (request_checkpoint); the loop moves ``_save`` from it.
         self._checkpoint_signal: int | None = None
         self._save = save_tracker()
+        self._init_slurm(is_preemption, slurm_ending, preempted_already)
+
+    def _init_slurm(self, is_preemption: Callable[[], bool] | None, slurm_ending: Callable[[], str | None] | None,
+                    preempted_already: Callable[[], bool] | None) -> None:
+        """What the supervisor asks Slurm, and what it learnt of Slurm's signals (None outside Slurm)."""
         # Under Slurm with checkpoint.on_signal: asks Slurm whether a SIGTERM is a preemption
         # (signals.slurm_stop_cause); None elsewhere, where SIGTERM always stops.
         self._is_preemption = is_preemption
@@ -230,38 +235,51 @@ class Supervisor:
         self._failed_at = 0.0  # wall clock: when the first failure came (Note [one cause under srun])
         self._exit_codes: dict[int, int] = {}
         self._running = set(self._tails)
-        leftovers: dict[str, str] = {}
         self.view.start()
         try:
             for channel in self.channels:
                 channel.start(self._sink)
-            next_check = 0.0
-            while self._running:
-                now = time.monotonic()
-                if self._interrupt.is_set() and self._phase.state is Phase.RUNNING:
-                    self._stop_all()
-                if self._checkpoint_signal is not None and self._save.state is not SaveRequest.PASSED_ON:
-                    self._pass_on_checkpoint_request(self._checkpoint_signal)
-                if self._phase.state is Phase.STOPPING and now - self._phase_since > self.grace_s + 8.0:
-                    break  # hosts that do not answer: finish() below closes their sessions
-                if now >= next_check:
-                    next_check = now + 0.5
-                    self._check_progress(now)
-                try:
-                    self._handle(*self.events.get(timeout=0.1))
-                except queue.Empty:
-                    continue
+            self._supervise()
             if self._phase.state.dumping and self._failure is None:
                 self._blame_hang()
         finally:
-            for channel in self.channels:
-                channel.finish()
-            self._drain()
-            self._move(Phase.ENDED)
-            leftovers = self._confirm_ended()
-            self._sink.close()
-            self._name_slurm_ending()
-            self.view.stop(self._failure is not None, interrupted=self._interrupt.is_set())
+            leftovers = self._wind_down()
+        return self._result(leftovers)
+
+    def _supervise(self) -> None:
+        """Until every rank has ended: signals and requests acted on, progress checked twice a
+        second, each control event handled in the order it came."""
+        next_check = 0.0
+        while self._running:
+            now = time.monotonic()
+            if self._interrupt.is_set() and self._phase.state is Phase.RUNNING:
+                self._stop_all()
+            if self._checkpoint_signal is not None and self._save.state is not SaveRequest.PASSED_ON:
+                self._pass_on_checkpoint_request(self._checkpoint_signal)
+            if self._phase.state is Phase.STOPPING and now - self._phase_since > self.grace_s + 8.0:
+                return  # hosts that do not answer: _wind_down closes their sessions
+            if now >= next_check:
+                next_check = now + 0.5
+                self._check_progress(now)
+            try:
+                self._handle(*self.events.get(timeout=0.1))
+            except queue.Empty:
+                continue
+
+    def _wind_down(self) -> dict[str, str]:
+        """The job's end, however it came: every channel finished, the last exits applied, the
+        hosts checked (returns the leftovers: _confirm_ended), the view stopped."""
+        for channel in self.channels:
+            channel.finish()
+        self._drain()
+        self._move(Phase.ENDED)
+        leftovers = self._confirm_ended()
+        self._sink.close()
+        self._name_slurm_ending()
+        self.view.stop(self._failure is not None, interrupted=self._interrupt.is_set())
+        return leftovers
+
+    def _result(self, leftovers: dict[str, str]) -> JobResult:
         job_root_cause = getattr(self.view, "job_root_cause", None)
         if job_root_cause is not None:  # one node of several (job_view.JobWideView)
             self._failure = job_root_cause(None if self._failure is None else (self._failed_at, self._failure))
@@ -361,18 +379,22 @@ class Supervisor:
             if self._is_preemption is not None:
                 self.judge_term(signal.SIGTERM)
         elif kind == "gone":
-            lost = {r for r in self._running if self._host_of[r] == host}
-            if lost:
-                self._lost_hosts.add(host)
-                channel = next(c for c in self.channels if c.host == host)
-                if channel.local:
-                    reason = f"its agent process died ({describe_exit(event.get('rc') or 0)})"
-                else:
-                    detail = "; ".join(event.get("stderr", [])[-3:]) or f"{channel.reach} exit code {event.get('rc')}"
-                    what = "Slurm step running" if channel.reach == "srun" else "ssh session to"
-                    reason = f"lost the {what} its agent ({detail})"
-                self._fail(Failure(host, None, reason))
-            self._running -= lost
+            self._on_gone(host, event)
+
+    def _on_gone(self, host: str, event: dict) -> None:
+        """``host``'s agent is gone: its ranks still running are lost, and that is a failure."""
+        lost = {r for r in self._running if self._host_of[r] == host}
+        if lost:
+            self._lost_hosts.add(host)
+            channel = next(c for c in self.channels if c.host == host)
+            if channel.local:
+                reason = f"its agent process died ({describe_exit(event.get('rc') or 0)})"
+            else:
+                detail = "; ".join(event.get("stderr", [])[-3:]) or f"{channel.reach} exit code {event.get('rc')}"
+                what = "Slurm step running" if channel.reach == "srun" else "ssh session to"
+                reason = f"lost the {what} its agent ({detail})"
+            self._fail(Failure(host, None, reason))
+        self._running -= lost
 
     def _fail(self, failure: Failure) -> None:
         if self._failure is None and self._phase.state is not Phase.STOPPING:
@@ -448,21 +470,8 @@ class Supervisor:
                 self._blame_hang()
             return
         self._watch.progress(self._sink.last_output)
-        collector = getattr(self.view, "collector", None)
-        if collector is not None:
-            ranks = collector.snapshot(output_lines=0).ranks
-            for view in ranks:
-                # A sample alone says the worker runs, not that it joined the rendezvous (its
-                # recorder starts with the interpreter: Note [any script is visible]).
-                if view.step is not None or (view.entered_seq or -1) >= 0 or view.comm:
-                    self._watch.rank_started(view.rank, now)
-            # A checkpoint being written moves ``activity`` (bytes so far): progress too.
-            self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
-                                 for v in ranks}, now)
-            running = [v for v in ranks if v.rank in self._running]
-            self._watch.exiting = bool(running) and all(v.activity and v.activity[0] == "leaving" for v in running)
-            if self._left_mid_collective(ranks):
-                return
+        if self._observe_ranks(now):
+            return
         if self._watch.startup_expired(now):
             self._starting_at_dump = sorted(self._watch.starting)
             starting = ", ".join(map(str, self._starting_at_dump))
@@ -484,6 +493,25 @@ class Supervisor:
                               "(--hang-timeout); collecting every rank's Python stack and ending the job")
             self._hang_missing = self._collective_missing()
             self._begin_dump(Phase.DUMPING_HANG)
+
+    def _observe_ranks(self, now: float) -> bool:
+        """What the view's collector shows of each rank, into the progress watch; True when a rank
+        left while others wait for it in a collective (the job is failing: _left_mid_collective)."""
+        collector = getattr(self.view, "collector", None)
+        if collector is None:
+            return False
+        ranks = collector.snapshot(output_lines=0).ranks
+        for view in ranks:
+            # A sample alone says the worker runs, not that it joined the rendezvous (its
+            # recorder starts with the interpreter: Note [any script is visible]).
+            if view.step is not None or (view.entered_seq or -1) >= 0 or view.comm:
+                self._watch.rank_started(view.rank, now)
+        # A checkpoint being written moves ``activity`` (bytes so far): progress too.
+        self._watch.observe({v.rank: (v.step, v.entered_seq, sum(c.count for c in v.comm), v.activity)
+                             for v in ranks}, now)
+        running = [v for v in ranks if v.rank in self._running]
+        self._watch.exiting = bool(running) and all(v.activity and v.activity[0] == "leaving" for v in running)
+        return self._left_mid_collective(ranks)
 
     def _left_mid_collective(self, ranks) -> bool:
         """Note [failing exits] in comm/process_group.py: a rank whose script ended (activity
