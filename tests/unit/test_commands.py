@@ -19,9 +19,10 @@ from zerorun.launch.commands import (
     remote_shell_command,
     ssh_argv,
 )
+from zerorun.launch.failure_text import extract_traceback, format_failure
 from zerorun.launch.preflight import compare_facts
 from zerorun.launch.processes import describe_exit
-from zerorun.launch.supervisor import Failure, extract_traceback, format_failure
+from zerorun.launch.supervisor import Failure
 
 nasty_words = st.lists(st.text(alphabet=st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",))), max_size=6)
 

@@ -272,7 +272,8 @@ RAISED = ["Traceback (most recent call last):", '  File "train.py", line 9, in <
 
 def test_the_job_root_cause_is_the_first_failure_of_any_node(tmp_path):
     from zerorun.launch.job_cause import RemoteExit, job_root_cause
-    from zerorun.launch.supervisor import Failure, format_failure
+    from zerorun.launch.failure_text import format_failure
+    from zerorun.launch.supervisor import Failure
 
     # Node 0's rank 0 failed of rank 1's exit (a collective's peer gone) a moment after rank 1 raised.
     local = (100.4, Failure("n1", 0, "exit code 1", 1, ["RuntimeError: Connection closed by peer"]))

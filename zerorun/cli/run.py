@@ -257,7 +257,7 @@ def close_slurm_ended(job, outcome, restarts: str) -> None:
 
 
 def close_failed(job, outcome, restarts: str) -> None:
-    from zerorun.launch.supervisor import format_failure
+    from zerorun.launch.failure_text import format_failure
 
     logs, failure = run_dir_line(outcome), outcome.result.failure
     stopped = stopped_clause(outcome.result.leftovers)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import queue
 import signal
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from zerorun.launch import watchdog
 from zerorun.launch.channel import AgentChannel, OutputSink
+from zerorun.launch.failure_text import extract_traceback
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.processes import describe_exit
 from zerorun.launch.supervision_state import Phase, SaveRequest, phase_tracker, save_tracker
@@ -33,7 +33,6 @@ from zerorun.launch.supervision_state import Phase, SaveRequest, phase_tracker, 
 TAIL_LINES = 400  # enough for a faulthandler dump of a few threads
 # Exit codes of a rank ended by our own stop (TERM, then KILL): never a cause.
 STOP_CODES = (-signal.SIGTERM, -signal.SIGKILL, 128 + signal.SIGTERM, 128 + signal.SIGKILL)
-SHOWN_LOG_LINES = 10
 
 
 @dataclass
@@ -74,54 +73,6 @@ class JobResult:
 # Slurm's stop causes (launch/slurm.py STOP_CAUSES) as the summary's header says them.
 SLURM_ENDINGS = {"cancelled": "cancelled", "preempted": "preempted", "requeued": "requeued",
                  "time limit": "ended at its time limit", "node failure": "ended by a node failure"}
-
-# torch.distributed prefixes a worker's uncaught-exception lines with "[rankN]: ".
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
-
-
-def extract_traceback(lines: list[str]) -> list[str]:
-    """The last Python traceback in ``lines`` (through its final exception line), or []."""
-    lines = [_RANK_PREFIX.sub("", line) for line in lines]
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
-    if not starts:
-        return []
-    block = lines[starts[-1]:]
-    # The traceback ends at the first unindented line after its header (the exception).
-    for offset, line in enumerate(block[1:], start=1):
-        if line and not line.startswith((" ", "\t")):
-            return block[: offset + 1]
-    return block
-
-
-SHOWN_FRAMES = 8
-
-
-def format_failure(failure: Failure) -> str:
-    """The root-cause panel text: host, rank, exit, last log lines, traceback or stacks."""
-    who = f"rank {failure.rank} on host {failure.host}" if failure.rank is not None else f"host {failure.host}"
-    lines = [f"first failure: {who}: {failure.reason}"]
-    if failure.stacks:
-        lines.append("Python stacks when the job was ended (innermost call first):")
-        for rank, stack in sorted(failure.stacks.items()):
-            at = watchdog.stuck_at(stack)
-            state = watchdog.describe_activity(stack)
-            lines.append(f"  rank {rank}: {state}; at {at}" if at else f"  rank {rank}: no stack")
-            frames = [frame for frame in stack if not frame.file.startswith("<frozen")]
-            lines += [f"  |   {frame}" for frame in frames[:SHOWN_FRAMES]]
-        return "\n".join(lines)
-    traceback = failure.traceback
-    # Lines already shown in the traceback section are not repeated above it.
-    shown = [
-        line for line in failure.log_tail[-SHOWN_LOG_LINES:] if _RANK_PREFIX.sub("", line) not in traceback
-    ]
-    if shown:
-        lines.append("last lines of its log:")
-        lines += [f"  | {line}" for line in shown]
-    if traceback:
-        lines.append("traceback:")
-        lines += [f"  | {line}" for line in traceback]
-    return "\n".join(lines)
-
 
 # --- the supervisor -------------------------------------------------------------------------
 
