@@ -63,6 +63,8 @@ def test_usr1_at_start_with_on_signal_saves_at_the_first_step(tmp_path):
     assert "every rank saved a checkpoint and stopped" in last, done.stderr
     # Outside Slurm a SIGUSR1 is someone's checkpoint request, not a time limit.
     assert "time limit" not in last and "SIGUSR1" in last, last
+    # The summary's header says the same, not "finished" (exit 138: the job did not finish).
+    assert "zerorun summary (stopped on SIGUSR1; checkpoint saved after" in " ".join(done.stdout.split()), done.stdout
 
 
 @pytest.mark.slow

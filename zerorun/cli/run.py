@@ -242,8 +242,9 @@ def close_interrupted(job, outcome, restarts: str) -> None:
 
 
 def close_checkpointed(job, outcome, restarts: str) -> None:
-    say_finished(restarts)  # every worker ended on its own, after saving
-    finish_after_checkpoint(job, outcome.result, run_dir_line(outcome))
+    # Every worker ended on its own, after saving, but the job did not finish: the restarts go
+    # in the checkpoint's line, not in a "finished" one.
+    finish_after_checkpoint(job, outcome.result, run_dir_line(outcome), restarts)
 
 
 def close_slurm_ended(job, outcome, restarts: str) -> None:
@@ -460,13 +461,14 @@ def requeue_after_stop(job, signum: int | None) -> str:
     return requeue_clause(job)
 
 
-def finish_after_checkpoint(job, result, logs: str) -> None:
+def finish_after_checkpoint(job, result, logs: str, restarts: str = "") -> None:
     """Every rank saved a checkpoint on SIGUSR1/2 and stopped: say so, requeue when asked, and
     exit 128+signal (the job did not finish; Slurm must not count it as completed)."""
     from zerorun.launch.signals import requeue_slurm_job
 
     reason = stop_reason(job, result.checkpoint_signal)
-    message = f"zerorun: {reason}: every rank saved a checkpoint and stopped (logs in {logs})"
+    message = (f"zerorun: {reason}: every rank saved a checkpoint and stopped (logs in {logs})"
+               + (f"; {restarts}" if restarts else ""))
     if job.requeue and job.slurm is not None:
         problem = requeue_slurm_job(job.slurm.job_id)
         message += (f"; {problem}" if problem else

@@ -8,12 +8,21 @@ steps. ``job_state`` reads them once, in one order of precedence, into one ``Job
 everything, a signal to the launcher outranks the failures it caused, a save on a signal is no
 failure, and workers killed by Slurm are Slurm's doing, not a rank's. ``cli/run.py`` then has one
 small function per state.
+
+The end-of-run summary is drawn before that (the supervisor stops the view as its last act), so
+its header is chosen from the same facts by ``summary_ending``: a job that saved on a signal and
+stopped did not "finish" (it exits 128 + the signal), and one Slurm ended did not "fail".
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from enum import Enum
+
+# Slurm's stop causes (launch/slurm.py STOP_CAUSES) as the summary's header says them.
+SLURM_ENDINGS = {"cancelled": "cancelled", "preempted": "preempted", "requeued": "requeued",
+                 "time limit": "ended at its time limit", "node failure": "ended by a node failure"}
 
 
 class JobState(Enum):
@@ -61,3 +70,17 @@ class Outcome:
         if self.state is JobState.CHECKPOINTED:
             return 128 + self.result.checkpoint_signal  # type: ignore[attr-defined]
         return 128 + (getattr(self.result, "signal", None) or 2)
+
+
+def summary_ending(cause: str | None, checkpoint_signal: int | None, *, in_slurm: bool) -> str | None:
+    """Note [job state]: the summary header's words where the view's own flags (failed,
+    interrupted) would say "failed" or "finished" wrongly, else None. ``checkpoint_signal``: the
+    signal every rank saved on (a CHECKPOINTED job, exit 128 + it); ``cause``: slurm.stop_cause,
+    where asked. Short, as a table's title must be; the closing line says the rest."""
+    if checkpoint_signal is not None:
+        # signals.signal_meaning's cases: a preemption's signal, Slurm's USR1/USR2 before the
+        # time limit, or outside Slurm someone's checkpoint request.
+        why = ("preempted" if cause == "preempted" else "stopped for the time limit" if in_slurm
+               else f"stopped on {signal.Signals(checkpoint_signal).name}")
+        return f"{why}; checkpoint saved"
+    return SLURM_ENDINGS.get(cause or "")

@@ -26,6 +26,7 @@ from pathlib import Path
 from zerorun.launch import watchdog
 from zerorun.launch.channel import AgentChannel, OutputSink
 from zerorun.launch.failure_text import extract_traceback
+from zerorun.launch.outcome import summary_ending
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.processes import describe_exit
 from zerorun.launch.supervision_state import Phase, SaveRequest, phase_tracker, save_tracker
@@ -69,10 +70,6 @@ class JobResult:
     def ok(self) -> bool:
         return self.failure is None and not self.interrupted
 
-
-# Slurm's stop causes (launch/slurm.py STOP_CAUSES) as the summary's header says them.
-SLURM_ENDINGS = {"cancelled": "cancelled", "preempted": "preempted", "requeued": "requeued",
-                 "time limit": "ended at its time limit", "node failure": "ended by a node failure"}
 
 # --- the supervisor -------------------------------------------------------------------------
 
@@ -271,13 +268,14 @@ class Supervisor:
 
     def _name_slurm_ending(self) -> None:
         """A job whose workers Slurm killed (scancel, preemption, a node failure) failed only in
-        the workers' exits, and one that saved on a preemption did not finish: the summary's
-        header says what the closing line will say."""
-        stopped = (self._failure is not None or self._signal == signal.SIGTERM
-                   or self._save.state is SaveRequest.PASSED_ON)
-        if self._slurm_ending is None or not stopped:
-            return
-        word = SLURM_ENDINGS.get(self._slurm_ending() or "")
+        the workers' exits, and one that saved on a signal and stopped did not finish: the
+        summary's header says what the closing line will say (outcome.summary_ending)."""
+        saved = self._save.state is SaveRequest.PASSED_ON
+        stopped = self._failure is not None or self._signal == signal.SIGTERM or saved
+        cause = self._slurm_ending() if self._slurm_ending is not None and stopped else None
+        checkpointed = saved and self._failure is None and not self._interrupt.is_set()
+        word = summary_ending(cause, self._checkpoint_signal if checkpointed else None,
+                              in_slurm=self._slurm_ending is not None)
         name_ending = getattr(self.view, "name_ending", None)
         if word is not None and name_ending is not None:
             name_ending(word)
