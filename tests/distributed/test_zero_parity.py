@@ -19,7 +19,6 @@ Tolerances (loss: relative, every step; parameters: absolute, after 10 steps):
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -48,12 +47,13 @@ def _run_world(world: int) -> dict:
     try:
         return _train_world(world)
     finally:  # spawned ranks exit without atexit hooks, so their NVMe scratch stays behind
-        shutil.rmtree(harness.NVME["nvme_path"], ignore_errors=True)
+        harness.clear_scratch()
 
 
 def _train_world(world: int) -> dict:
     if world == 1:
         return {case.name: harness.train_engine(case, 0, 1) for case in harness.cases()}
+    harness.nvme_scratch()  # made here, so the ranks share it and this process removes it
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "results.pt"
         start_processes(harness.run_world, (world, str(Path(tmp) / "init"), str(out)), world)

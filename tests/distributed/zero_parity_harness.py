@@ -9,6 +9,9 @@ optimizer param groups (no weight decay on biases/norms).
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,10 +94,14 @@ class Case:
 
     def config(self) -> dict:
         precision = {"dtype": self.dtype, **self.extra.get("precision", {})}
+        # Small buckets and units: several collectives per step, per-module gathers.
+        zero = {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 40,
+                "allgather_bucket_size": 100, **self.extra.get("zero", {})}
+        for key in ("offload_optimizer", "offload_param"):
+            if zero.get(key, {}).get("device") == "nvme" and "nvme_path" not in zero[key]:
+                zero[key] = {**zero[key], "nvme_path": nvme_scratch()}  # Note [parity scratch]
         return {
-            # Small buckets and units: several collectives per step, per-module gathers.
-            "zero": {"stage": self.stage, "reduce_bucket_size": 200, "param_persistence_threshold": 40,
-                     "allgather_bucket_size": 100, **self.extra.get("zero", {})},
+            "zero": zero,
             "precision": precision,
             "batch": {"gradient_accumulation_steps": self.accumulation},
             "gradient_clipping": self.clipping,
@@ -125,9 +132,36 @@ def cases() -> list[Case]:
 
 CPU = {"device": "cpu"}
 # Small buffers: the 15x16 / 17x15 units' master + two Adam moments need up to ~800 elements,
-# so 3 buffers of 1000 make the reader wait for the writer (Note [file buffers]).
-NVME = {"device": "nvme", "nvme_path": str(Path(tempfile.gettempdir()) / "zerorun-parity-nvme"),
-        "buffer_count": 3, "buffer_size": 1000}
+# so 3 buffers of 1000 make the reader wait for the writer (Note [file buffers]). No nvme_path:
+# Case.config gives each test run its own (Note [parity scratch]).
+NVME = {"device": "nvme", "buffer_count": 3, "buffer_size": 1000}
+
+# Note [parity scratch]: the NVMe cases' files live in a folder of this test run's own, made by
+# the first process that needs it (tempfile.mkdtemp: a new name, created atomically, so no other
+# run can hold it) and passed to its ranks in SCRATCH_ENV (gloo_world's ranks take the starting
+# process's environment before a case runs); the process that made it removes it at exit. It
+# used to be one fixed folder under the temp directory for everyone: two runs on one machine
+# (CI and a developer, two worktrees) wrote there at once, and the first to end removed the
+# folder under the other (test_zero_parity's clean-up after each world).
+SCRATCH_ENV = "ZERORUN_TEST_PARITY_SCRATCH"
+
+
+def nvme_scratch() -> str:
+    """This test run's NVMe scratch folder (Note [parity scratch])."""
+    path = os.environ.get(SCRATCH_ENV)
+    if not path:
+        path = tempfile.mkdtemp(prefix="zerorun-parity-nvme-")
+        os.environ[SCRATCH_ENV] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def clear_scratch() -> None:
+    """Remove what the cases left in this run's scratch, keeping the folder (its name stays
+    this run's); the folder itself goes at the exit of the process that made it."""
+    root = Path(nvme_scratch())
+    for entry in root.iterdir() if root.is_dir() else ():
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 class EmbeddingsOnDevice:
@@ -137,7 +171,7 @@ class EmbeddingsOnDevice:
 
     def __init__(self, rank: int):
         self.device = OnDevice()
-        self.files = OnFile(NVME["nvme_path"], rank, buffer_count=NVME["buffer_count"], buffer_size=NVME["buffer_size"])
+        self.files = OnFile(nvme_scratch(), rank, buffer_count=NVME["buffer_count"], buffer_size=NVME["buffer_size"])
 
     def __call__(self, unit):
         return self.device if any(name.startswith("embed.") for name in unit.names) else self.files
