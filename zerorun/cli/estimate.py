@@ -213,6 +213,7 @@ def _training_from_config(path: Path):
         nvme_params=param_device == "nvme",
         pin_memory=bool(zero.offload_optimizer.pin_memory),
         hpz_partition_size=int(zero.hpz_partition_size),
+        leaf_modules=tuple(zero.leaf_modules),
     )
     activation = {
         "micro_batch": cfg.batch.micro_batch_size,
@@ -257,7 +258,7 @@ def _run_measurement(request: EstimateRequest, plan, ranks: int, steps: int):
     t = plan.training
     zero = {"reduce_bucket_size": t.reduce_bucket_size, "allgather_bucket_size": t.allgather_bucket_size,
             "prefetch_bucket_size": t.prefetch_bucket_size,
-            "param_persistence_threshold": t.param_persistence_threshold}
+            "param_persistence_threshold": t.param_persistence_threshold, "leaf_modules": list(t.leaf_modules)}
     micro_batch = plan.activation_job.micro_batch if plan.activation_job else 2
     seq_len = plan.activation_job.seq_len if plan.activation_job else 16
     return measure_factory(request.model, plan, ranks=ranks, steps=steps, micro_batch=micro_batch,

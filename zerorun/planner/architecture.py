@@ -51,9 +51,11 @@ class ModelSpec:
 
     ``largest_layer_params``: elements of the largest single parameter tensor; ZeRO-3 must
     gather at least this much at once, so it sizes the gather buffer (0 = unknown).
-    ``param_sizes``: element count of every parameter tensor when known (empty for a bare
-    ``--params``).
+    ``param_sizes``: element count of every trained parameter tensor when known (empty for a
+    bare ``--params``).
     ``module_tree``: a ``zerorun.zero.unit.plan.ModuleNode`` (``--model``, config.json), else None.
+    ``frozen_params``: elements of the parameters that do not train (``requires_grad=False``: a
+    LoRA base), counted in ``num_params`` too; known only where a real module was counted.
     """
 
     name: str
@@ -64,6 +66,12 @@ class ModelSpec:
     # The module tree (zero/unit/plan.py) when a real module was counted: the planner then
     # sizes stage 3's gathers and buckets with the engine's own unit rules.
     module_tree: object = field(default=None, repr=False, compare=False)
+    frozen_params: int = 0
+
+    @property
+    def trained_params(self) -> int:
+        """Ψ of the gradient and optimizer columns: the parameters that train."""
+        return self.num_params - self.frozen_params
 
 
 def parameter_sizes(shape: TransformerShape) -> list[int]:

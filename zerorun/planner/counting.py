@@ -2,7 +2,9 @@
 
 ``--model module:function`` (or ``path/to/file.py:function``) names a function that returns
 the model; it is called under ``torch.device("meta")`` so a 70B model costs no memory.
-Tied parameters (the same tensor reached twice, e.g. GPT-2's lm_head) count once.
+Tied parameters (the same tensor reached twice, e.g. GPT-2's lm_head) count once. Frozen
+parameters (``requires_grad=False``, a LoRA base) count in the total and apart: they get no
+gradient and no optimizer state (Note [frozen units] in zerorun/zero/unit/partition.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ def count_module(model, name: str) -> ModelSpec:
     sizes = unique_parameter_sizes(model)
     if not sizes:
         raise PlannerError(f"model {name!r} has no parameters")
+    frozen = sum(p.numel() for _, p in model.named_parameters() if not p.requires_grad)
     return ModelSpec(
         name=name,
         num_params=sum(sizes),
         largest_layer_params=largest_layer_elements(model),
-        param_sizes=tuple(sizes),
+        param_sizes=tuple(unique_parameter_sizes(model, trained_only=True)),
         module_tree=module_tree(model),
+        frozen_params=frozen,
     )
 
 
@@ -45,9 +49,9 @@ def largest_layer_elements(model) -> int:
     )
 
 
-def unique_parameter_sizes(model) -> list[int]:
+def unique_parameter_sizes(model, trained_only: bool = False) -> list[int]:
     # named_parameters() already skips repeats of the same Parameter object (tied weights).
-    return [p.numel() for _, p in model.named_parameters()]
+    return [p.numel() for _, p in model.named_parameters() if p.requires_grad or not trained_only]
 
 
 def load_factory(target: str) -> Callable:

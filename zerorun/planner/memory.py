@@ -13,6 +13,11 @@ copy when the parameters are 16-bit, so K = 12 there and 8 in fp32 training).
 
 Shards are ceil(Ψ/N) elements (the flat buffers pad to a multiple of N). Communication
 buffers and activations are separate columns so the model-state column is the textbook one.
+
+Frozen parameters (a LoRA base; known where a real module was counted) are in Ψ for the
+params column only: no gradient, no optimizer state. Below stage 3 they are whole on every
+rank; at stage 3 they are partitioned in units of their own, in the model dtype (Note [frozen
+units] in zero/unit/partition.py), and gathered beside the trained units.
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class Training:
     # ZeRO++ hpZ (zero.hpz_partition_size), stage 3: each rank also holds 1/h of every sharded
     # unit in the gather dtype (Note [secondary copy] in zero/unit/secondary.py), in params.
     hpz_partition_size: int = 1
+    # zero.leaf_modules: class names whose modules stage 3 gathers whole (Note [leaf units] in
+    # zero/unit/plan.py), beside those the model's own structure or marks make leaves.
+    leaf_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -173,27 +181,31 @@ def estimate(model: ModelSpec, job: Job, training: Training,
             hint="optimizer offload needs stage 1-3; parameter offload needs stage 3",
         )
     n, psi, stage = job.world_size, model.num_params, training.stage
+    trained = model.trained_params
     p, k = training.param_bytes, training.optimizer_bytes
     # Stage 3 keeps small units whole on every rank (their gradients and optimizer state
-    # are still sharded: they live in ordinary stage-2 style buckets).
+    # are still sharded: they live in ordinary stage-2 style buckets); frozen ones too.
     persistent = _persistent_elements(model, training) if stage == 3 else 0
-    sharded = psi - persistent
+    frozen_kept = _stage3_frozen_plan(model, training)[1] if stage == 3 else 0
+    sharded = trained - persistent
+    frozen_sharded = model.frozen_params - frozen_kept
 
-    params = p * (psi if stage < 3 else shard(sharded, n) + persistent)
-    grads = p * (psi if stage < 2 else shard(psi, n))
-    optimizer: float = k * (psi if stage == 0 else shard(psi, n))
+    params = p * (psi if stage < 3 else shard(sharded, n) + persistent + shard(frozen_sharded, n) + frozen_kept)
+    grads = p * (trained if stage < 2 else shard(trained, n))
+    optimizer: float = k * (trained if stage == 0 else shard(trained, n))
     if stage == 3 and p != 4 and training.offload == "none":
         # Note [fp32 shard] (zero/unit/storage.py): a 16-bit stage-3 chunk is kept in fp32 and
-        # IS its master, so it counts 4 bytes as a parameter and no master beside it.
+        # IS its master, so it counts 4 bytes as a parameter and no master beside it. A frozen
+        # chunk has no master: it stays in the model dtype.
         params += (4 - p) * shard(sharded, n)
         optimizer -= MASTER_COPY_BYTES * shard(sharded, n)
     if stage == 3 and training.hpz_partition_size > 1:
-        params += p * secondary_elements(sharded, n, training.hpz_partition_size)
+        params += p * secondary_elements(sharded + frozen_sharded, n, training.hpz_partition_size)
     host = nvme = 0.0
     if training.offload != "none":
         # An offloaded master is always a tensor of its own (make_master in zerorun/zero/offload/master.py), even in
         # fp32, where without offload the parameter storage doubles as the master.
-        offloaded = optimizer + (MASTER_COPY_BYTES * shard(psi, n) if training.precision == "fp32" else 0)
+        offloaded = optimizer + (MASTER_COPY_BYTES * shard(trained, n) if training.precision == "fp32" else 0)
         optimizer = 0.0
         if training.offload == "nvme":
             nvme, host = offloaded, _offload_staging_bytes(model, job, training)
@@ -204,7 +216,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
     # labelled "none" offloads nothing, whatever the config held.
     nvme_params = training.nvme_params and training.offload != "none"
     if stage == 3 and (training.offload == "cpu-optimizer+params" or nvme_params):
-        moved = p * shard(sharded, n)
+        moved = p * (shard(sharded, n) + shard(frozen_sharded, n))  # frozen chunks share the param home
         params -= moved
         if nvme_params:
             nvme += moved
@@ -241,14 +253,45 @@ def _stage3_plan(model: ModelSpec, training: Training) -> tuple[list | None, int
     units are taken to be layers, far above the threshold."""
     from zerorun.zero.unit import plan as unit_plan
 
-    if not isinstance(model.module_tree, unit_plan.ModuleNode):
+    tree = _module_tree(model, training)
+    if tree is None:
         return None, 0
-    sharded = unit_plan.stage3_units(model.module_tree, training.param_persistence_threshold, _stage3_min_unit(training))
-    return sharded, unit_plan.trainable_numel(model.module_tree) - sum(u.numel for u in sharded)
+    sharded = unit_plan.stage3_units(tree, training.param_persistence_threshold, _stage3_min_unit(training))
+    return sharded, unit_plan.trainable_numel(tree) - sum(u.numel for u in sharded)
+
+
+def _module_tree(model: ModelSpec, training: Training):
+    """The counted model's module tree with the config's leaf classes marked, or None (no real
+    module was counted). A class name no module has is refused, as the engine refuses it."""
+    from zerorun.zero.unit import plan as unit_plan
+
+    tree = model.module_tree
+    if not isinstance(tree, unit_plan.ModuleNode):
+        return None
+    if not training.leaf_modules:
+        return tree
+    missing = sorted(set(training.leaf_modules) - unit_plan.tree_kinds(tree))
+    if missing:
+        raise PlannerError(f"zero.leaf_modules names {', '.join(missing)}, which no module of the model is",
+                           hint="use class names of the model's modules (its expert blocks)")
+    return unit_plan.with_leaves(tree, frozenset(training.leaf_modules))
 
 
 def _persistent_elements(model: ModelSpec, training: Training) -> int:
     return _stage3_plan(model, training)[1]
+
+
+def _stage3_frozen_plan(model: ModelSpec, training: Training) -> tuple[list, int]:
+    """(the units of frozen parameters stage 3 partitions, the frozen elements it keeps whole):
+    Note [frozen units] in zero/unit/partition.py, the engine's own rule. Without the module
+    tree no parameter is known to be frozen: ([], 0)."""
+    from zerorun.zero.unit import plan as unit_plan
+
+    tree = _module_tree(model, training)
+    if tree is None:
+        return [], 0
+    units = unit_plan.stage3_frozen_units(tree, training.param_persistence_threshold, _stage3_min_unit(training))
+    return units, unit_plan.trainable_numel(tree, trainable=False) - sum(u.numel for u in units)
 
 
 def _stage3_min_unit(training: Training) -> int:
@@ -258,13 +301,14 @@ def _stage3_min_unit(training: Training) -> int:
 
 
 def largest_parameter(model: ModelSpec) -> int:
-    return max(model.param_sizes, default=model.largest_layer_params)
+    """The largest trained parameter (the largest one autograd makes a gradient for)."""
+    return max(model.param_sizes, default=0 if model.frozen_params else model.largest_layer_params)
 
 
 def bucket_elements(model: ModelSpec, training: Training) -> int:
     """Elements of the biggest gradient bucket (a stage 0-2 unit): parameters are packed whole,
     so a parameter larger than ``reduce_bucket_size`` makes a bucket of its own."""
-    return min(max(training.reduce_bucket_size, largest_parameter(model)), model.num_params)
+    return min(max(training.reduce_bucket_size, largest_parameter(model)), model.trained_params)
 
 
 def communication_buffer_bytes(model: ModelSpec, job: Job, training: Training) -> int:
@@ -296,11 +340,11 @@ def gradient_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
     engine's own packing (zero/sharding.pack_buckets, backward order); else ⌈Ψ/B⌉ buckets of B."""
     from zerorun.zero.unit.layout import ParamSpec, pack_buckets
 
-    if model.param_sizes:
+    if model.param_sizes or model.frozen_params:  # only trained parameters are bucketed
         specs = [ParamSpec(str(i), size) for i, size in enumerate(reversed(model.param_sizes))]
         return [sum(spec.numel for spec in bucket) for bucket in pack_buckets(specs, training.reduce_bucket_size)]
     bucket = bucket_elements(model, training)
-    return [bucket] * math.ceil(model.num_params / bucket)
+    return [bucket] * math.ceil(model.trained_params / bucket)
 
 
 def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, int]:
@@ -319,16 +363,21 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     return min(gathered + max(0, extra), max(gathered, model.num_params)), bucket, units
 
 
-def _stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, int]:
-    """stage3_unit_sizes without the prefetch budget."""
+def _stage3_unit_sizes(model: ModelSpec, training: Training, trained_only: bool = False) -> tuple[int, int, int]:
+    """stage3_unit_sizes without the prefetch budget. The gathered units are the trained ones
+    and the frozen ones (Note [frozen units]: gathered by the same hooks), unless
+    ``trained_only``; the buckets and their count are the trained units' alone (a frozen unit is
+    never reduced)."""
     from zerorun.zero.unit import plan as unit_plan
 
     planned, persistent = _stage3_plan(model, training)
-    if planned:
-        bucket = max(u.numel for u in planned)
+    frozen = [] if trained_only else _stage3_frozen_plan(model, training)[0]
+    if planned or frozen:
+        trained = planned or []  # a wholly frozen model: no trained unit
+        bucket = max((u.numel for u in trained), default=0)
         if persistent:
             bucket = max(bucket, min(training.reduce_bucket_size, persistent))
-        return unit_plan.max_gathered_numel(planned), bucket, len(planned)
+        return unit_plan.max_gathered_numel(unit_plan.gathered_together(trained, frozen)), bucket, len(trained)
     layer = max(model.largest_layer_params or bucket_elements(model, training), _stage3_min_unit(training))
     layer = min(layer, model.num_params)
     units = (max(1, math.ceil((model.num_params - persistent) / layer)) if model.param_sizes
@@ -358,7 +407,7 @@ def backward_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> 
     p, stage = training.param_bytes, training.stage
     total = p * largest_parameter(model)
     if p != 4 and stage >= 2 and training.offload == "none":
-        total += (4 - p) * shard(model.num_params, job.world_size)
+        total += (4 - p) * shard(model.trained_params, job.world_size)
         if job.world_size > 1:
             total += 4 * shard(_largest_reduced_bucket(model, training), job.world_size)
     return total
@@ -392,6 +441,8 @@ def unreduced_gradient_bytes(model: ModelSpec, job: Job, training: Training) -> 
         alive = sorted(gradient_bucket_sizes(model, training), reverse=True)[: GRADIENT_BUCKETS_IN_FLIGHT + 1]
         return 4 * sum(shard(b, job.world_size) for b in alive)
     gathered, bucket, units = stage3_unit_sizes(model, training)
+    # Only trained units have gradient shards to be missing (a frozen one never has one).
+    gathered = min(gathered, _stage3_unit_sizes(model, training, trained_only=True)[0])
     return 4 * shard(gathered, job.world_size) + 4 * stage3_units_in_flight(units) * shard(bucket, job.world_size)
 
 
@@ -418,7 +469,7 @@ def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     With the optimizer offloaded, only the first item stays on the GPU.
     """
     p, stage, n = training.param_bytes, training.stage, job.world_size
-    share = model.num_params if stage == 0 else shard(model.num_params, n)
+    share = model.trained_params if stage == 0 else shard(model.trained_params, n)
     total = p * largest_parameter(model)
     if training.offload != "none":
         return total  # the fp32 gradient and Adam's temporaries live with the offloaded step
@@ -469,8 +520,9 @@ def pinned_slack_bytes(model: ModelSpec, job: Job, training: Training) -> int:
         return slack([buffer] * training.nvme_buffer_count)
     units = _offload_unit_elements(model, training)
     total = slack([4 * shard(u, n) for u in units])
-    if training.offload == "cpu-optimizer+params":
-        total += slack([training.param_bytes * shard(u, n) for u in _stage3_sharded_units(model, training)])
+    if training.offload == "cpu-optimizer+params":  # frozen chunks too, after the trained (engine order)
+        chunks = _stage3_sharded_units(model, training) + [u.numel for u in _stage3_frozen_plan(model, training)[0]]
+        total += slack([training.param_bytes * shard(u, n) for u in chunks])
     return total
 
 

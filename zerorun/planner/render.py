@@ -51,6 +51,8 @@ def render_plan(plan: Plan):
 def _title(plan: Plan, unit_name: str) -> str:
     model, job, training = plan.model, plan.job, plan.training
     largest = f", largest layer {format_count(model.largest_layer_params)}" if model.largest_layer_params else ""
+    if model.frozen_params:  # no gradient or optimizer state for these (docs/estimate.md)
+        largest = f" ({format_count(model.frozen_params)} frozen){largest}"
     precision = "fp32" if training.precision == "fp32" else f"{training.precision} mixed precision"
     acts = ""
     if plan.activation_job is not None:
@@ -138,6 +140,7 @@ def plan_to_json(plan: Plan) -> dict:
             "name": plan.model.name,
             "num_params": plan.model.num_params,
             "largest_layer_params": plan.model.largest_layer_params,
+            "frozen_params": plan.model.frozen_params,
         },
         "job": {"gpus_per_node": plan.job.gpus_per_node, "nodes": plan.job.nodes,
                 "world_size": plan.job.world_size},

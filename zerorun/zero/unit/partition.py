@@ -33,7 +33,7 @@ from zerorun.zero.unit.layout import ParamSpec, pack_buckets
 from zerorun.zero.unit.leaf import is_leaf
 from zerorun.zero.unit.storage import FROZEN_GROUP, FlatUnit
 
-from zerorun.zero.unit.plan import ModuleNode, ParamNode, coalesce_units, stage3_units
+from zerorun.zero.unit.plan import ModuleNode, ParamNode, stage3_frozen_units, stage3_units
 
 
 @dataclass
@@ -168,7 +168,8 @@ def module_tree(model: nn.Module, leaf_names: frozenset[str] = frozenset()) -> M
         params = tuple(ParamNode(id(p), p.numel(), p.requires_grad, p.is_floating_point())
                        for p in module.parameters(recurse=False))
         callable_ = not isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        return ModuleNode(name, callable_, params, children, leaf=callable_ and is_leaf(module, leaf_names))
+        return ModuleNode(name, callable_, params, children, leaf=callable_ and is_leaf(module, leaf_names),
+                          kind=type(module).__name__)
 
     return node(model, "")
 
@@ -184,8 +185,7 @@ def _coalesce_modules(model: nn.Module, persistence_threshold: int, min_numel: i
     if trainable:
         planned = stage3_units(tree, persistence_threshold, min_numel)
     else:
-        planned = [u for u in coalesce_units(tree, lambda p: not p.trainable and p.floating, min_numel)
-                   if u.numel > persistence_threshold]
+        planned = stage3_frozen_units(tree, persistence_threshold, min_numel)
     return [(modules[u.owner], [params[p.key] for p in u.params]) for u in planned]
 
 

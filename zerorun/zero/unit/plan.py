@@ -33,7 +33,7 @@ attention layer, 8.4M elements gathered for the whole step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable, Hashable
 
 UNIT_OVERFLOW = 2
@@ -61,6 +61,7 @@ class ModuleNode:
     params: tuple[ParamNode, ...]      # the module's own parameters, registration order
     children: tuple[ModuleNode, ...]
     leaf: bool = False                 # gathered whole when it runs (Note [leaf units])
+    kind: str = ""                     # the module's class name (a config's zero.leaf_modules names it)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,18 @@ def _subtree_params(node: ModuleNode) -> list[ParamNode]:
     return list(node.params) + [p for child in node.children for p in _subtree_params(child)]
 
 
+def with_leaves(root: ModuleNode, class_names: frozenset[str]) -> ModuleNode:
+    """The tree with every callable module of a class in ``class_names`` a leaf too (the config's
+    ``zero.leaf_modules``, which the engine reads as unit/leaf.py ``is_leaf`` does)."""
+    return replace(root, children=tuple(with_leaves(child, class_names) for child in root.children),
+                   leaf=root.leaf or (root.callable and root.kind in class_names))
+
+
+def tree_kinds(root: ModuleNode) -> set[str]:
+    """The class names of the tree's modules."""
+    return {root.kind}.union(*(tree_kinds(child) for child in root.children))
+
+
 def stage3_units(root: ModuleNode, persistence_threshold: int, min_numel: int) -> list[PlannedUnit]:
     """The units stage 3 partitions (Note [persistent units]): every trainable parameter is planned
     by ``coalesce_units``; a unit of at most ``persistence_threshold`` elements is left out and
@@ -123,19 +136,36 @@ def stage3_units(root: ModuleNode, persistence_threshold: int, min_numel: int) -
     return [unit for unit in planned if unit.numel > persistence_threshold]
 
 
-def trainable_numel(root: ModuleNode) -> int:
-    """Elements of the trainable parameters in the tree, a tied parameter once."""
+def stage3_frozen_units(root: ModuleNode, persistence_threshold: int, min_numel: int) -> list[PlannedUnit]:
+    """Note [frozen units] (unit/partition.py): the units of frozen parameters, planned by the same
+    rules over the frozen floating parameters alone; a unit of at most ``persistence_threshold``
+    elements is left out and stays whole on every rank, as do integer parameters."""
+    planned = coalesce_units(root, lambda param: not param.trainable and param.floating, min_numel)
+    return [unit for unit in planned if unit.numel > persistence_threshold]
+
+
+def trainable_numel(root: ModuleNode, trainable: bool = True) -> int:
+    """Elements of the trainable parameters in the tree (``trainable=False``: the frozen ones),
+    a tied parameter once."""
     seen: dict[Hashable, int] = {}
 
     def visit(node: ModuleNode) -> None:
         for param in node.params:
-            if param.trainable:
+            if param.trainable == trainable:
                 seen[param.key] = param.numel
         for child in node.children:
             visit(child)
 
     visit(root)
     return sum(seen.values())
+
+
+def gathered_together(trained: list[PlannedUnit], frozen: list[PlannedUnit]) -> list[PlannedUnit]:
+    """Both plans as the gatherer sees them: one list of units, each unit's depth counted over
+    the owners of either plan (a frozen base's unit inside a block whose adapters the root owns
+    is gathered within the root's)."""
+    owners = {u.owner for u in trained + frozen}
+    return [PlannedUnit(u.owner, u.params, _enclosing_owners(u.owner, owners)) for u in trained + frozen]
 
 
 def _enclosing_owners(name: str, owners: set[str]) -> int:
