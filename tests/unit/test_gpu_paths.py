@@ -62,7 +62,7 @@ def test_an_nccl_exit_barrier_names_its_gpu(monkeypatch):
     monkeypatch.setattr(process_group.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(process_group.dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(process_group.dist, "barrier", lambda **kw: calls.append(("barrier", kw)))
-    monkeypatch.setattr(process_group.dist, "destroy_process_group", lambda group=None: calls.append(("destroy",)))
+    monkeypatch.setattr(process_group, "_destroy_now", lambda group=None: calls.append(("destroy",)))
     monkeypatch.setattr(process_group, "close_host_channels", lambda **kw: None)
     process_group.leave_together(gpu=2)
     assert calls == [("barrier", {"group": None, "device_ids": [2]}), ("destroy",)]

@@ -132,6 +132,8 @@ class GatheredParameters:
                     self._records.append(record)
             elif param.is_meta:
                 self._materialize(param)
+        if self._engine is not None:  # stages 1-2: the last step's all-gathers write the buffers read here
+            self._engine.updater.refresh.settle()
         with torch.no_grad():
             for record in self._records:
                 if record.unit.state is ParamState.SHARDED:

@@ -44,6 +44,7 @@ from zerorun.zero.offload.placements import placement_from_config
 from zerorun.zero.unit.record import Home, UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
+from zerorun.zero.refresh_ahead import RefreshAhead
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero import uneven
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
@@ -258,6 +259,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
             update_bucket_size=cfg.zero.update_bucket_size,
+            # Note [refresh on first read] in refresh_ahead.py: stages 1-2 only (stage 3's replicated
+            # units are its small persistent ones; stage 0 has nothing to spread).
+            refresh=RefreshAhead(self.module) if cfg.zero.overlap_comm and self.stage in (1, 2) else None,
         )
         policy = ReducePolicy.for_stage(self.stage)  # Note [scatter in place] in grad_reduce.py (stage 1)
         self.reducer = GradReducer(
@@ -377,6 +381,9 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             self._backward(loss, scale_wrt_gas)
 
     def _backward(self, loss: torch.Tensor, scale_wrt_gas: bool) -> None:
+        # A unit the forward never read is current before its gradient exists, and an offloaded
+        # update may publish into a chunk during this backward (Note [refresh on first read]).
+        self.updater.refresh.settle()
         boundary = self.is_gradient_accumulation_boundary()
         self.reducer.communicate = boundary
         if boundary:
@@ -492,7 +499,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
 
     def quiesce(self) -> None:
         """Before a checkpoint reads or rewrites the records: no unit left gathered (stage 3),
-        every write behind on disk (NVMe)."""
+        every write behind on disk (NVMe), every refreshed chunk arrived (stages 1-2)."""
+        self.updater.refresh.settle()
         if self.gatherer is not None:
             self.gatherer.release_all()
         for home, records in by_state_home(self.records).items():

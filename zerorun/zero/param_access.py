@@ -88,7 +88,7 @@ class ShardedParameter(nn.Parameter):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         refusal = None
-        if not _metadata(func, name, args, kwargs):
+        if not reads_no_values(func, name, args, kwargs):
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, (ShardedParameter, ShardedData)):
                     refusal = refusal or _READERS[id(leaf)](leaf)
@@ -156,7 +156,7 @@ def placeholder(param: nn.Parameter) -> torch.Tensor:
     return torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def _metadata(func, name: str, args, kwargs) -> bool:
+def reads_no_values(func, name: str, args, kwargs) -> bool:
     """Does this torch function read no values of its parameters (Note [no tensor over an empty
     storage])? A property counts by its own name (``func`` is the descriptor's ``__get__``)."""
     if name == "__get__":

@@ -40,7 +40,8 @@ coefficient: that run saves the same weights, bit for bit, at stages 2 and 3.
 Either way a gradient is staged next to its master only inside that unit's update, one unit at
 a time for offloaded placements (Note [unit-sized gradient staging] in offload/placements.py).
 The engine's ``step()`` waits for the worker before returning, and collectives (the norm, the
-stage 1-2 refresh) are issued only from the main thread, so every rank issues them in order.
+stage 1-2 refresh: Note [refresh on first read] in refresh_ahead.py) are issued only from the
+main thread, so every rank issues them in order.
 A unit's values are no longer read by this backward once its gradient is final, which is what
 makes writing its chunk early safe.
 """
@@ -59,7 +60,9 @@ from zerorun.zero.comm import collectives
 from zerorun.zero.offload.grad_copy import final_event, wait_for_final
 from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
+from zerorun.zero.refresh_ahead import EagerRefresh, RefreshAhead
 from zerorun.zero.unit.record import UnitRecord, by_state_home
+from zerorun.zero.unit.storage import FlatUnit
 
 
 @dataclass
@@ -98,11 +101,9 @@ def square_sum(gradient: torch.Tensor) -> torch.Tensor:
     return gradient.pow(2).sum(dtype=torch.float64)
 
 
-def refresh_replicas(records: list[UnitRecord], group) -> None:
-    """Stages 1-2: spread every rank's updated chunk to all ranks (main thread, unit order)."""
-    handles = [r.unit.start_refresh(group) for r in records if not r.unit.partitioned]
-    for handle in handles:
-        handle.wait()
+def replicated_units(records: list[UnitRecord]) -> list[FlatUnit]:
+    """Stages 1-2: the units whose updated chunks are spread to all ranks after an update."""
+    return [r.unit for r in records if not r.unit.partitioned]
 
 
 def update_batches(records: list[UnitRecord], cap: int) -> list[list[UnitRecord]]:
@@ -132,8 +133,11 @@ def update_batches(records: list[UnitRecord], cap: int) -> list[list[UnitRecord]
 
 class UnitUpdater:
     def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], group, *,
-                 data_parallel_world: int, shard_world: int, update_bucket_size: int = 6_250_000):
+                 data_parallel_world: int, shard_world: int, update_bucket_size: int = 6_250_000,
+                 refresh: EagerRefresh | RefreshAhead | None = None):
         self.optimizer = optimizer
+        # How the updated chunks reach every rank (Note [refresh on first read] in refresh_ahead.py).
+        self.refresh = refresh if refresh is not None else EagerRefresh()
         self.records = records
         self.group = group
         self.data_parallel_world = data_parallel_world
@@ -185,6 +189,7 @@ class UnitUpdater:
     def step(self, *, loss_scaler: LossScaler, clip: float) -> tuple[bool, float | None]:
         """Unscale, check overflow, clip, update, spread. Returns (applied, grad_norm)."""
         window = self._window if self._window is not None else self.open_window(loss_scaler, clip)
+        self.refresh.settle()  # the last step's all-gathers read the chunks this one rewrites
         self._wait_for_worker()
         if window.needs_norm:
             for record in self.records:
@@ -200,7 +205,7 @@ class UnitUpdater:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm is not None and norm > clip else 1.0
             for batch in update_batches([r for r in self.records if not r.update.updated], self.update_bucket_size):
                 self._apply(batch, window, coefficient)
-            refresh_replicas(self.records, self.group)
+            self.refresh.start(replicated_units(self.records), self.group)
         for record in self.records:
             record.update.close_window()
         self._window = None

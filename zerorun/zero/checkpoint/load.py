@@ -30,7 +30,8 @@ from zerorun.zero.checkpoint.reshard import FROZEN, RNG, Uncovered, first_mismat
 from zerorun.zero.checkpoint.rng import load_rng
 from zerorun.zero.checkpoint.tensor_files import load_refusal
 from zerorun.zero.unit.layout import Segment
-from zerorun.zero.update import refresh_replicas
+from zerorun.zero.refresh_ahead import EagerRefresh
+from zerorun.zero.update import replicated_units
 
 
 def _check_fits(engine, manifest: dict, directory: Path) -> None:
@@ -222,7 +223,7 @@ def _load_records(engine, reader: Reader, manifest: dict, plans: list) -> None:
         get_recorder().record_activity("loading", loaded)  # Note [saving is progress]
     get_recorder().record_activity(None, 0)
     engine.quiesce()
-    refresh_replicas(engine.records, engine.pg.group)
+    EagerRefresh().start(replicated_units(engine.records), engine.pg.group)
 
 
 def _record_state(record, reader: Reader, state_reads: dict, record_scalars: dict | None, optimizer) -> dict:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +106,47 @@ def adopt_slurm_step(environ) -> None:
     })
 
 
+# Note [settled before teardown]: a collective can be left in flight past the call that issued
+# it (stages 1-2's refresh, Note [refresh on first read] in zero/refresh_ahead.py, runs into the
+# next forward), and a script ends with ``dist.destroy_process_group()`` right after its last
+# step, often after a ``dist.barrier()`` of its own. Destroying the group then aborted every run
+# of scripts/bench_link.py at stage 1 ("terminate called without an active exception"): the
+# refresh's last pieces had just been waited, and gloo's threads still held their work objects
+# when the interpreter shut down (Note [clean exit]). So whoever leaves work in flight registers
+# how to finish it (``settle_before_teardown``), ``leave_together`` finishes it first, and once
+# zerorun has a group torch's ``destroy_process_group`` of the default group is
+# ``leave_together`` (bounded by EXIT_BARRIER_TIMEOUT_S, as at exit; DeepSpeed's
+# ``deepspeed.comm.destroy_process_group`` is that already, zerorun/deepspeed/comm.py). A destroy
+# while an exception is in flight (a ``finally``), or after an uncaught one, destroys at once:
+# a peer may be gone, and waiting for it would only delay the launcher's report.
+_IN_FLIGHT: weakref.WeakSet = weakref.WeakSet()
+_destroy_now = dist.destroy_process_group  # torch's own, unwrapped
+
+
+def settle_before_teardown(owner) -> None:
+    """``owner.settle()`` finishes what ``owner`` left in flight; called before the group goes."""
+    _IN_FLIGHT.add(owner)
+
+
+def finish_before_destroy() -> None:
+    """Note [settled before teardown]: wrap ``torch.distributed.destroy_process_group`` once
+    (``leave_at_exit``: the first group zerorun joins or starts)."""
+    if getattr(dist.destroy_process_group, "_zerorun_settles", False):
+        return
+
+    @functools.wraps(_destroy_now)
+    def destroy_process_group(group=None):
+        default = group is None or group is dist.GroupMember.WORLD
+        failing = sys.exc_info()[0] is not None or _uncaught_exception or _failing_exit
+        if not default or failing or not (dist.is_available() and dist.is_initialized()):
+            return _destroy_now(group)
+        if not _leave_within(EXIT_BARRIER_TIMEOUT_S) and dist.is_initialized():
+            _destroy_now()
+
+    destroy_process_group._zerorun_settles = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+
+
 def leave_together(group=None, *, settle_timeout_s: float = 5.0, gpu: int | None = None) -> None:
     """Meet every rank at a barrier, let gloo's threads drop their last work, destroy the group.
 
@@ -129,6 +172,8 @@ def leave_together(group=None, *, settle_timeout_s: float = 5.0, gpu: int | None
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    for owner in list(_IN_FLIGHT):  # Note [settled before teardown]
+        owner.settle()
     if gpu is not None and dist.get_backend(group) == "nccl":
         dist.barrier(group=group, device_ids=[gpu])
     else:
@@ -143,7 +188,7 @@ def leave_together(group=None, *, settle_timeout_s: float = 5.0, gpu: int | None
             dist.all_reduce(probe, group=group)
             while sys.getrefcount(probe) > unreferenced and time.monotonic() < deadline:
                 time.sleep(0.001)
-    dist.destroy_process_group(group)
+    _destroy_now(group)
 
 
 @contextlib.contextmanager
@@ -156,7 +201,7 @@ def leaving_together(group=None):
         close_host_channels(finished=False)
         close_ring_drivers(finished=False)
         if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy_now()  # nothing in flight is waited for: a peer may be gone
         raise
     leave_together(group)
 
@@ -174,6 +219,7 @@ def leave_at_exit() -> None:
         return
     _leaving_at_exit = True
     atexit.register(leave_process_group)
+    finish_before_destroy()
     _watch_for_uncaught_exceptions()
 
 
@@ -195,6 +241,11 @@ def leave_process_group() -> None:
     recorder = get_recorder()
     recorder.record_activity("leaving", 0)
     recorder.send_sample()  # now: the recorder's own exit handler (it ran first) sent its last one
+    _leave_within(EXIT_BARRIER_TIMEOUT_S)
+
+
+def _leave_within(timeout_s: float) -> bool:
+    """``leave_together`` on a thread of its own, waited at most ``timeout_s``: whether it ended."""
     met = threading.Event()
     gpu = exit_gpu()
 
@@ -208,7 +259,7 @@ def leave_process_group() -> None:
             pass
 
     threading.Thread(target=meet, name="zerorun-exit-barrier", daemon=True).start()
-    met.wait(EXIT_BARRIER_TIMEOUT_S)
+    return met.wait(timeout_s)
 
 
 def exit_gpu() -> int | None:
