@@ -296,7 +296,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
 
     def _quantize_collectives(self, zero) -> None:
-        """ZeRO++ (Note [quantized collectives] in comm/collectives.py): which stage-3 units
+        """ZeRO++ (Note [quantized collectives] in comm/quantized_collectives.py): which stage-3 units
         gather int8 blocks (all with qwZ, the all-frozen ones with quantized_nontrainable_weights),
         and whether gradients reduce-scatter them (qgZ). The config allows these only at the
         stages that have those collectives (config/rules.py)."""
