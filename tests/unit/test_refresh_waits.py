@@ -120,6 +120,7 @@ def test_eager_refresh_waits_inside_step():
     assert all(type(p) is nn.Parameter for p in params)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's own imports (torch.jit)
 @pytest.mark.parametrize("how", ["wrapped", "in place", "a block"])
 def test_a_compiled_model_is_refreshed_inside_step(how):
     """Dynamo would trace the waits (Note [refresh on first read]): a compiled model, or one with a
@@ -137,3 +138,16 @@ def test_a_compiled_model_is_refreshed_inside_step(how):
     refresh.start(units, group=None)
     assert log == ["issue late", "issue early", "late", "early"]
     assert all(type(p) is nn.Parameter for p in params) and refresh.in_flight() == 0
+
+
+def test_a_unit_of_one_rank_has_nothing_in_flight():
+    from zerorun.zero.comm import collectives
+
+    class OneRank(FakeUnit):
+        def start_refresh(self, group):
+            return collectives.DONE
+
+    param = nn.Parameter(torch.ones(2))
+    refresh = RefreshAhead(nn.Linear(1, 1))
+    refresh.start([OneRank([], "alone", param)], group=None)
+    assert type(param) is nn.Parameter and refresh.in_flight() == 0

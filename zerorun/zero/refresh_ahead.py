@@ -132,10 +132,10 @@ class RefreshAhead:
         # Units are built in backward's order (unit/partition.py): the forward reads the last first.
         for unit in reversed(units):
             handle = unit.start_refresh(group)
-            if _plain(unit):
-                self._in_flight.append(_UnitRefresh(handle, list(unit.params)))
-            else:
+            if handle is collectives.DONE or not _plain(unit):  # one rank: nothing in flight
                 eager.append(handle)
+            else:
+                self._in_flight.append(_UnitRefresh(handle, list(unit.params)))
         for handle in eager:
             handle.wait()
 
