@@ -20,7 +20,8 @@ every rank issued in ``step()`` in the same order: a read on one rank never need
 Where the engine itself writes or reads the units' storage (the next update publishing into a
 chunk, a checkpoint, the next backward), it first waits for everything still in flight
 (``settle``): a chunk being sent must not change, and a unit the forward never read is current
-before its gradient exists. A user's own subclass of ``nn.Parameter`` keeps its class: its unit
+before its gradient exists; so does the group's teardown (Note [settled before teardown] in
+comm/process_group.py). A user's own subclass of ``nn.Parameter`` keeps its class: its unit
 is waited inside ``step()`` as before. So is every unit of a compiled model (``torch.compile(model)``
 before ``initialize``, ``model.compile()`` or a compiled block after it): dynamo would trace the
 class's ``__torch_function__``, whose wait it cannot trace, and give up compiling that forward
