@@ -29,12 +29,13 @@ for step in range(40):
     if step == 3 and engine.rank == 0:
         engine.quiesce()
         victim = sorted(engine.records[0].state_home.directory.glob("unit*.bin"))[0]
+        # The time first: once the file is damaged, rank 0 may be ended before its next line.
+        with open(os.path.join(os.environ["ZERORUN_RUN_DIR"], "fault_at"), "w") as f:
+            f.write(repr(time.time()))
         if sys.argv[1] == "delete":
             victim.unlink()
         else:
             os.truncate(victim, 0)
-        with open(os.path.join(os.environ["ZERORUN_RUN_DIR"], "fault_at"), "w") as f:
-            f.write(repr(time.time()))
     loss = engine(torch.randn(4, 16)).pow(2).mean()
     engine.backward(loss)
     engine.step()
