@@ -206,6 +206,32 @@ class SentCounter:
         self.sent[1] += between
 
 
+class Timeline:
+    """--trace: each collective's issue and completion and each step's phase ends, in seconds
+    since the step began (for reading where the link or the compute waits)."""
+
+    def __init__(self):
+        self.step_started = time.perf_counter()
+        self.steps: list[list] = []
+
+    def begin_step(self) -> None:
+        self.step_started = time.perf_counter()
+        self.steps.append([[0.0, "clock", self.step_started]])  # CLOCK_MONOTONIC: one clock for every rank
+
+    def mark(self, *event) -> None:
+        if self.steps:
+            self.steps[-1].append([round(time.perf_counter() - self.step_started, 4), *event])
+
+    def collective_started(self, seq, op, nbytes):
+        self.mark("issue", seq, op, nbytes)
+
+    def collective_finished(self, seq, op, nbytes, seconds, waited):
+        self.mark("done", seq, op, nbytes, round(waited, 4))
+
+    def collective_sent(self, seq, op, within, between):
+        pass
+
+
 def rank_main(spec: dict) -> None:
     """One rank, inside its namespace: warmup, barrier, counters, timed steps, barrier, counters."""
     import torch
@@ -233,6 +259,11 @@ def rank_main(spec: dict) -> None:
         from zerorun.zero.comm import collectives
 
         collectives.add_observer(counter)
+    timeline = Timeline() if spec.get("trace") else None
+    if timeline is not None and spec["system"].startswith("zero"):
+        collectives.add_observer(timeline)
+        _mark_ring_transfers(timeline)
+        trainer.step = _phases_marked(trainer, timeline)
     times, losses = [], []
     before: dict[str, int] = {}
     told_before = [0, 0]
@@ -242,6 +273,8 @@ def rank_main(spec: dict) -> None:
             before = counters()
             told_before = list(counter.sent)
         tokens, targets = synthetic_batch(cfg, spec["micro_batch"] * world, step=step)
+        if timeline is not None:
+            timeline.begin_step()
         started = time.perf_counter()
         loss = trainer.step(rank_slice(tokens, rank, world), rank_slice(targets, rank, world))
         elapsed = time.perf_counter() - started
@@ -253,7 +286,41 @@ def rank_main(spec: dict) -> None:
     sent = {k: after[k] - before[k] for k in after} if spec["counts"] else None
     told = [counter.sent[0] - told_before[0], counter.sent[1] - told_before[1]] if spec["system"].startswith("zero") else None
     Path(spec["out"]).write_text(json.dumps({"step_times_s": times, "losses": losses, "counters": sent, "sent": told}))
+    if timeline is not None:
+        Path(spec["trace"], f"{spec['tag']}-rank{rank}.json").write_text(json.dumps(timeline.steps))
     dist.destroy_process_group()
+
+
+def _mark_ring_transfers(timeline: Timeline) -> None:
+    """--trace: when each collective between hosts starts to send its bytes (its headers
+    matched) and when the ring driver finishes it (Note [ring progress])."""
+    from zerorun.zero.comm import ring_driver
+
+    check, finish = ring_driver.RingDriver._check, ring_driver.Job.finish
+
+    def checked(driver, posted):
+        check(driver, posted)
+        timeline.mark("send", posted.job.seq)
+
+    def finished(job):
+        timeline.mark("moved", job.seq)
+        finish(job)
+
+    ring_driver.RingDriver._check = checked
+    ring_driver.Job.finish = finished
+
+
+def _phases_marked(trainer, timeline: Timeline):
+    """The zerorun trainer's step with its forward, backward and update ends marked (--trace)."""
+    def step(tokens, targets):
+        loss = trainer.call(trainer.engine, tokens, targets)
+        timeline.mark("forward")
+        trainer.engine.backward(loss)
+        timeline.mark("backward")
+        trainer.engine.step()
+        timeline.mark("step")
+        return loss.detach()
+    return step
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -273,6 +340,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-compute", action="store_true", help="skip the one-host (unshaped) runs")
     parser.add_argument("--zerorun-config", default="{}", help="JSON merged into every zerorun config")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    parser.add_argument("--trace", default=None, help="write each zerorun rank's timeline of collectives and "
+                        "step phases here, one JSON file per rank, system and rate")
     args = parser.parse_args(argv)
     from bench_systems import parse_shared_options
 
@@ -328,7 +397,10 @@ def main(argv=None) -> int:
 
     console = Console(width=160)
     options = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup,
-               "micro_batch": args.micro_batch, "zerorun_config": args.zerorun_config}
+               "micro_batch": args.micro_batch, "zerorun_config": args.zerorun_config,
+               "trace": str(Path(args.trace).resolve()) if args.trace else None}
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     link = Link(tag=f"zrl{os.getpid()}")
     results: list[LinkResult] = []
     load_before = os.getloadavg()
@@ -341,7 +413,8 @@ def main(argv=None) -> int:
                 shape(link, None)
                 for system in args.systems:
                     console.print(f"  one host, {system} ...", end=" ")
-                    out = run_world(link, system, options, 2, args.ranks_per_host, True, Path(workdir))
+                    out = run_world(link, system, {**options, "tag": f"{system}-one-host"}, 2,
+                                    args.ranks_per_host, True, Path(workdir))
                     if "error" not in out:
                         compute[system] = out["step_s"]
                     console.print(out.get("error") or f"{out['step_s']:.2f} s/step")
@@ -349,7 +422,8 @@ def main(argv=None) -> int:
                 shape(link, rate)
                 for system in args.systems:
                     console.print(f"  {rate_name}, {system} ...", end=" ")
-                    out = run_world(link, system, options, 2, args.ranks_per_host, False, Path(workdir))
+                    out = run_world(link, system, {**options, "tag": f"{system}-{rate_name}"}, 2,
+                                    args.ranks_per_host, False, Path(workdir))
                     if "error" in out:
                         results.append(LinkResult(system, rate_name, error=out["error"]))
                         console.print(out["error"])

@@ -5,7 +5,9 @@ gradient accumulation (2 micro-steps) and every block recomputed in backward.
 - 2 ranks on one host, hpz_partition_size 2: backward gathers from the secondary copies (counted
   by group), and every micro-step's loss is bit-equal to stage 3 without hpZ (fp32: the same
   values are gathered, only from elsewhere). A checkpoint saved with hpZ on loads with it off
-  into the same full state, bit for bit; ``memory_breakdown()`` has the copies' line.
+  into the same full state, bit for bit; ``memory_breakdown()`` has the copies' line. With a
+  prefetch budget, with and without hpZ, the losses are the same bits, and backward's gathers
+  issued at forward's end read the host's copies.
 - ``-m long``: with qwZ too, bit-equal to qwZ alone (backward sees forward's dequantized values).
 - ``-m long``: 4 ranks as 2 simulated hosts x 2 (the launcher's host map, the shared-memory
   channel off so every byte is classed by the host map): backward's gathers stay on the host,
@@ -92,10 +94,15 @@ def train(rank: int, world: int, zero: dict, steps: int, *, slots: str = "", sav
             "state": {k: v.reshape(-1).tolist() for k, v in state.items()}}
 
 
+BUDGET = {"prefetch_bucket_size": 12_000}  # about a block of the tiny GPT
+
+
 def one_host(rank: int, out: str) -> dict:
     return {"plain": train(rank, 2, {}, 3),
             "hpz": train(rank, 2, {"hpz_partition_size": 2}, 3, save=str(Path(out, "ckpt"))),
-            "loaded": train(rank, 2, {}, 0, load=str(Path(out, "ckpt")))}
+            "loaded": train(rank, 2, {}, 0, load=str(Path(out, "ckpt"))),
+            "budget": train(rank, 2, BUDGET, 3),
+            "hpz_budget": train(rank, 2, {"hpz_partition_size": 2, **BUDGET}, 3)}
 
 
 def test_hpz_on_one_host_is_bit_equal_and_gathers_backward_within_the_group(tmp_path):
@@ -110,6 +117,15 @@ def test_hpz_on_one_host_is_bit_equal_and_gathers_backward_within_the_group(tmp_
         assert plain["secondary"] is None and hpz["secondary"] == hpz["sharded"], (rank, hpz["secondary"])
         # saved with hpZ on, loaded with it off: the same full state, bit for bit
         assert runs["loaded"]["state"] == hpz["state"], rank
+        # A prefetch budget (Note [forward runs on into backward] in zero/gather_prefetch.py):
+        # the same values; backward's first units stay gathered from forward, so fewer gathers;
+        # and the gathers issued for backward at forward's end read the host's copies, so the
+        # world gathers stay forward's own, as without the budget.
+        budget, hpz_budget = runs["budget"], runs["hpz_budget"]
+        assert budget["losses"] == hpz_budget["losses"] == plain["losses"], rank
+        assert budget["gathers"]["world"] < plain["gathers"]["world"], (rank, budget["gathers"])
+        assert hpz_budget["gathers"]["world"] == hpz["gathers"]["world"], (rank, hpz_budget["gathers"], hpz["gathers"])
+        assert hpz_budget["gathers"]["host"] < hpz["gathers"]["host"], (rank, hpz_budget["gathers"])
 
 
 def with_qwz(rank: int) -> dict:

@@ -10,6 +10,14 @@ each layer's forward, after the engine's own hook, the test notes which units ar
   or in flight: one in flight, at most 544 live (the running layer and the next).
 Every configuration trains 3 steps with the same losses, bit for bit: prefetching moves when a
 gather is issued, never what it brings.
+
+Near the end of forward the window runs on into the recorded backward (Note [forward runs on
+into backward]), from the second step on (the first records the orders and keeps nothing). With the budget, layers 6-8
+stay gathered from their forward into backward, so a step gathers 13 units, not 16 less the one
+the default keeps (15); at the last layer's forward, backward's next four (layer 5, which the
+first window reaches once layer 8 is held anyway, and backward's own window of three) are in
+flight, and 7 units are live when forward returns. The default keeps only the last layer and
+has nothing in flight at the turn. With ``max_live_parameters`` the turn stays within the cap.
 """
 
 from __future__ import annotations
@@ -46,10 +54,23 @@ def train(rank: int, budget: dict) -> dict:
     engine = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
     gatherer = engine.gatherer
     units = [r.unit for r in gatherer.records]
-    seen = {"in_flight": 0, "in_flight_elements": 0, "live": 0}
+    seen = {"in_flight": 0, "in_flight_elements": 0, "live": 0, "gathers": [], "live_after_forward": []}
+    gathers = [0]
+
+    def count_gathers(unit) -> None:
+        gathers[0] += unit.state is ParamState.GATHERING
+
+    for unit in units:
+        unit.state_listeners.append(count_gathers)
+
+    last = [m for m in model if isinstance(m, nn.Linear)][-1]
 
     def note(module, args):
         flying = [u for u in units if u.state is ParamState.GATHERING]
+        if module is last:  # the turn into backward: its own window (Note [forward runs on into backward])
+            seen["in_flight_at_turn"] = max(seen.get("in_flight_at_turn", 0), len(flying))
+            seen["live"] = max(seen["live"], gatherer.prefetcher.live_elements)
+            return
         seen["in_flight"] = max(seen["in_flight"], len(flying))
         seen["in_flight_elements"] = max(seen["in_flight_elements"], sum(u.layout.numel for u in flying))
         seen["live"] = max(seen["live"], gatherer.prefetcher.live_elements)
@@ -61,9 +82,13 @@ def train(rank: int, budget: dict) -> dict:
     gen = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         x, y = torch.randn(4, WIDTH, generator=gen), torch.randn(4, WIDTH, generator=gen)
-        loss = ((engine(x) - y) ** 2).mean()
+        gathers[0] = 0
+        out = engine(x)
+        seen["live_after_forward"].append(gatherer.prefetcher.live_elements)
+        loss = ((out - y) ** 2).mean()
         engine.backward(loss)
         engine.step()
+        seen["gathers"].append(gathers[0])
         losses.append(loss.item())
     return {"losses": losses, **seen}
 
@@ -85,3 +110,11 @@ def test_prefetch_reaches_as_far_as_the_budget_and_the_live_cap_allow(tmp_path):
         assert budget["in_flight"] == 3 and budget["in_flight_elements"] == 3 * UNIT, (rank, budget)
         assert capped["in_flight"] == 1 and capped["live"] <= 600, (rank, capped)
         assert budget["losses"] == default["losses"] == capped["losses"], rank
+        # The first step records the orders: nothing is kept, every layer is gathered twice. From
+        # the second on, the default keeps the last layer into backward.
+        assert default["gathers"] == [16, 15, 15] and default["live_after_forward"] == [0, UNIT, UNIT], (rank, default)
+        assert default["in_flight_at_turn"] == 0, (rank, default)
+        assert budget["gathers"] == [16, 13, 13], (rank, budget)
+        assert budget["live_after_forward"] == [0, 7 * UNIT, 7 * UNIT], (rank, budget)
+        assert budget["in_flight_at_turn"] == 4, (rank, budget)
+        assert capped["live"] <= 600, (rank, capped)

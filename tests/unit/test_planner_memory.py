@@ -149,13 +149,13 @@ def test_comm_buffers_follow_bucket_sizes_and_vanish_on_one_rank():
     # Stages 0/1 reduce and gather in place.
     assert communication_buffer_bytes(model, Job(2), Training(stage=1)) == 0
     # Stage 3 gathers whole layers: the running one, the two prefetched in backward, and
-    # layer-sized buckets; a prefetch budget adds its elements (Note [prefetch budget]), up to
-    # max_live_parameters.
+    # layer-sized buckets; a prefetch budget adds twice its elements (Note [forward runs on into
+    # backward]: at the turn), up to max_live_parameters.
     stage3 = Training(stage=3, reduce_bucket_size=1000)
     layer = 300_000_000
     assert communication_buffer_bytes(model, Job(2), stage3) == 3 * 2 * layer + alive * 2 * layer + in_flight * layer
     budget = Training(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=10)
-    assert communication_buffer_bytes(model, Job(2), budget) == communication_buffer_bytes(model, Job(2), stage3) + 2 * 10
+    assert communication_buffer_bytes(model, Job(2), budget) == communication_buffer_bytes(model, Job(2), stage3) + 2 * 2 * 10
     capped = Training(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=10, max_live_parameters=4)
     assert communication_buffer_bytes(model, Job(2), capped) == communication_buffer_bytes(model, Job(2), stage3) + 2 * 4
 

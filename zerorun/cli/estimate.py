@@ -277,7 +277,8 @@ def _traffic(plan, link: str | None, compute_s: float | None):
     if compute_s is not None and not compute_s > 0:
         raise PlannerError(f"--compute-s must be a positive number of seconds (got {compute_s})")
     param_bytes = 4 if plan.training.precision == "fp32" else 2
-    rows = all_traffic(plan.model.num_params, plan.job, param_bytes, kept=kept_numel(plan.model.shape))
+    kept = kept_numel(plan.model.shape, plan.training.prefetch_bucket_size, plan.model.num_params)
+    rows = all_traffic(plan.model.num_params, plan.job, param_bytes, kept=kept)
     return rows, rate, plan.job.gpus_per_node, compute_s
 
 

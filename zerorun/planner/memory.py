@@ -356,10 +356,12 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
     of them gathered (the running module and, in backward, the two prefetched next). Either
     way, a prefetch budget (prefetch_bucket_size, Note [prefetch budget] in
-    zero/gather_prefetch.py) adds up to that many elements, and no more than max_live_parameters.
+    zero/gather_prefetch.py) adds up to twice that many elements (at the turn into backward,
+    Note [forward runs on into backward]: those held from forward and backward's own window),
+    and no more than max_live_parameters.
     """
     gathered, bucket, units = _stage3_unit_sizes(model, training)
-    extra = min(training.prefetch_bucket_size, training.max_live_parameters, model.num_params)
+    extra = min(2 * training.prefetch_bucket_size, training.max_live_parameters, model.num_params)
     return min(gathered + max(0, extra), max(gathered, model.num_params)), bucket, units
 
 

@@ -16,7 +16,9 @@ rank send (N-1)/N B for a reduce-scatter or an all-gather and twice that for an 
 K: the elements of the unit forward uses last, which stays gathered into backward, where it is
 used first (zero.max_reuse_distance): a transformer's output head, V x h (tied or not; a tied
 head's unit is the embedding's). Known from the shape (--preset, --hf-config); 0 otherwise, an
-upper bound.
+upper bound. With a prefetch budget (zero.prefetch_bucket_size), backward's first units within
+it stay gathered from their forward too (Note [forward runs on into backward] in
+zero/gather_prefetch.py): K grows by up to that many elements (whole units: a little less).
 
 hpZ (ZeRO++'s secondary copies, partition size h): backward's all-gathers stay within the host,
 (h-1)/h p(Ψ - K), and the reduce-scatter runs within the host then across (_hpz_traffic below).
@@ -126,9 +128,10 @@ def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048, 
     return rows
 
 
-def kept_numel(shape) -> int:
-    """K above from a TransformerShape (or None: 0, unknown)."""
-    return 0 if shape is None else shape.vocab * shape.hidden
+def kept_numel(shape, prefetch_elements: int = 0, num_params: int = 0) -> int:
+    """K above from a TransformerShape (or None: 0, unknown), and the prefetch budget's share."""
+    head = 0 if shape is None else shape.vocab * shape.hidden
+    return head + max(0, min(prefetch_elements, num_params - head))
 
 
 def parse_rate(text: str) -> float:

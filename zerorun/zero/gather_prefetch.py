@@ -2,7 +2,7 @@
 recorded orders of forward and backward, and what the host pool hears that a pass will still
 gather (Note [pools follow backward] in unit/storage.py).
 
-    pytest tests/distributed/test_prefetch_budget.py tests/unit/test_host_pools.py
+    pytest tests/distributed/test_prefetch_budget.py tests/unit/test_host_pools.py tests/distributed/test_hpz.py
 
 The prefetcher reads the records the gatherer plans (``records_of``: a module's units, the
 gatherer's plan as it is now) and starts their gathers; it changes no record's part, so the
@@ -30,13 +30,33 @@ keeps the link busy through modules whose compute is shorter than their gather. 
 issued early past ``max_live_parameters`` (DeepSpeed's stage3_max_live_parameters) elements
 gathered or in flight at once; a module's own gather when it runs is never held back. Every
 rank computes the same window from the same order and unit states, so the collectives stay
-paired.
+paired. The units held from the end of forward into backward anyway (the last call's: Note
+[kept gathered] in param_gather.py) are not counted: prefetching decides nothing about them.
+
+Note [forward runs on into backward]: backward's first modules are forward's last ones, and
+the recorded backward is known from the second step on. Between hosts, the link used to stand
+idle at the turn: forward's last gather had landed, the output head, the loss and the first
+blocks' backward computed, and backward's windows had nothing left to issue until its first
+gradients were reduced (0.45-0.75 s of a 6 s step of the 33.7M GPT at 300 Mbit/s with
+``prefetch_bucket_size`` 6e6; traces in docs/benchmarks.md). So, in a forward that follows its
+recorded order with autograd on:
+- the window runs past forward's last module into the recorded backward, within the same
+  budget. A unit it reaches there is not released after its forward call nor at the end of
+  forward (``held_for_backward``): releasing the last blocks only to gather them again at
+  backward's start moved their bytes twice;
+- at forward's last call, backward gets its own window: the gathers of the next budget's worth
+  of backward's modules past those held are issued then, and the link moves them while the
+  head and the loss compute. So at the turn up to twice ``prefetch_bucket_size`` elements are
+  held ahead of their use (zerorun estimate counts it), never past ``max_live_parameters``.
+These gathers are backward's: with hpZ they read the host's secondary copy. With the default
+budget (0) forward's window stops at forward's last module, as before: nothing more is held.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from zerorun.zero.gather_plan import gathers_still_wanted, prefetch_window
@@ -59,6 +79,10 @@ class Prefetcher:
         self.max_live_elements = max_live_elements
         self.live_elements = 0
         self._live_units: set[int] = set()
+        # Note [forward runs on into backward]: units the latest forward window reached in the
+        # recorded backward's order.
+        self.held_for_backward: frozenset[int] = frozenset()
+        self.gathering_for_backward = False  # while issuing backward's gathers from forward
         # Note [execution order]: modules in the order their backward hooks fire, and where
         # each first appears in it.
         self.backward_order: list[nn.Module] = []
@@ -76,9 +100,10 @@ class Prefetcher:
             self._live_units.symmetric_difference_update({unit.index})
             self.live_elements += unit.layout.numel if live else -unit.layout.numel
 
-    def _window(self, order: list[nn.Module], start: int, minimum: int) -> int:
+    def _window(self, order: list[nn.Module], start: int, minimum: int, backward_from: int | None = None) -> int:
         """Issue the gathers of the window of ``order`` from ``start`` on (Note [prefetch budget]);
-        returns the position just past it."""
+        returns the position just past it. Positions from ``backward_from`` on are backward's
+        (Note [forward runs on into backward]): their gathers are issued as backward's."""
         ahead: list[int] = []  # per next call, the elements of its units, each unit counted once
         counted: dict[int, UnitRecord] = {}
         for module in order[start:]:
@@ -86,15 +111,21 @@ class Prefetcher:
                 break
             records = [r for r in self._records_of(module) if r.unit.partitioned and r.index not in counted]
             counted.update((r.index, r) for r in records)
-            ahead.append(sum(r.unit.layout.numel for r in records))
-        # What the window holds already (gathered or in flight) is live already.
-        held = sum(r.unit.layout.numel for r in counted.values() if r.unit.state is not ParamState.SHARDED)
+            ahead.append(sum(r.unit.layout.numel for r in records if not _held_anyway(r)))
+        # What the window holds already (gathered or in flight) is live already; a unit a running
+        # call holds is live for that call (Note [forward runs on into backward]: the window may
+        # reach it again in backward's order), so it stays counted in ``live_elements``.
+        held = sum(r.unit.layout.numel for r in counted.values()
+                   if r.unit.state is not ParamState.SHARDED and r.gathering.in_use == 0 and not _held_anyway(r))
         room = (self.max_live_elements - self.live_elements + held if self.max_live_elements is not None
                 else sum(ahead))
         window = prefetch_window(ahead, minimum, self.prefetch_elements, room)
-        for module in order[start : start + window]:
-            for record in self._records_of(module):
+        for position in range(start, start + window):
+            # hpZ: a gather for backward reads the host's secondary copy (Note [secondary copy]).
+            self.gathering_for_backward = backward_from is not None and position >= backward_from
+            for record in self._records_of(order[position]):
                 record.unit.start_gather(self.group)
+        self.gathering_for_backward = False
         return start + window
 
     def forward(self, order: list[nn.Module], module: nn.Module, on_order: bool) -> None:
@@ -102,7 +133,15 @@ class Prefetcher:
         tell the pool what the rest of forward will still gather (Note [pools follow backward]).
         ``order``: the recorded forward; ``on_order``: whether this forward has followed it so far."""
         position = order.index(module) if module in order else -1
-        past = self._window(order, position + 1, 1) if position >= 0 else 0
+        # Note [forward runs on into backward]: the recorded backward continues the order.
+        runs_on = (self.prefetch_elements > 0 and on_order and position >= 0 and bool(self.backward_order)
+                   and torch.is_grad_enabled())
+        sequence = order + self.backward_order if runs_on else order
+        past = self._window(sequence, position + 1, 1, len(order)) if position >= 0 else 0
+        if runs_on and position == len(order) - 1:  # forward's last call: backward's own window
+            past = self._window(sequence, past, 0, len(order))
+        self.held_for_backward = frozenset(
+            r.index for m in sequence[len(order):past] for r in self._records_of(m) if r.unit.partitioned)
         if self.pool is not None:
             on_order = on_order and position >= 0
             self.pool.expect(self._forward_wanted_from[min(max(past, position + 2), len(order))] if on_order else None)
@@ -133,3 +172,11 @@ class Prefetcher:
         past = self._window(self.backward_order, position + 1, BACKWARD_PREFETCH)
         if self.pool is not None:
             self.pool.expect(self._wanted_from[min(max(past, position + 1 + BACKWARD_PREFETCH), len(self._wanted_from) - 1)])
+
+
+def _held_anyway(record: UnitRecord) -> bool:
+    """Held from the end of forward into backward whatever is prefetched (Note [prefetch
+    budget]): a unit of forward's last call that a call of this forward has gathered already (a
+    tied embedding, from forward's first call on). Before that, gathering it is a prefetch."""
+    gathering = record.gathering
+    return gathering.keep_for_backward and gathering.calls > 0 and record.unit.state is not ParamState.SHARDED

@@ -23,7 +23,9 @@ def attach(gatherer: ParamGatherer, size: int, world_size: int, rank: int):
     passes = gatherer.passes
 
     def phase() -> str:
-        return _PHASES[passes.state]
+        # Note [forward runs on into backward] (gather_prefetch.py): backward's gathers issued
+        # at the end of forward are backward's.
+        return "backward" if gatherer.prefetcher.gathering_for_backward else _PHASES[passes.state]
 
     for record in gatherer.records:
         if record.unit.partitioned:

@@ -351,7 +351,9 @@ class ParamGatherer:
         position = self._calls.pop() if self._calls else -1  # in forward_order
         for record in records:
             record.gathering.let_go()
-            kept = self._on_order and position in record.gathering.keep_after  # Note [kept gathered]
+            # Note [kept gathered]; Note [forward runs on into backward] (gather_prefetch.py)
+            kept = self._on_order and (position in record.gathering.keep_after
+                                       or record.index in self.prefetcher.held_for_backward)
             if record.gathering.in_use == 0:
                 if kept:
                     self._watch_kept(record)
@@ -485,8 +487,10 @@ class ParamGatherer:
         self.passes.move(PassState.IDLE)
 
     def _release_idle(self, for_backward: bool = False) -> None:
+        ahead = self.prefetcher.held_for_backward if for_backward else frozenset()
+        self.prefetcher.held_for_backward = frozenset()
         for record in self.records:
-            held = for_backward and record.gathering.keep_for_backward
+            held = for_backward and (record.gathering.keep_for_backward or record.index in ahead)
             if record.gathering.in_use == 0 and record.unit.state is not ParamState.SHARDED and not held:
                 record.unit.release()
 
