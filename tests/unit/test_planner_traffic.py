@@ -3,7 +3,8 @@ and ``zerorun estimate --link``.
 
 The formulas of traffic.py's docstring for 2 hosts x 1 rank (everything on the link) and 2 x 2
 (a ring crosses hosts on 2 of its 4 edges; qgZ's exchange sends 2 of its 3 parts off the host),
-stage 3's backward not regathering the unit forward used last (the head), the link time, and the CLI: a table with every stage and option, and a bad rate refused in one
+stage 3's backward not regathering the unit forward used last (the head), frozen parameters
+(gathered at stage 3, never reduced), the link time, and the CLI: a table with every stage and option, and a bad rate refused in one
 line with a non-zero exit. docs/benchmarks.md compares these figures with what
 scripts/bench_link.py counted on a shaped link.
 """
@@ -63,6 +64,24 @@ def test_stage3_keeps_the_head_gathered_into_backward():
     assert budget == kept + 12_000_000 and kept_numel(spec.shape, 10**12, PSI) == PSI
     row = step_traffic(PSI, Job(gpus_per_node=1, nodes=2), 3, 4, kept=budget)
     assert row.link_bytes / 1e6 == pytest.approx(164.5, rel=0.05)
+
+
+def test_frozen_parameters_are_gathered_at_stage_3_and_never_reduced():
+    """A LoRA-like model, a tenth of it trained, 2 hosts x 1 rank: below stage 3 the frozen
+    parameters are whole on every rank and never sent; stage 3 gathers them (Note [frozen
+    units] in zero/unit/partition.py) and reduce-scatters the trained ones' gradients only."""
+    job, trained = Job(gpus_per_node=1, nodes=2), PSI // 10
+    rows = {row.label: row for row in all_traffic(PSI, job, 4, trained=trained)}
+    for stage in ("stage 0", "stage 1", "stage 2"):
+        assert rows[stage].link_bytes == pytest.approx(4 * trained), stage  # 2 x (N-1)/N x 4 bytes
+    assert rows["stage 3"].link_bytes == pytest.approx(2 * 2 * PSI + 2 * trained)
+    assert rows["stage 3+qgz"].link_bytes == pytest.approx(2 * 2 * PSI + trained / 2 * (1 + 4 / 2048))
+    hpz = {row.label: row for row in all_traffic(PSI, Job(gpus_per_node=2, nodes=2), 4, trained=trained)}
+    everything = {row.label: row for row in all_traffic(PSI, Job(gpus_per_node=2, nodes=2), 4)}
+    # hpZ's forward gathers every parameter over the world; its reduce-scatter only the trained
+    forward_link = 3 / 4 * PSI * 4 * 2 / 4
+    assert everything["stage 3+hpz"].link_bytes - forward_link == pytest.approx(
+        (hpz["stage 3+hpz"].link_bytes - forward_link) * PSI / trained)
 
 
 def test_one_host_sends_nothing_on_a_link():

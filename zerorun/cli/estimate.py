@@ -278,7 +278,7 @@ def _traffic(plan, link: str | None, compute_s: float | None):
         raise PlannerError(f"--compute-s must be a positive number of seconds (got {compute_s})")
     param_bytes = 4 if plan.training.precision == "fp32" else 2
     kept = kept_numel(plan.model.shape, plan.training.prefetch_bucket_size, plan.model.num_params)
-    rows = all_traffic(plan.model.num_params, plan.job, param_bytes, kept=kept)
+    rows = all_traffic(plan.model.num_params, plan.job, param_bytes, kept=kept, trained=plan.model.trained_params)
     return rows, rate, plan.job.gpus_per_node, compute_s
 
 

@@ -61,13 +61,19 @@ class Traffic:
 
 
 def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz: bool = False,
-                 qgz: bool = False, block: int = 2048, kept: int = 0, hpz: int = 1) -> Traffic:
+                 qgz: bool = False, block: int = 2048, kept: int = 0, hpz: int = 1,
+                 trained: int | None = None) -> Traffic:
+    """``trained``: the parameters that train (default all): only their gradients are reduced
+    and, at stages 1-2, only they are gathered after the update; stage 3 gathers every
+    parameter, frozen ones too (Note [frozen units] in zero/unit/partition.py)."""
     n, g = job.world_size, job.gpus_per_node
     hosts = max(1, n // g)
     quantized = 1 + 4 / block  # bytes per element on the wire, Note [packed layout] in comm/quantize.py
-    ring = (n - 1) / n * num_params  # elements one rank sends in one ring reduce-scatter or all-gather
+    trained = num_params if trained is None else trained
+    ring = (n - 1) / n * trained  # elements one rank sends in one ring reduce-scatter or all-gather of them
     if stage == 3 and hpz > 1:
-        return _hpz_traffic(num_params, job, param_bytes, qwz=qwz, qgz=qgz, quantized=quantized, kept=kept, hpz=hpz)
+        return _hpz_traffic(num_params, job, param_bytes, qwz=qwz, qgz=qgz, quantized=quantized, kept=kept, hpz=hpz,
+                            trained=trained)
     if stage == 0:
         ring_bytes, exchange_bytes = 2 * ring * param_bytes, 0.0
     elif stage == 1:  # Note [scatter in place] in zero/grad_reduce.py
@@ -88,7 +94,7 @@ def step_traffic(num_params: int, job: Job, stage: int, param_bytes: int, *, qwz
 
 
 def _hpz_traffic(num_params: int, job: Job, p: int, *, qwz: bool, qgz: bool, quantized: float, kept: int,
-                 hpz: int) -> Traffic:
+                 hpz: int, trained: int) -> Traffic:
     """Stage 3 with hpZ (Note [secondary copy] in zero/unit/secondary.py): forward's all-gather
     over the world ring as without it; backward's, Ψ - K elements exact in the gather dtype,
     over the host group of h = hpz ranks, within the host: (h-1)/h p(Ψ - K); the reduce-scatter
@@ -102,29 +108,30 @@ def _hpz_traffic(num_params: int, job: Job, p: int, *, qwz: bool, qgz: bool, qua
     backward = (hpz - 1) / hpz * (num_params - kept) * p
     link, local = forward * ring_link, forward * (1 - ring_link) + backward
     if qgz:
-        exchange = (n - 1) / n * num_params * quantized
+        exchange = (n - 1) / n * trained * quantized
         share = (n - g) / (n - 1)
         link, local = link + exchange * share, local + exchange * (1 - share)
     else:
         across = n // hpz
-        local += (hpz - 1) / hpz * num_params * p
+        local += (hpz - 1) / hpz * trained * p
         if across > 1:
-            second = (across - 1) / across * num_params / hpz * p
+            second = (across - 1) / across * trained / hpz * p
             share = hosts / across if hosts > 1 else 0.0
             link, local = link + second * share, local + second * (1 - share)
     label = "stage 3" + next(name for name, w, q in OPTIONS[3] if (w, q) == (qwz, qgz)) + "+hpz"
     return Traffic(label, 3, link, local)
 
 
-def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048, kept: int = 0) -> list[Traffic]:
+def all_traffic(num_params: int, job: Job, param_bytes: int, block: int = 2048, kept: int = 0,
+                trained: int | None = None) -> list[Traffic]:
     """Every stage and option; hpZ rows (its partition size the ranks per host) when there are
     several hosts of several ranks."""
-    rows = [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept)
+    rows = [step_traffic(num_params, job, stage, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept, trained=trained)
             for stage, options in OPTIONS.items() for _, qwz, qgz in options]
     g = job.gpus_per_node
     if g > 1 and job.world_size > g and job.world_size % g == 0:
-        rows += [step_traffic(num_params, job, 3, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept, hpz=g)
-                 for qwz, qgz in ((False, False), (True, True))]
+        rows += [step_traffic(num_params, job, 3, param_bytes, qwz=qwz, qgz=qgz, block=block, kept=kept, hpz=g,
+                              trained=trained) for qwz, qgz in ((False, False), (True, True))]
     return rows
 
 
