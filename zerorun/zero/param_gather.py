@@ -49,13 +49,15 @@ reach them (after a recomputation the next backward follows the observed order, 
 the module: "setStorage ... storage of size 0"). A hook on the view's base survives the
 in-place change, and fires at the same point: the view's gradient flows straight into it.
 
-Note [kept gathered]: from the recorded order, two kinds of unit skip the release after a
+Note [kept gathered]: from the recorded order, these units skip the release after a
 module's forward, because gathering them again would come soon and cost more than holding them:
 - a unit used again later in the same forward, with at most ``max_reuse_distance`` elements of
   other units gathered in between (DeepSpeed's stage3_max_reuse_distance): a tied embedding
   and output head is gathered once per forward, not twice;
 - the units of the module that ran last (the output head): its backward is the first to run,
-  right after the loss, so they are held through it (FSDP2 keeps its root unit the same way).
+  right after the loss, so they are held through it (FSDP2 keeps its root unit the same way);
+- with a prefetch budget, the units backward uses first, within it (Note [forward runs on into
+  backward] in gather_prefetch.py).
 On a CPU host every gather of a unit above glibc's 32 MiB mmap ceiling is fresh memory that
 page-faults in (the 33.7M GPT's tied 33.5 MB embedding was gathered 3 times per step); holding
 it costs no peak, since backward's start (the head's) holds it anyway. A forward that leaves
