@@ -79,8 +79,11 @@ class Prefetcher:
         self.max_live_elements = max_live_elements
         self.live_elements = 0
         self._live_units: set[int] = set()
-        # Note [forward runs on into backward]: units the latest forward window reached in the
-        # recorded backward's order.
+        # Note [forward runs on into backward]: the recorded forward followed by the recorded
+        # backward (joined when either is recorded, not at every module call), and the units the
+        # latest forward window reached in backward's part.
+        self._forward_order: list[nn.Module] = []
+        self._through_backward: list[nn.Module] = []
         self.held_for_backward: frozenset[int] = frozenset()
         self.gathering_for_backward = False  # while issuing backward's gathers from forward
         # Note [execution order]: modules in the order their backward hooks fire, and where
@@ -135,8 +138,8 @@ class Prefetcher:
         position = order.index(module) if module in order else -1
         # Note [forward runs on into backward]: the recorded backward continues the order.
         runs_on = (self.prefetch_elements > 0 and on_order and position >= 0 and bool(self.backward_order)
-                   and torch.is_grad_enabled())
-        sequence = order + self.backward_order if runs_on else order
+                   and order is self._forward_order and torch.is_grad_enabled())
+        sequence = self._through_backward if runs_on else order
         past = self._window(sequence, position + 1, 1, len(order)) if position >= 0 else 0
         if runs_on and position == len(order) - 1:  # forward's last call: backward's own window
             past = self._window(sequence, past, 0, len(order))
@@ -153,6 +156,8 @@ class Prefetcher:
     def follow_forward(self, order: list[nn.Module]) -> None:
         """A newly recorded forward order: what each of its positions on still gathers."""
         self._forward_wanted_from = gathers_still_wanted(self._partitioned_sizes(order))
+        self._forward_order = order
+        self._through_backward = order + self.backward_order
 
     def follow_backward(self, order: list[nn.Module]) -> None:
         """Prefetch the next backwards along ``order`` (Note [execution order])."""
@@ -161,6 +166,7 @@ class Prefetcher:
         for position, m in enumerate(order):
             self._backward_position.setdefault(m, position)
         self._wanted_from = gathers_still_wanted(self._partitioned_sizes(order))
+        self._through_backward = self._forward_order + order
 
     def backward(self, module: nn.Module) -> None:
         """Issue the gathers of the modules whose backward follows ``module``'s (BACKWARD_PREFETCH
