@@ -12,7 +12,8 @@ with ZeRO++'s quantized weights (``+qwz``), quantized gradients (``+qgz``) or bo
 hpZ (``+hpz``: secondary copies partitioned over each host's ranks, for --ranks-per-host 2 and
 up). Per system and rate:
 
-  step s      median over the timed steps of the slowest rank's step
+  step s      median over the timed steps of the slowest rank's step (with --repeats N, every
+              system runs N times at each rate, interleaved, and this is the median of the runs')
   link MB     bytes one rank sends per step to the other host: the namespace's veth transmit
               counter over the timed steps (Ethernet, IP and TCP headers included) / ranks per
               host / steps
@@ -140,6 +141,22 @@ class LinkResult:
     compute_s: float | None = None
     last_loss: float | None = None
     error: str | None = None
+
+
+def _link_result(system: str, rate_name: str, rate: float, runs: list[dict], compute_s: float | None,
+                 per_host: int) -> LinkResult:
+    """One row from a system's runs at one rate: the median run's step time (--repeats), the
+    bytes of every run averaged; a failed run fails the row."""
+    failed = next((out["error"] for out in runs if "error" in out), None)
+    if failed is not None:
+        return LinkResult(system, rate_name, error=failed)
+    link_bytes = statistics.mean(out["link_bytes"] for out in runs)
+    told = [out["told_link_bytes"] for out in runs if out["told_link_bytes"] is not None]
+    return LinkResult(
+        system, rate_name, step_s=statistics.median(out["step_s"] for out in runs), link_mb=link_bytes / 1e6,
+        told_link_mb=statistics.mean(told) / 1e6 if told else None,
+        local_mb=statistics.mean(out["local_bytes"] for out in runs) / 1e6, link_s=link_bytes * per_host * 8 / rate,
+        compute_s=compute_s, last_loss=runs[-1]["last_loss"])
 
 
 def run_world(link: Link, system: str, options: dict, hosts: int, per_host: int, one_host: bool,
@@ -335,6 +352,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--preset", default="bench", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=6, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every system per rate, interleaved; "
+                        "the table gives the median of their step times")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     parser.add_argument("--no-compute", action="store_true", help="skip the one-host (unshaped) runs")
@@ -353,8 +372,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rates = [(r.strip(), parse_rate(r)) for r in args.rates.split(",") if r.strip()]
     except PlannerError as err:
         parser.error(str(err))
-    if min(args.steps, args.ranks_per_host, args.micro_batch) < 1 or args.warmup < 0:
-        parser.error("--steps, --ranks-per-host and --micro-batch must be >= 1, --warmup >= 0")
+    if min(args.steps, args.ranks_per_host, args.micro_batch, args.repeats) < 1 or args.warmup < 0:
+        parser.error("--steps, --ranks-per-host, --micro-batch and --repeats must be >= 1, --warmup >= 0")
     return args
 
 
@@ -420,20 +439,20 @@ def main(argv=None) -> int:
                     console.print(out.get("error") or f"{out['step_s']:.2f} s/step")
             for rate_name, rate in args.rates:
                 shape(link, rate)
+                runs: dict[str, list[dict]] = {system: [] for system in args.systems}
+                for repeat in range(args.repeats):  # interleaved: the machine's drift falls on every system
+                    for system in args.systems:
+                        console.print(f"  {rate_name}, {system}" + (f", run {repeat + 1}" if args.repeats > 1 else "")
+                                      + " ...", end=" ")
+                        tag = f"{system}-{rate_name}" + (f"-run{repeat + 1}" if args.repeats > 1 else "")
+                        out = run_world(link, system, {**options, "tag": tag}, 2, args.ranks_per_host, False,
+                                        Path(workdir))
+                        runs[system].append(out)
+                        console.print(out.get("error") or f"{out['step_s']:.2f} s/step, "
+                                      f"{out['link_bytes'] / 1e6:.1f} MB to the other host per rank")
                 for system in args.systems:
-                    console.print(f"  {rate_name}, {system} ...", end=" ")
-                    out = run_world(link, system, {**options, "tag": f"{system}-{rate_name}"}, 2,
-                                    args.ranks_per_host, False, Path(workdir))
-                    if "error" in out:
-                        results.append(LinkResult(system, rate_name, error=out["error"]))
-                        console.print(out["error"])
-                        continue
-                    results.append(LinkResult(
-                        system, rate_name, step_s=out["step_s"], link_mb=out["link_bytes"] / 1e6,
-                        told_link_mb=None if out["told_link_bytes"] is None else out["told_link_bytes"] / 1e6,
-                        local_mb=out["local_bytes"] / 1e6, link_s=out["link_bytes"] * args.ranks_per_host * 8 / rate,
-                        compute_s=compute.get(system), last_loss=out["last_loss"]))
-                    console.print(f"{out['step_s']:.2f} s/step, {out['link_bytes'] / 1e6:.1f} MB to the other host per rank")
+                    results.append(_link_result(system, rate_name, rate, runs[system], compute.get(system),
+                                                args.ranks_per_host))
     finally:
         delete_link(link)
         signal.signal(signal.SIGTERM, previous)

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from zoo_families import GLOBAL_BATCH, LORA_SUFFIX, MOE_FAMILIES, Family, all_families, select
 from zoo_run import STEPS, WORLD, Job, Outcome
-from zoo_settings import BF16_TOLERANCE, DEFAULT, TOLERANCE, Setting
+from zoo_settings import BF16_TOLERANCE, DEFAULT, PREFETCH_SHARE, TOLERANCE, Setting
 from zoo_worlds import logged, run_zoo, run_zoo_parallel
 
 # What tests/integrations/test_model_zoo.py takes from here.
@@ -63,14 +63,16 @@ def fine_plan_jobs(families: list[Family]) -> list[Job]:
     pool on and off (the GPU path emulated); the text families also under Hugging Face's
     gradient checkpointing, reentrant and not; every family with PEFT LoRA on its attention
     projections, and on them and its input embedding (the LoRA families of the plain zoo are
-    LoRA already), and in bf16; these with the pool off, the path the GPU takes; the MoE set on a
-    skewed batch, pool on and off."""
+    LoRA already), and in bf16; these with the pool off, the path the GPU takes; every family with
+    a prefetch budget (Setting.prefetch), pool on and off; the MoE set on a skewed batch, pool on
+    and off."""
     text = [f for f in families if f.task != "image-classification"]
     base = [f for f in families if not f.model_type.endswith(LORA_SUFFIX)]
     jobs = [(f, 3, Setting("fine", pool=pool)) for pool in (True, False) for f in families]
     jobs += [(f, 3, Setting("fine", kind, pool=False)) for kind in ("reentrant", "non-reentrant") for f in text]
     jobs += [(f, 3, Setting("fine", pool=False, lora=lora)) for lora in ("attention", "attention+embedding") for f in base]
     jobs += [(f, 3, Setting("fine", pool=False, dtype="bf16")) for f in families]
+    jobs += [(f, 3, Setting("fine", pool=pool, prefetch=True)) for pool in (True, False) for f in families]
     moe = [f for f in families if f.name in MOE_FAMILIES]
     jobs += [(f, 3, Setting("fine", pool=pool, skew=True)) for pool in (True, False) for f in moe]
     return jobs
@@ -114,6 +116,9 @@ def write_table(outcomes: list[Outcome], path: Path, command: str, fine: bool = 
             f"{BF16_TOLERANCE:g} relative: the same roundings at the same points on both sides, exact at 2 ranks, "
             "but in AdamW's kernel (zerorun's fused on a CPU, plain torch's per-tensor: an fp32 ulp apart in "
             "some masters, now and then a bf16 weight a step apart; scripts/zoo_settings.py says why and how much). "
+            f"`prefetch`: `prefetch_bucket_size` set to {PREFETCH_SHARE:g} of the model's elements, so stage 3's "
+            "window reaches several units ahead and runs on from forward's end into backward, as a DeepSpeed "
+            "config's budget asks. "
             "`skew`: the MoE set (Mixtral, Qwen2-MoE, OLMoE, Switch Transformers, a plain per-expert "
             "MoE) on a batch whose rank-0 rows repeat one token, so that rank 0's routers leave experts "
             "idle that rank 1 runs.\n\n" + "\n".join(overview(outcomes)))

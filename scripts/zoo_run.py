@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from zoo_families import (CHANNELS, GLOBAL_BATCH, IMAGE, LABELS, LORA_SUFFIX, SEQ, VARIANTS, VOCAB, Family, TooBig,
                           build_model)
-from zoo_settings import DEFAULT, TOLERANCE, Setting
+from zoo_settings import DEFAULT, PREFETCH_SHARE, TOLERANCE, Setting
 
 WORLD = 2
 STEPS = 3
@@ -134,6 +134,8 @@ def zerorun_config(model, stage: int, setting: Setting) -> dict:
     zero: dict = {"stage": stage, "param_persistence_threshold": 0}
     if setting.plan == "fine":
         zero["allgather_bucket_size"] = 1
+    if setting.prefetch:
+        zero["prefetch_bucket_size"] = max(1, int(PREFETCH_SHARE * sum(p.numel() for p in model.parameters())))
     config: dict = {"zero": zero, "precision": {"dtype": setting.dtype}}
     if setting.checkpointing == "zerorun":
         config["activation_checkpointing"] = {"enabled": True, "modules": list(model._no_split_modules or [])}

@@ -46,6 +46,10 @@ ATTENTION_WORDS = ("attn", "attention")
 # (4.6e-4 to 1.3e-2); at 3 ranks the order of a 16-bit sum matters, and this bound would not hold.
 BF16_TOLERANCE = 1e-4
 CHECKPOINTING = ("reentrant", "non-reentrant", "zerorun")
+# Setting.prefetch: the budget as a share of the model's elements. Hugging Face's "auto" asks
+# 0.9 x hidden^2, under one unit of the zoo's tiny configs (hidden 32-64), which would leave
+# the window where it is without a budget.
+PREFETCH_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,11 @@ class Setting:
     use_cache: each forward asks for the key/value cache. skew: rank 0's rows repeat one token
     (its routers leave experts idle). compile: torch.compile before or after ``initialize``.
     lora: PEFT LoRA on the attention projections, or on them and the input embedding. dtype:
-    "fp32" or "bf16" (below: how plain torch matches each)."""
+    "fp32" or "bf16" (below: how plain torch matches each). prefetch: a ``prefetch_bucket_size``
+    of a quarter of the model's elements (``PREFETCH_SHARE``), so stage 3's window reaches
+    several units ahead and runs on from forward's end into backward (Note [forward runs on
+    into backward] in zerorun/zero/gather_prefetch.py), as Hugging Face's "auto" DeepSpeed
+    config asks of real models; plain torch is unchanged by it."""
 
     plan: str = "default"
     checkpointing: str = ""
@@ -71,6 +79,7 @@ class Setting:
     compile: str = ""  # "before" / "after" initialize: torch.compile of the model (COMPILE_BACKEND)
     lora: str = ""  # PEFT LoRA on "attention" or "attention+embedding" (``apply_lora``)
     dtype: str = "fp32"  # "bf16": zerorun's bf16 mixed precision, plain torch's the same (``Bf16Masters``)
+    prefetch: bool = False  # stage 3's prefetch budget: PREFETCH_SHARE of the model's elements
 
     @property
     def tag(self) -> str:
@@ -82,6 +91,7 @@ class Setting:
         parts += [f"compile-{self.compile}"] if self.compile else []
         parts += [f"lora={self.lora}"] if self.lora else []
         parts += [self.dtype] if self.dtype != "fp32" else []
+        parts += ["prefetch"] if self.prefetch else []
         return ",".join(parts)
 
     @property

@@ -39,7 +39,9 @@ LOWER_STAGES = {1: ["causal-lm/llama", "seq2seq-lm/bart"], 2: ["causal-lm/opt+lo
 # T5 with its cache (torch's CheckpointError); a per-expert MoE whose rank 0 leaves experts idle
 # gathered them on one rank only (a hang); PEFT LoRA on an input embedding read ``.T`` of an
 # ungathered weight (``setStorage``). The Llama and LoRA cases run in bf16 and with LoRA on the
-# embedding as well (scripts/zoo_settings.py: plain torch in the same precision, 1e-4).
+# embedding as well (scripts/zoo_settings.py: plain torch in the same precision, 1e-4). GPT-2
+# (its head tied to the token embedding) also runs with a prefetch budget under recomputation:
+# forward's window running on into backward, the tied unit held from forward's first call.
 FINE_SAMPLE = [
     ("causal-lm/llama", dict(plan="fine", checkpointing="non-reentrant", dtype="bf16")),
     ("causal-lm/gpt2", dict(checkpointing="non-reentrant", pool=False)),
@@ -49,6 +51,7 @@ FINE_SAMPLE = [
     ("seq2seq-lm/switch_transformers", dict(plan="fine", skew=True)),
     ("causal-lm/llama", dict(plan="fine", checkpointing="non-reentrant", pool=False, lora="attention+embedding")),
     ("causal-lm/plain_moe", dict(plan="fine", compile="before")),
+    ("causal-lm/gpt2", dict(plan="fine", checkpointing="non-reentrant", pool=False, prefetch=True)),
 ]
 # torch.compile of the model before and after initialize (AOT autograd through dynamo: the
 # zoo's COMPILE_BACKEND): at stage 3 dynamo traced into the gather hooks and failed

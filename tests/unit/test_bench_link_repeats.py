@@ -1,0 +1,42 @@
+"""pytest tests/unit/test_bench_link_repeats.py — scripts/bench_link.py --repeats: a system's row
+from its interleaved runs at one rate (the median of their step times, their bytes averaged, the
+link bound from those bytes), and a failed run fails the row rather than hiding behind the others."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_link  # noqa: E402  (scripts/ is not a package)
+
+
+def run(step_s: float, link_bytes: float, told: float | None = None) -> dict:
+    return {"step_s": step_s, "link_bytes": link_bytes, "local_bytes": 0.0, "told_link_bytes": told,
+            "last_loss": 7.0}
+
+
+def test_a_row_is_the_median_run_and_the_mean_bytes():
+    runs = [run(5.5, 164.4e6, 164.0e6), run(5.2, 164.6e6, 164.2e6), run(5.3, 164.5e6, 164.1e6)]
+    row = bench_link._link_result("zero3", "300mbit", 300e6, runs, compute_s=3.58, per_host=1)
+    assert row.step_s == 5.3 and row.error is None
+    assert abs(row.link_mb - 164.5) < 1e-9 and abs(row.told_link_mb - 164.1) < 1e-9
+    assert abs(row.link_s - 164.5e6 * 8 / 300e6) < 1e-9 and row.compute_s == 3.58
+
+
+def test_one_failed_run_fails_the_row():
+    runs = [run(5.5, 164.4e6), {"error": "rank 1: killed"}, run(5.3, 164.5e6)]
+    row = bench_link._link_result("ddp", "1gbit", 1e9, runs, compute_s=None, per_host=2)
+    assert row.error == "rank 1: killed" and row.step_s is None
+
+
+def test_repeats_must_be_at_least_one(capsys):
+    try:
+        bench_link.parse_args(["--repeats", "0"])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("--repeats 0 was accepted")
+    assert "--repeats" in capsys.readouterr().err
