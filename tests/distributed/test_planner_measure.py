@@ -18,11 +18,11 @@ counts as workspace). Two configs run in the same world: the default buckets
 (one layer per bucket, so several gradient buckets are in flight). Leaving out the step workspace
 or the buckets makes stage 0 or 2 miss by about a third, so the bound has teeth.
 
-A stage-3 prefetch budget (``prefetch_bucket_size`` 2.2M elements, two layers, with the small
-buckets) is counted as twice the budget gathered at backward's peak (Note [forward runs on into
-backward] in zero/gather_prefetch.py: that many are held at the turn into backward). The turn
-comes before any gradient exists, so the real peak is lower: the estimate is an upper bound
-there, within 20% (measured: fp32 107.9 MB estimated against 94.5 MB, bf16 84.4 against 77.8).
+Stage 3 also runs with a prefetch budget (``prefetch_bucket_size`` 2.2M elements, two layers,
+with the small buckets): the planner counts the budget ahead at backward's peak and twice it at
+the turn into backward, where no gradient exists yet (``turn_buffer_bytes``; Note [forward runs
+on into backward] in zero/gather_prefetch.py). Counting twice the budget at backward's peak
+instead overstated this run by 14% in fp32 (107.9 MB against 94.5 MB measured); now 99.1 MB.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ pytestmark = pytest.mark.slow
 TARGET = f"{Path(__file__).with_name('planner_mlp.py')}:build"
 SMALL_BUCKETS = {"zero": {"reduce_bucket_size": 1_100_000}}
 PREFETCH = {"zero": {**SMALL_BUCKETS["zero"], "prefetch_bucket_size": 2_200_000}}
-WITHIN_10 = [(stage, {}) for stage in (0, 1, 2, 3)] + [(2, SMALL_BUCKETS), (3, SMALL_BUCKETS)]
-RUNS = WITHIN_10 + [(3, PREFETCH)]
+RUNS = [(stage, {}) for stage in (0, 1, 2, 3)] + [(2, SMALL_BUCKETS), (3, SMALL_BUCKETS), (3, PREFETCH)]
+
+
+def _label(config: dict) -> str:
+    return "prefetch" if config == PREFETCH else "small buckets" if config else "default"
 
 
 @pytest.fixture(scope="module", params=["fp32", "bf16"])
@@ -52,18 +55,17 @@ def measurement(request):
 
 
 def test_every_run_and_rank_was_measured(measurement):
-    seen = {(r.stage, bool(r.config), r.rank) for r in measurement.records}
-    assert seen == {(stage, bool(config), rank) for stage, config in RUNS for rank in (0, 1)}
+    seen = {(r.stage, _label(r.config), r.rank) for r in measurement.records}
+    assert seen == {(stage, _label(config), rank) for stage, config in RUNS for rank in (0, 1)}
     for record in measurement.records:
-        label = "prefetch" if record.config == PREFETCH else "small buckets" if record.config else "default"
-        print(f"stage {record.stage} {label:>13} rank {record.rank}: "
+        print(f"stage {record.stage} {_label(record.config):>13} rank {record.rank}: "
               f"estimate {record.estimate_total / 1e6:6.1f} MB  measured {record.measured_peak / 1e6:6.1f} MB  "
               f"ratio {record.ratio:.3f}")
         # The measurement must be dominated by the model, not by process noise.
         assert record.measured_peak > 0.6 * record.estimate_model_state
 
 
-@pytest.mark.parametrize("stage, config", WITHIN_10, ids=[f"stage{s}{'-small-buckets' if c else ''}" for s, c in WITHIN_10])
+@pytest.mark.parametrize("stage, config", RUNS, ids=[f"stage{s}-{_label(c).replace(' ', '-')}" for s, c in RUNS])
 def test_estimate_within_10_percent_of_measured_peak(measurement, stage, config):
     records = [r for r in measurement.records if r.stage == stage and r.config == config]
     assert len(records) == 2
@@ -81,10 +83,3 @@ def test_estimate_within_10_percent_of_measured_peak(measurement, stage, config)
             fp32_accumulators = 2 * LAYERS * (WIDTH * WIDTH + WIDTH) / 2  # (4 - 2) bytes per element, 2 ranks
         assert engine_state == pytest.approx(record.estimate_model_state + fp32_accumulators, rel=0.01)
 
-
-def test_a_prefetch_budget_is_an_upper_bound_within_20_percent(measurement):
-    records = [r for r in measurement.records if r.config == PREFETCH]
-    assert len(records) == 2
-    for record in records:
-        assert record.measured_peak <= record.estimate_total <= 1.2 * record.measured_peak, (
-            f"rank {record.rank}: estimate {record.estimate_total / 1e6:.1f} MB, measured {record.measured_peak / 1e6:.1f} MB")

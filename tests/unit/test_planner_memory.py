@@ -149,15 +149,40 @@ def test_comm_buffers_follow_bucket_sizes_and_vanish_on_one_rank():
     # Stages 0/1 reduce and gather in place.
     assert communication_buffer_bytes(model, Job(2), Training(stage=1)) == 0
     # Stage 3 gathers whole layers: the running one, the two prefetched in backward, and
-    # layer-sized buckets; a prefetch budget adds twice its elements (Note [forward runs on into
-    # backward]: at the turn), up to max_live_parameters.
+    # layer-sized buckets; a prefetch budget adds its elements ahead in backward, up to
+    # max_live_parameters (twice them at the turn: test_the_turn_into_backward_holds_twice_the_budget).
     stage3 = Training(stage=3, reduce_bucket_size=1000)
     layer = 300_000_000
     assert communication_buffer_bytes(model, Job(2), stage3) == 3 * 2 * layer + alive * 2 * layer + in_flight * layer
     budget = Training(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=10)
-    assert communication_buffer_bytes(model, Job(2), budget) == communication_buffer_bytes(model, Job(2), stage3) + 2 * 2 * 10
+    assert communication_buffer_bytes(model, Job(2), budget) == communication_buffer_bytes(model, Job(2), stage3) + 2 * 10
     capped = Training(stage=3, reduce_bucket_size=1000, prefetch_bucket_size=10, max_live_parameters=4)
     assert communication_buffer_bytes(model, Job(2), capped) == communication_buffer_bytes(model, Job(2), stage3) + 2 * 4
+
+
+def test_the_turn_into_backward_holds_twice_the_budget():
+    """Note [forward runs on into backward]: at forward's last call 2B gathered ahead beside the
+    fixed lookahead's G, and no gradient yet; the larger of that and backward's peak counts."""
+    from zerorun.planner.memory import turn_buffer_bytes
+
+    model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
+    layer = 300_000_000
+    for precision, budget in (("fp32", 40_000_000), ("bf16", 40_000_000), ("fp32", 10**9)):
+        training = Training(stage=3, precision=precision, prefetch_bucket_size=budget)
+        p = training.param_bytes
+        gathered = min(3 * layer + 2 * budget, 10**9)  # never more than the whole model
+        assert turn_buffer_bytes(model, Job(2), training) == p * gathered - p * 10**9 // 2
+        est = estimate(model, Job(2), training)
+        assert est.turn_buffers == turn_buffer_bytes(model, Job(2), training)
+        assert est.buffers == max(est.comm_buffers + est.backward_workspace - est.unreduced_gradients,
+                                  est.workspace, est.turn_buffers)
+        assert turn_buffer_bytes(model, Job(2), Training(stage=3, precision=precision)) == 0  # no budget
+        assert turn_buffer_bytes(model, Job(1), training) == 0  # one rank gathers nothing
+    # 8 ranks, a budget of 40% of the model, over three gradient shards: the turn is the peak
+    small = ModelSpec("s", 10**8, largest_layer_params=10**6)
+    big_budget = Training(stage=3, prefetch_bucket_size=40_000_000)
+    est = estimate(small, Job(8), big_budget)
+    assert est.buffers == est.turn_buffers > est.comm_buffers + est.backward_workspace - est.unreduced_gradients
 
 
 def test_the_engine_constants_match_the_planner():

@@ -141,6 +141,7 @@ class MemoryEstimate:
     ranks_per_host: int
     unreduced_gradients: float = 0.0
     pinned_slack: float = 0.0  # already in host_per_rank: what the pinned arenas hold beyond their pieces
+    turn_buffers: float = 0.0  # stage 3 with a prefetch budget, at the turn into backward (turn_buffer_bytes)
 
     @property
     def model_state(self) -> float:
@@ -151,9 +152,10 @@ class MemoryEstimate:
         """Transient memory at its peak, not model state. Backward's buckets and gathers are
         all freed before the optimizer step allocates its workspace, so the two phases' peaks
         do not add: the larger one counts (docs/estimate.md). At backward's peak the gradient
-        shards of the units still gathered do not exist yet (stage 3), so they come off it."""
+        shards of the units still gathered do not exist yet (stage 3), so they come off it.
+        With a stage-3 prefetch budget the turn into backward is a third candidate."""
         backward = self.comm_buffers + self.backward_workspace - self.unreduced_gradients
-        return max(backward, self.workspace)
+        return max(backward, self.workspace, self.turn_buffers)
 
     @property
     def gpu_total(self) -> float:
@@ -232,6 +234,7 @@ def estimate(model: ModelSpec, job: Job, training: Training,
         workspace=float(step_workspace_bytes(model, job, training)),
         backward_workspace=float(backward_workspace_bytes(model, job, training)),
         unreduced_gradients=float(unreduced_gradient_bytes(model, job, training)),
+        turn_buffers=float(turn_buffer_bytes(model, job, training)),
         activations=_activations(model, training, activation_job),
         host_per_rank=float(host),
         pinned_slack=float(pinned_slack_bytes(model, job, training)),
@@ -347,7 +350,7 @@ def gradient_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
     return [bucket] * math.ceil(model.trained_params / bucket)
 
 
-def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, int]:
+def stage3_unit_sizes(model: ModelSpec, training: Training, windows: int = 1) -> tuple[int, int, int]:
     """(elements gathered at once at worst, largest gradient bucket, number of units) at stage 3.
 
     With the module tree (a real model was counted) these come from the engine's own unit
@@ -356,13 +359,27 @@ def stage3_unit_sizes(model: ModelSpec, training: Training) -> tuple[int, int, i
     Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
     of them gathered (the running module and, in backward, the two prefetched next). Either
     way, a prefetch budget (prefetch_bucket_size, Note [prefetch budget] in
-    zero/gather_prefetch.py) adds up to twice that many elements (at the turn into backward,
-    Note [forward runs on into backward]: those held from forward and backward's own window),
-    and no more than max_live_parameters.
+    zero/gather_prefetch.py) adds up to that many elements ahead, ``windows`` times that at the
+    turn into backward (``turn_buffer_bytes``), and no more than max_live_parameters.
     """
     gathered, bucket, units = _stage3_unit_sizes(model, training)
-    extra = min(2 * training.prefetch_bucket_size, training.max_live_parameters, model.num_params)
+    extra = min(windows * training.prefetch_bucket_size, training.max_live_parameters, model.num_params)
     return min(gathered + max(0, extra), max(gathered, model.num_params)), bucket, units
+
+
+def turn_buffer_bytes(model: ModelSpec, job: Job, training: Training) -> int:
+    """Stage 3 with a prefetch budget B, at forward's last call (Note [forward runs on into
+    backward] in zero/gather_prefetch.py): up to 2B elements gathered ahead, those held from
+    forward and backward's own window, beside the G of the fixed lookahead, p·(G + 2B) bytes.
+    No gradient exists yet then (Note [lazy gradient shards]): no bucket, no backward
+    workspace, and the gradient column's p·⌈Ψt/N⌉ comes off. At backward's own peak the
+    window holds at most B ahead (``communication_buffer_bytes``). Zero without a budget or
+    on one rank."""
+    if training.stage != 3 or training.prefetch_bucket_size <= 0 or job.world_size == 1:
+        return 0
+    gathered, _bucket, _units = stage3_unit_sizes(model, training, windows=2)
+    p = training.param_bytes
+    return p * gathered - p * shard(model.trained_params, job.world_size)
 
 
 def _stage3_unit_sizes(model: ModelSpec, training: Training, trained_only: bool = False) -> tuple[int, int, int]:

@@ -115,7 +115,7 @@ def plan_to_json(plan: Plan) -> dict:
             "params": est.params, "grads": est.grads, "optimizer": est.optimizer,
             "model_state": est.model_state, "buffers": est.buffers,
             "comm_buffers": est.comm_buffers, "backward_workspace": est.backward_workspace,
-            "unreduced_gradients": est.unreduced_gradients,
+            "unreduced_gradients": est.unreduced_gradients, "turn_buffers": est.turn_buffers,
             "workspace": est.workspace,
             "activations": est.activations, "gpu_total": est.gpu_total,
             "host_per_node": est.host_per_node, "nvme_per_node": est.nvme_per_node,
