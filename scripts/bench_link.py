@@ -145,8 +145,8 @@ class LinkResult:
 
 def _link_result(system: str, rate_name: str, rate: float, runs: list[dict], compute_s: float | None,
                  per_host: int) -> LinkResult:
-    """One row from a system's runs at one rate: the median run's step time (--repeats), the
-    bytes of every run averaged; a failed run fails the row."""
+    """One row from a system's runs at one rate (--repeats): the median of their step times, their
+    bytes averaged; a failed run fails the row."""
     failed = next((out["error"] for out in runs if "error" in out), None)
     if failed is not None:
         return LinkResult(system, rate_name, error=failed)
