@@ -94,8 +94,9 @@ def _footer(plan: Plan, requested: Option | None, recommended: Option | None) ->
                           style="bold red"))
     else:
         lines.append(Text(f"recommended: {recommended.label} (the cheapest option that fits)", style="bold green"))
-    lines.append(Text("model state = params + grads + optimizer (the ZeRO paper's split); buffers = the larger of "
-                      "backward's buckets/gathers and the step's workspace; formulas: docs/estimate.md", style="dim"))
+    lines.append(Text("model state = params + grads + optimizer (the ZeRO paper's split); buffers = the largest of "
+                      "backward's buckets/gathers, the step's workspace and (stage 3 with a prefetch budget) the "
+                      "turn into backward; formulas: docs/estimate.md", style="dim"))
     if plan.activation_job is not None and plan.model.shape is None:
         lines.append(Text("activations n/a: the architecture is unknown (use --preset, --hf-config or --measure)"))
     return lines
