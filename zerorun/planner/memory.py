@@ -372,7 +372,7 @@ def turn_buffer_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     backward] in zero/gather_prefetch.py): up to 2B elements gathered ahead, those held from
     forward and backward's own window, beside the G of the fixed lookahead, p·(G + 2B) bytes.
     No gradient exists yet then (Note [lazy gradient shards]): no bucket, no backward
-    workspace, and the gradient column's p·⌈Ψt/N⌉ comes off. At backward's own peak the
+    workspace, and the gradient column's p·⌈Ψₜ/N⌉ comes off. At backward's own peak the
     window holds at most B ahead (``communication_buffer_bytes``). Zero without a budget or
     on one rank."""
     if training.stage != 3 or training.prefetch_bucket_size <= 0 or job.world_size == 1:
