@@ -143,8 +143,10 @@ class Prefetcher:
         past = self._window(sequence, position + 1, 1, len(order)) if position >= 0 else 0
         if runs_on and position == len(order) - 1:  # forward's last call: backward's own window
             past = self._window(sequence, past, 0, len(order))
+        # Only a window past forward's end reaches backward's part (never without a budget).
         self.held_for_backward = frozenset(
-            r.index for m in sequence[len(order):past] for r in self._records_of(m) if r.unit.partitioned)
+            r.index for m in sequence[len(order):past] for r in self._records_of(m) if r.unit.partitioned
+        ) if past > len(order) else frozenset()
         if self.pool is not None:
             on_order = on_order and position >= 0
             self.pool.expect(self._forward_wanted_from[min(max(past, position + 2), len(order))] if on_order else None)
