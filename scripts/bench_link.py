@@ -1,10 +1,15 @@
-"""sudo python scripts/bench_link.py [--rates 300mbit,1gbit] [--ranks-per-host 1] [--steps 6] [--json out.json]
+"""sudo python scripts/bench_link.py [--rates 300mbit,1gbit] [--ranks-per-host 1] [--steps 6] [--congestion-control cubic] [--json out.json]
 
 Data parallelism across two simulated hosts: each "host" is a network namespace, the two joined
 by a veth pair whose both ends are shaped by a token bucket (``tc ... tbf``; this kernel has no
 netem), so every byte between hosts crosses a link of the given rate while ranks on one host talk
 over that namespace's loopback. Root and iproute2 (``ip``, ``tc``) are needed; without them the
-script says so in one line and exits 2.
+script says so in one line and exits 2. TCP between the hosts runs the congestion control
+``--congestion-control`` names (default cubic, Linux's own default), set on the link's route in
+each namespace, so the machine's own setting is untouched; ``host`` keeps the machine's. This
+matters: on a machine whose default is BBR, BBR paced the link's flows below the token bucket's
+rate whenever the ranks computed (zerorun stage 3's transfers 4-15% slower than the rate
+allows; docs/benchmarks.md).
 
 Peers in one run, on the 33.7M-parameter GPT of examples/gpt.py in fp32 (the model and the
 systems of scripts/bench_cpu.py): torch DDP, FSDP2 and zerorun stages 1-3, and zerorun stage 3
@@ -62,6 +67,13 @@ SUBNET = "10.231.{}.{}"
 RANK_TIMEOUT_S = 1800
 
 
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
 def missing_requirements() -> str | None:
     if os.geteuid() != 0:
         return "bench_link.py needs root (network namespaces and tc); run it with sudo"
@@ -91,12 +103,37 @@ class Link:
     def address(self, host: int) -> str:
         return SUBNET.format(os.getpid() % 250, host + 1)
 
+    @property
+    def subnet(self) -> str:
+        return SUBNET.format(os.getpid() % 250, 0) + "/24"
+
+
+HOST_CONGESTION = "host"  # --congestion-control: the machine's own default
+
+
+def congestion_problem(name: str, available: str) -> str | None:
+    """Pure: why ``name`` cannot be the link's congestion control, given the kernel's
+    tcp_available_congestion_control; None when it can."""
+    if name == HOST_CONGESTION or name in available.split():
+        return None
+    return (f"--congestion-control {name}: this kernel has no such TCP congestion control (available: "
+            f"{available.strip() or 'none listed'}); name one of them, or '{HOST_CONGESTION}' for the machine's default")
+
+
+def route_command(link: Link, host: int, congestion: str) -> list[str]:
+    """The command that gives the link's route in ``host``'s namespace its congestion control:
+    a route attribute, so neither the machine's default nor its list of congestion controls
+    allowed in namespaces changes."""
+    ns, iface = link.namespaces[host], link.interfaces[host]
+    return ["ip", "-n", ns, "route", "change", link.subnet, "dev", iface, "proto", "kernel", "scope", "link",
+            "src", link.address(host), "congctl", congestion]
+
 
 def _sh(*argv: str) -> None:
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def create_link(link: Link) -> None:
+def create_link(link: Link, congestion: str = HOST_CONGESTION) -> None:
     (ns0, ns1), (if0, if1) = link.namespaces, link.interfaces
     for ns in (ns0, ns1):
         _sh("ip", "netns", "add", ns)
@@ -106,6 +143,8 @@ def create_link(link: Link) -> None:
         _sh("ip", "link", "set", iface, "netns", ns)
         _sh("ip", "-n", ns, "addr", "add", f"{link.address(host)}/24", "dev", iface)
         _sh("ip", "-n", ns, "link", "set", iface, "up")
+        if congestion != HOST_CONGESTION:
+            _sh(*route_command(link, host, congestion))
 
 
 def shape(link: Link, rate_bps: float | None) -> None:
@@ -358,6 +397,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {','.join(SYSTEMS)}")
     parser.add_argument("--no-compute", action="store_true", help="skip the one-host (unshaped) runs")
     parser.add_argument("--zerorun-config", default="{}", help="JSON merged into every zerorun config")
+    parser.add_argument("--congestion-control", default="cubic", help="TCP congestion control between the "
+                        f"hosts, set on the link's route (default cubic, Linux's default; '{HOST_CONGESTION}': the machine's)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     parser.add_argument("--trace", default=None, help="write each zerorun rank's timeline of collectives and "
                         "step phases here, one JSON file per rank, system and rate")
@@ -377,10 +418,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def render(results: list[LinkResult], per_host: int, load: str):
+def render(results: list[LinkResult], per_host: int, load: str, congestion: str = HOST_CONGESTION):
     from rich.table import Table
 
-    table = Table(title=f"2 hosts x {per_host} rank(s), fp32 GPT; load average {load}")
+    table = Table(title=f"2 hosts x {per_host} rank(s), fp32 GPT, TCP {congestion}; load average {load}")
     for header in ("rate", "system", "step s", "xDDP", "link MB", "xDDP", "zr link MB", "local MB", "link s",
                    "compute s", "step/max(link,compute)", "loss"):
         table.add_column(header, justify="left" if header in ("rate", "system") else "right", no_wrap=True)
@@ -408,7 +449,8 @@ def main(argv=None) -> int:
         rank_main(json.loads((argv if argv is not None else sys.argv)[-1]))
         return 0
     args = parse_args(argv)
-    problem = missing_requirements()
+    problem = missing_requirements() or congestion_problem(
+        args.congestion_control, _read("/proc/sys/net/ipv4/tcp_available_congestion_control"))
     if problem:
         print(problem, file=sys.stderr)
         return 2
@@ -416,6 +458,7 @@ def main(argv=None) -> int:
 
     console = Console(width=160)
     options = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup,
+               "congestion_control": args.congestion_control,
                "micro_batch": args.micro_batch, "zerorun_config": args.zerorun_config,
                "trace": str(Path(args.trace).resolve()) if args.trace else None}
     if args.trace:
@@ -425,7 +468,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below runs
     try:
-        create_link(link)
+        create_link(link, args.congestion_control)
         with tempfile.TemporaryDirectory(prefix="zerorun-link-") as workdir:
             compute: dict[str, float] = {}
             if not args.no_compute:
@@ -457,7 +500,7 @@ def main(argv=None) -> int:
         delete_link(link)
         signal.signal(signal.SIGTERM, previous)
     load = f"{load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}"
-    console.print(render(results, args.ranks_per_host, load))
+    console.print(render(results, args.ranks_per_host, load, args.congestion_control))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(
             {"options": {**options, "ranks_per_host": args.ranks_per_host, "rates": [r for r, _ in args.rates],

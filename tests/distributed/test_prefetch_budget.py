@@ -18,6 +18,9 @@ the default keeps (15); at the last layer's forward, backward's next four (layer
 first window reaches once layer 8 is held anyway, and backward's own window of three) are in
 flight, and 7 units are live when forward returns. The default keeps only the last layer and
 has nothing in flight at the turn. With ``max_live_parameters`` the turn stays within the cap.
+``turn_prefetch_bucket_size`` sizes backward's own window apart from the budget: four layers'
+elements put layers 5-1 in flight at the turn (8 live after forward), one layer's puts layers
+5-4 (5 live); either way the same 13 gathers a step and the same losses.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ CASES = {
     "default": {},
     "budget": {"prefetch_bucket_size": 3 * UNIT},
     "capped": {"prefetch_bucket_size": 3 * UNIT, "max_live_parameters": 600},
+    "turn_wide": {"prefetch_bucket_size": 3 * UNIT, "turn_prefetch_bucket_size": 4 * UNIT},
+    "turn_narrow": {"prefetch_bucket_size": 3 * UNIT, "turn_prefetch_bucket_size": UNIT},
 }
 
 
@@ -106,6 +111,7 @@ def test_prefetch_reaches_as_far_as_the_budget_and_the_live_cap_allow(tmp_path):
     results = spawn_and_collect(worker, tmp_path, 2)
     for rank, result in results.items():
         default, budget, capped = result["default"], result["budget"], result["capped"]
+        wide, narrow = result["turn_wide"], result["turn_narrow"]
         assert default["in_flight"] == 1, (rank, default)
         assert budget["in_flight"] == 3 and budget["in_flight_elements"] == 3 * UNIT, (rank, budget)
         assert capped["in_flight"] == 1 and capped["live"] <= 600, (rank, capped)
@@ -118,3 +124,7 @@ def test_prefetch_reaches_as_far_as_the_budget_and_the_live_cap_allow(tmp_path):
         assert budget["live_after_forward"] == [0, 7 * UNIT, 7 * UNIT], (rank, budget)
         assert budget["in_flight_at_turn"] == 4, (rank, budget)
         assert capped["live"] <= 600, (rank, capped)
+        assert wide["in_flight_at_turn"] == 5 and wide["live_after_forward"][1:] == [8 * UNIT] * 2, (rank, wide)
+        assert narrow["in_flight_at_turn"] == 2 and narrow["live_after_forward"][1:] == [5 * UNIT] * 2, (rank, narrow)
+        assert wide["gathers"] == narrow["gathers"] == [16, 13, 13], rank
+        assert wide["losses"] == narrow["losses"] == budget["losses"], rank

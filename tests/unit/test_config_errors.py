@@ -77,6 +77,14 @@ def test_parameter_offload_below_stage_3():
     ]
 
 
+def test_a_turn_window_without_a_prefetch_budget():
+    load_config({"zero": {"stage": 3, "prefetch_bucket_size": 10, "turn_prefetch_bucket_size": 20}}, environ={})
+    assert problems({"zero": {"stage": 3, "turn_prefetch_bucket_size": 20}}) == [
+        "zero.turn_prefetch_bucket_size = 20: the gathers at the turn into backward extend stage 3's prefetch "
+        "budget, which is 0; set zero.prefetch_bucket_size too, or remove turn_prefetch_bucket_size"
+    ]
+
+
 def test_optimizer_offload_at_stage_0():
     assert problems({"zero": {"offload_optimizer": {"device": "cpu"}}}) == [
         "zero.offload_optimizer.device = 'cpu': optimizer offload needs ZeRO stage 1, 2 or 3 "

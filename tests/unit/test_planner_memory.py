@@ -162,7 +162,8 @@ def test_comm_buffers_follow_bucket_sizes_and_vanish_on_one_rank():
 
 def test_the_turn_into_backward_holds_twice_the_budget():
     """Note [forward runs on into backward]: at forward's last call 2B gathered ahead beside the
-    fixed lookahead's G, and no gradient yet; the larger of that and backward's peak counts."""
+    fixed lookahead's G (B + T with turn_prefetch_bucket_size T), and no gradient yet; the
+    larger of that and backward's peak counts."""
     from zerorun.planner.memory import turn_buffer_bytes
 
     model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
@@ -178,6 +179,10 @@ def test_the_turn_into_backward_holds_twice_the_budget():
                                   est.workspace, est.turn_buffers)
         assert turn_buffer_bytes(model, Job(2), Training(stage=3, precision=precision)) == 0  # no budget
         assert turn_buffer_bytes(model, Job(1), training) == 0  # one rank gathers nothing
+        # Backward's own window at the turn set apart (turn_prefetch_bucket_size T): G + B + T.
+        turn = Training(stage=3, precision=precision, prefetch_bucket_size=budget, turn_prefetch_bucket_size=budget // 2)
+        gathered = min(3 * layer + budget + budget // 2, 10**9)
+        assert turn_buffer_bytes(model, Job(2), turn) == p * gathered - p * 10**9 // 2
     # 8 ranks, a budget of 40% of the model, over three gradient shards: the turn is the peak
     small = ModelSpec("s", 10**8, largest_layer_params=10**6)
     big_budget = Training(stage=3, prefetch_bucket_size=40_000_000)

@@ -205,6 +205,7 @@ def _training_from_config(path: Path):
         reduce_bucket_size=int(zero.reduce_bucket_size),
         allgather_bucket_size=int(zero.allgather_bucket_size),
         prefetch_bucket_size=int(zero.prefetch_bucket_size),
+        turn_prefetch_bucket_size=None if zero.turn_prefetch_bucket_size is None else int(zero.turn_prefetch_bucket_size),
         max_live_parameters=int(zero.max_live_parameters),
         param_persistence_threshold=int(zero.param_persistence_threshold),
         update_bucket_size=int(zero.update_bucket_size),
@@ -259,6 +260,8 @@ def _run_measurement(request: EstimateRequest, plan, ranks: int, steps: int):
     zero = {"reduce_bucket_size": t.reduce_bucket_size, "allgather_bucket_size": t.allgather_bucket_size,
             "prefetch_bucket_size": t.prefetch_bucket_size,
             "param_persistence_threshold": t.param_persistence_threshold, "leaf_modules": list(t.leaf_modules)}
+    if t.turn_prefetch_bucket_size is not None:
+        zero["turn_prefetch_bucket_size"] = t.turn_prefetch_bucket_size
     micro_batch = plan.activation_job.micro_batch if plan.activation_job else 2
     seq_len = plan.activation_job.seq_len if plan.activation_job else 16
     return measure_factory(request.model, plan, ranks=ranks, steps=steps, micro_batch=micro_batch,

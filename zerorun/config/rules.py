@@ -51,6 +51,7 @@ RANGES: dict[str, Check] = {
     "zero.allgather_bucket_size": _within(1, MAX_BUCKET),
     "zero.update_bucket_size": _within(1, MAX_BUCKET),
     "zero.prefetch_bucket_size": _within(0, MAX_BUCKET),
+    "zero.turn_prefetch_bucket_size": _within(0, MAX_BUCKET),
     "zero.max_live_parameters": _within(1, MAX_BUCKET),
     "zero.param_persistence_threshold": _at_least(0),
     "zero.max_reuse_distance": _at_least(0),
@@ -119,6 +120,10 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
         problems.add("zero.hpz_partition_size", "hierarchical partitioning (ZeRO++ hpZ) partitions stage 3's "
                      f"parameters (stage is {zero.stage}); set zero.stage: 3 or hpz_partition_size: 1",
                      zero.hpz_partition_size)
+    if zero.turn_prefetch_bucket_size is not None and zero.prefetch_bucket_size <= 0:
+        problems.add("zero.turn_prefetch_bucket_size", "the gathers at the turn into backward extend stage 3's "
+                     "prefetch budget, which is 0; set zero.prefetch_bucket_size too, or remove "
+                     "turn_prefetch_bucket_size", zero.turn_prefetch_bucket_size)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

@@ -44,6 +44,11 @@ class ZeroConfig:
     # next module (two in backward) along the recorded order; 0 prefetches just those, the
     # least memory (FSDP2's lookahead). DeepSpeed's stage3_prefetch_bucket_size.
     prefetch_bucket_size: int = 0
+    # Stage 3, Note [forward runs on into backward] in zero/gather_prefetch.py: with a budget,
+    # elements of backward's units gathered at forward's last module, past those held from
+    # forward, while the output head, the loss and backward's first modules compute. None: the
+    # budget itself (prefetch_bucket_size). zerorun's own; DeepSpeed has no such key.
+    turn_prefetch_bucket_size: int | None = None
     # Stage 3: no gather is issued early past this many elements gathered or in flight at
     # once (DeepSpeed's stage3_max_live_parameters, and its default).
     max_live_parameters: int = 1_000_000_000

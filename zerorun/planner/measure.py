@@ -134,7 +134,7 @@ def _with_estimate(item: dict, plan, ranks: int) -> StageMeasurement:
 
 def _training_for(base, stage: int, device: str, config: dict):
     zero = config.get("zero", {})
-    fields = {k: zero[k] for k in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
+    fields = {k: zero[k] for k in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "turn_prefetch_bucket_size",
                                    "max_live_parameters", "param_persistence_threshold", "update_bucket_size") if k in zero}
     return replace(base, stage=stage, offload="none", device="cuda" if device.startswith("cuda") else "cpu", **fields)
 

@@ -76,6 +76,7 @@ class Training:
     reduce_bucket_size: int = 6_250_000  # config.ZeroConfig's default
     allgather_bucket_size: int = 50_000_000
     prefetch_bucket_size: int = 0  # config.ZeroConfig's default (Note [prefetch budget])
+    turn_prefetch_bucket_size: int | None = None  # None: prefetch_bucket_size (Note [forward runs on into backward])
     max_live_parameters: int = 1_000_000_000
     param_persistence_threshold: int = 0
     update_bucket_size: int = 6_250_000  # master elements per optimizer call (Note [bounded update])
@@ -350,7 +351,7 @@ def gradient_bucket_sizes(model: ModelSpec, training: Training) -> list[int]:
     return [bucket] * math.ceil(model.trained_params / bucket)
 
 
-def stage3_unit_sizes(model: ModelSpec, training: Training, windows: int = 1) -> tuple[int, int, int]:
+def stage3_unit_sizes(model: ModelSpec, training: Training, turn: bool = False) -> tuple[int, int, int]:
     """(elements gathered at once at worst, largest gradient bucket, number of units) at stage 3.
 
     With the module tree (a real model was counted) these come from the engine's own unit
@@ -359,25 +360,34 @@ def stage3_unit_sizes(model: ModelSpec, training: Training, windows: int = 1) ->
     Without it: units of max(L, min(allgather_bucket_size, STAGE3_UNIT_CAP)) elements, three
     of them gathered (the running module and, in backward, the two prefetched next). Either
     way, a prefetch budget (prefetch_bucket_size, Note [prefetch budget] in
-    zero/gather_prefetch.py) adds up to that many elements ahead, ``windows`` times that at the
-    turn into backward (``turn_buffer_bytes``), and no more than max_live_parameters.
+    zero/gather_prefetch.py) adds up to that many elements ahead, and at the ``turn`` into
+    backward (``turn_buffer_bytes``) backward's own window besides (turn_prefetch_bucket_size,
+    or the budget again), and no more than max_live_parameters.
     """
     gathered, bucket, units = _stage3_unit_sizes(model, training)
-    extra = min(windows * training.prefetch_bucket_size, training.max_live_parameters, model.num_params)
+    ahead = training.prefetch_bucket_size + (turn_window(training) if turn else 0)
+    extra = min(ahead, training.max_live_parameters, model.num_params)
     return min(gathered + max(0, extra), max(gathered, model.num_params)), bucket, units
+
+
+def turn_window(training: Training) -> int:
+    """Elements of backward's own window at the turn: turn_prefetch_bucket_size T, or B."""
+    turn = training.turn_prefetch_bucket_size
+    return training.prefetch_bucket_size if turn is None else turn
 
 
 def turn_buffer_bytes(model: ModelSpec, job: Job, training: Training) -> int:
     """Stage 3 with a prefetch budget B, at forward's last call (Note [forward runs on into
-    backward] in zero/gather_prefetch.py): up to 2B elements gathered ahead, those held from
-    forward and backward's own window, beside the G of the fixed lookahead, p·(G + 2B) bytes.
+    backward] in zero/gather_prefetch.py): up to B + T elements gathered ahead, the B held from
+    forward and backward's own window T (turn_prefetch_bucket_size, B when unset), beside the G
+    of the fixed lookahead, p·(G + B + T) bytes.
     No gradient exists yet then (Note [lazy gradient shards]): no bucket, no backward
     workspace, and the gradient column's p·⌈Ψₜ/N⌉ comes off. At backward's own peak the
     window holds at most B ahead (``communication_buffer_bytes``). Zero without a budget or
     on one rank."""
     if training.stage != 3 or training.prefetch_bucket_size <= 0 or job.world_size == 1:
         return 0
-    gathered, _bucket, _units = stage3_unit_sizes(model, training, windows=2)
+    gathered, _bucket, _units = stage3_unit_sizes(model, training, turn=True)
     p = training.param_bytes
     return p * gathered - p * shard(model.trained_params, job.world_size)
 

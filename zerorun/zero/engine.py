@@ -251,6 +251,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
                                           max_reuse_distance=cfg.zero.max_reuse_distance,
                                           holder_records=holder_records, leaf_units=partition.leaf_units,
                                           prefetch_elements=cfg.zero.prefetch_bucket_size,
+                                          turn_elements=cfg.zero.turn_prefetch_bucket_size,
                                           max_live_elements=cfg.zero.max_live_parameters)
         self.hpz_groups = (None, None)  # ZeRO++ hpZ (zero/hpz.py): the host group, the group across hosts
         if self.gatherer is not None and cfg.zero.hpz_partition_size > 1:

@@ -44,10 +44,15 @@ recorded order with autograd on:
   budget. A unit it reaches there is not released after its forward call nor at the end of
   forward (``held_for_backward``): releasing the last blocks only to gather them again at
   backward's start moved their bytes twice;
-- at forward's last call, backward gets its own window: the gathers of the next budget's worth
-  of backward's modules past those held are issued then, and the link moves them while the
-  head and the loss compute. So at the turn up to twice ``prefetch_bucket_size`` elements are
-  held ahead of their use (zerorun estimate counts it), never past ``max_live_parameters``.
+- at forward's last call, backward gets its own window: the gathers of the next
+  ``turn_prefetch_bucket_size`` elements of backward's modules past those held (the budget
+  again when unset) are issued then, and the link moves them while the head and the loss
+  compute. So at the turn up to the budget plus that many elements are held ahead of their
+  use (zerorun estimate counts it), never past ``max_live_parameters``. The two are apart
+  because the turn is set by the model, not the link: the 33.7M GPT's tied output head is a
+  quarter of its compute, and at 300 Mbit/s one budget's gathers (12e6) had moved 0.1-0.45 s
+  before backward's first reduce-scatter; 18e6 at the turn (backward's every remaining gather)
+  kept the link busy through it, 4% off the step (docs/benchmarks.md).
 These gathers are backward's: with hpZ they read the host's secondary copy. With the default
 budget (0) forward's window stops at forward's last module, as before: nothing more is held.
 """
@@ -69,13 +74,16 @@ class Prefetcher:
     """The prefetch windows of one gatherer (Note [execution order], Note [prefetch budget])."""
 
     def __init__(self, records_of: Callable[[nn.Module], list[UnitRecord]], group, pool: GatherPool | None,
-                 *, prefetch_elements: int = 0, max_live_elements: int | None = None):
+                 *, prefetch_elements: int = 0, turn_elements: int | None = None,
+                 max_live_elements: int | None = None):
         self._records_of = records_of
         self.group = group
         self.pool = pool
         # Note [prefetch budget]: how far past the fixed lookahead prefetch may reach, and the
         # elements of partitioned units gathered or in flight now (kept by a state listener).
         self.prefetch_elements = prefetch_elements
+        # Note [forward runs on into backward]: backward's own window at the turn.
+        self.turn_elements = prefetch_elements if turn_elements is None else turn_elements
         self.max_live_elements = max_live_elements
         self.live_elements = 0
         self._live_units: set[int] = set()
@@ -103,14 +111,17 @@ class Prefetcher:
             self._live_units.symmetric_difference_update({unit.index})
             self.live_elements += unit.layout.numel if live else -unit.layout.numel
 
-    def _window(self, order: list[nn.Module], start: int, minimum: int, backward_from: int | None = None) -> int:
-        """Issue the gathers of the window of ``order`` from ``start`` on (Note [prefetch budget]);
-        returns the position just past it. Positions from ``backward_from`` on are backward's
-        (Note [forward runs on into backward]): their gathers are issued as backward's."""
+    def _window(self, order: list[nn.Module], start: int, minimum: int, backward_from: int | None = None,
+                budget: int | None = None) -> int:
+        """Issue the gathers of the window of ``order`` from ``start`` on (Note [prefetch budget]),
+        within ``budget`` elements (None: ``prefetch_elements``); returns the position just past
+        it. Positions from ``backward_from`` on are backward's (Note [forward runs on into
+        backward]): their gathers are issued as backward's."""
+        budget = self.prefetch_elements if budget is None else budget
         ahead: list[int] = []  # per next call, the elements of its units, each unit counted once
         counted: dict[int, UnitRecord] = {}
         for module in order[start:]:
-            if len(ahead) >= minimum and (self.prefetch_elements <= 0 or sum(ahead) > self.prefetch_elements):
+            if len(ahead) >= minimum and (budget <= 0 or sum(ahead) > budget):
                 break
             records = [r for r in self._records_of(module) if r.unit.partitioned and r.index not in counted]
             counted.update((r.index, r) for r in records)
@@ -122,7 +133,7 @@ class Prefetcher:
                    if r.unit.state is not ParamState.SHARDED and r.gathering.in_use == 0 and not _held_anyway(r))
         room = (self.max_live_elements - self.live_elements + held if self.max_live_elements is not None
                 else sum(ahead))
-        window = prefetch_window(ahead, minimum, self.prefetch_elements, room)
+        window = prefetch_window(ahead, minimum, budget, room)
         for position in range(start, start + window):
             # hpZ: a gather for backward reads the host's secondary copy (Note [secondary copy]).
             self.gathering_for_backward = backward_from is not None and position >= backward_from
@@ -142,7 +153,7 @@ class Prefetcher:
         sequence = self._through_backward if runs_on else order
         past = self._window(sequence, position + 1, 1, len(order)) if position >= 0 else 0
         if runs_on and position == len(order) - 1:  # forward's last call: backward's own window
-            past = self._window(sequence, past, 0, len(order))
+            past = self._window(sequence, past, 0, len(order), self.turn_elements)
         # Only a window past forward's end reaches backward's part (never without a budget).
         self.held_for_backward = frozenset(
             r.index for m in sequence[len(order):past] for r in self._records_of(m) if r.unit.partitioned

@@ -100,7 +100,7 @@ class ParamGatherer:
     def __init__(self, root: nn.Module, module_records: dict[nn.Module, list[UnitRecord]], group,
                  *, max_reuse_distance: int = 0, holder_records: dict[nn.Module, list[UnitRecord]] | None = None,
                  leaf_units: frozenset[int] = frozenset(), prefetch_elements: int = 0,
-                 max_live_elements: int | None = None):
+                 turn_elements: int | None = None, max_live_elements: int | None = None):
         self.max_reuse_distance = max_reuse_distance
         # Note [expert gradients] (grad_reduce.py): units closed when their module's backward is
         # over, through ``on_backward_over`` (the engine's reducer); per unit, the calls of this
@@ -124,7 +124,7 @@ class ParamGatherer:
         # Note [execution order] and Note [prefetch budget] (gather_prefetch.py): the gathers
         # issued ahead along the recorded orders.
         self.prefetcher = Prefetcher(self._records_of, group, self.pool, prefetch_elements=prefetch_elements,
-                                   max_live_elements=max_live_elements)
+                                     turn_elements=turn_elements, max_live_elements=max_live_elements)
         self._finished: list[nn.Module] = []
         # Note [pass state] (gather_pass.py): the pass now running; per recomputing call (a
         # stack), the records it holds; backward's order as forward predicts it, and as this

@@ -41,6 +41,21 @@ def _pieces(flat: torch.Tensor, block: int) -> list[torch.Tensor]:
     return pieces
 
 
+# Note [cache-sized passes]: quantizing makes four passes over a block (scale, round, clamp,
+# cast) and dequantizing two (cast, scale). Over a whole 16 MB unit each pass streamed it
+# through memory again, with a fresh 16 MB temporary every call; over 512K elements at a time the
+# temporary and the rows stay in cache between passes: 3.7 ms against 12.4 ms for those passes
+# over 4.2M fp32 elements on one CPU thread. The same operations on the same elements, so the
+# same bits.
+CHUNK_ELEMENTS = 1 << 19
+
+
+def _row_chunks(rows_of: torch.Tensor, block: int) -> list[slice]:
+    """Slices of the rows of a (blocks, block) view, about CHUNK_ELEMENTS elements each."""
+    step = max(1, CHUNK_ELEMENTS // max(block, 1))
+    return [slice(start, start + step) for start in range(0, rows_of.shape[0], step)]
+
+
 def quantize(x: torch.Tensor, block: int, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat ``x`` -> (int8 codes of x's length, written into ``codes`` when given; fp32 scales,
     one per block)."""
@@ -50,11 +65,14 @@ def quantize(x: torch.Tensor, block: int, codes: torch.Tensor | None = None) -> 
         codes = torch.empty(n, dtype=torch.int8, device=flat.device)
     all_scales = []
     for values, into in zip(_pieces(flat, block), _pieces(codes, block), strict=True):
-        low, high = torch.aminmax(values, dim=1)  # no |x| temporary
+        # Two reductions, not torch.aminmax: along rows of a 2048 block, aminmax took 3.4x as
+        # long on a CPU (13.4 ms against 4.0 ms for 4.2M elements, one thread); no |x| temporary.
+        low, high = values.amin(dim=1), values.amax(dim=1)
         scales = torch.maximum(high, -low) / LEVELS
         inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))  # an all-zero block codes as zeros
-        scaled = values * inverse[:, None]
-        into.copy_(scaled.round_().clamp_(-LEVELS, LEVELS))  # whole numbers: the cast is exact
+        for rows in _row_chunks(values, block):  # Note [cache-sized passes]
+            scaled = values[rows] * inverse[rows, None]
+            into[rows].copy_(scaled.round_().clamp_(-LEVELS, LEVELS))  # whole numbers: the cast is exact
         all_scales.append(scales)
     return codes, torch.cat(all_scales) if len(all_scales) > 1 else all_scales[0]
 
@@ -64,12 +82,13 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, block: int, out: torch
     flat_out = out.view(-1)
     start = 0
     for values, into in zip(_pieces(codes, block), _pieces(flat_out, block), strict=True):
-        rows = values.shape[0]
-        if into.dtype == torch.float32:
-            into.copy_(values).mul_(scales[start : start + rows, None])  # in place: no temporary
-        else:
-            into.copy_(values.float() * scales[start : start + rows, None])
-        start += rows
+        own = scales[start : start + values.shape[0], None]
+        for rows in _row_chunks(values, block):  # Note [cache-sized passes]
+            if into.dtype == torch.float32:
+                into[rows].copy_(values[rows]).mul_(own[rows])  # in place: no temporary
+            else:
+                into[rows].copy_(values[rows].float() * own[rows])
+        start += values.shape[0]
     return out
 
 
