@@ -14,7 +14,9 @@ gather is issued, never what it brings.
 Near the end of forward the window runs on into the recorded backward (Note [forward runs on
 into backward]), from the second step on (the first records the orders and keeps nothing). With the budget, layers 6-8
 stay gathered from their forward into backward, so a step gathers 13 units, not 16 less the one
-the default keeps (15); at the last layer's forward, backward's next four (layer 5, which the
+the default keeps (15); the gathers of the next forward's first four (layer 1 and its window)
+are issued inside ``step()`` (Note [next forward's gathers in the step]), so the first step
+counts those four besides its 16; at the last layer's forward, backward's next four (layer 5, which the
 first window reaches once layer 8 is held anyway, and backward's own window of three) are in
 flight, and 7 units are live when forward returns. The default keeps only the last layer and
 has nothing in flight at the turn. With ``max_live_parameters`` the turn stays within the cap.
@@ -120,11 +122,11 @@ def test_prefetch_reaches_as_far_as_the_budget_and_the_live_cap_allow(tmp_path):
         # the second on, the default keeps the last layer into backward.
         assert default["gathers"] == [16, 15, 15] and default["live_after_forward"] == [0, UNIT, UNIT], (rank, default)
         assert default["in_flight_at_turn"] == 0, (rank, default)
-        assert budget["gathers"] == [16, 13, 13], (rank, budget)
+        assert budget["gathers"] == [16 + 4, 13, 13], (rank, budget)
         assert budget["live_after_forward"] == [0, 7 * UNIT, 7 * UNIT], (rank, budget)
         assert budget["in_flight_at_turn"] == 4, (rank, budget)
         assert capped["live"] <= 600, (rank, capped)
         assert wide["in_flight_at_turn"] == 5 and wide["live_after_forward"][1:] == [8 * UNIT] * 2, (rank, wide)
         assert narrow["in_flight_at_turn"] == 2 and narrow["live_after_forward"][1:] == [5 * UNIT] * 2, (rank, narrow)
-        assert wide["gathers"] == narrow["gathers"] == [16, 13, 13], rank
+        assert wide["gathers"] == narrow["gathers"] == [16 + 4, 13, 13], rank
         assert wide["losses"] == narrow["losses"] == budget["losses"], rank

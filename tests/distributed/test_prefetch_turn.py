@@ -53,13 +53,17 @@ def train(rank: int, extra: dict, accumulation: int, budget: int) -> dict:
     for record in engine.gatherer.records:
         record.unit.state_listeners.append(count)
     losses, per_step = [], []
+    carried = 0
     for step in range(3):
-        gathers[0] = 0
+        gathers[0] = carried
         for micro in range(accumulation):
             tokens, targets = synthetic_batch(cfg, 4, step=step * accumulation + micro)
             loss = engine(rank_slice(tokens, rank, 2), rank_slice(targets, rank, 2))
             engine.backward(loss)
+            before = gathers[0]
             engine.step()
+            # Note [next forward's gathers in the step]: counted with the forward that uses them
+            carried, gathers[0] = gathers[0] - before, before
             losses.append(loss.float().item().hex())
         per_step.append(gathers[0])
     state = engine.full_state_dict(rank0_only=False)

@@ -17,24 +17,12 @@ the parent reads its weight through ``F.linear``, every Linear its own unit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from chain_with_head import LAYERS, WIDTH, ChainWithHead
 from gloo_world import run_ranks
 
-WIDTH, LAYERS, STEPS = 16, 6, 4
-
-
-class ChainWithHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
-        self.head = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return F.linear(x, self.head.weight, self.head.bias)  # read by the parent: the head's forward never runs
+STEPS = 4
 
 
 def train(rank: int, stage: int, overlap: bool, save_dir: str) -> dict:

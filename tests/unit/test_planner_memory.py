@@ -190,6 +190,25 @@ def test_the_turn_into_backward_holds_twice_the_budget():
     assert est.buffers == est.turn_buffers > est.comm_buffers + est.backward_workspace - est.unreduced_gradients
 
 
+def test_the_step_holds_the_next_forwards_first_gathers():
+    """Note [next forward's gathers in the step]: with a budget B the step's workspace holds the
+    first call's unit and the window it prefetches, p·(U + max(B, U)), never more than the model;
+    nothing without a budget or on one rank."""
+    model = ModelSpec("m", 10**9, largest_layer_params=300_000_000)
+    layer = 300_000_000
+    for precision in ("fp32", "bf16"):
+        plain = Training(stage=3, precision=precision, device="cpu")
+        p = plain.param_bytes
+        base = step_workspace_bytes(model, Job(2), plain)
+        for budget, ahead in ((40_000_000, 2 * layer), (500_000_000, layer + 500_000_000), (10**9, 10**9)):
+            training = Training(stage=3, precision=precision, device="cpu", prefetch_bucket_size=budget)
+            assert step_workspace_bytes(model, Job(2), training) == base + p * ahead, (precision, budget)
+            assert step_workspace_bytes(model, Job(1), training) == step_workspace_bytes(model, Job(1), plain)
+    offloaded = Training(stage=3, offload="cpu-optimizer", device="cpu", prefetch_bucket_size=40_000_000)
+    assert step_workspace_bytes(model, Job(2), offloaded) == \
+        step_workspace_bytes(model, Job(2), Training(stage=3, offload="cpu-optimizer", device="cpu")) + 2 * 2 * layer  # bf16 by default
+
+
 def test_the_engine_constants_match_the_planner():
     from zerorun.zero import grad_reduce
 

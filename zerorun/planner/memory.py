@@ -495,11 +495,17 @@ def step_workspace_bytes(model: ModelSpec, job: Job, training: Training) -> int:
       torch's fused kernel (Note [host optimizer kernels] in zero/offload/placements.py), which
       updates in place and allocates nothing (the per-tensor path it replaces held 8·C, two
       fp32 temporaries of the largest chunk C).
-    With the optimizer offloaded, only the first item stays on the GPU.
+    - stage 3 with a prefetch budget B: the next forward's first gathers, issued during the
+      update (Note [next forward's gathers in the step] in zero/step_gathers.py), p·(L + max(B, L))
+      at most (L = the largest unit: the first call's, then the window it prefetches).
+    With the optimizer offloaded, only the first and last items stay on the GPU.
     """
     p, stage, n = training.param_bytes, training.stage, job.world_size
     share = model.trained_params if stage == 0 else shard(model.trained_params, n)
     total = p * largest_parameter(model)
+    if stage == 3 and training.prefetch_bucket_size > 0 and n > 1:
+        largest_unit = _stage3_unit_sizes(model, training)[1]
+        total += p * min(largest_unit + max(training.prefetch_bucket_size, largest_unit), model.num_params)
     if training.offload != "none":
         return total  # the fp32 gradient and Adam's temporaries live with the offloaded step
     unit = model.largest_layer_params if stage == 3 and model.largest_layer_params else bucket_elements(model, training)

@@ -44,7 +44,8 @@ from zerorun.zero.offload.placements import placement_from_config
 from zerorun.zero.unit.record import Home, UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 from zerorun.zero.train_state import TrainState
-from zerorun.zero.refresh_ahead import RefreshAhead
+from zerorun.zero.refresh_ahead import EagerRefresh, RefreshAhead
+from zerorun.zero.step_gathers import StepGathers
 from zerorun.zero.update import UnitUpdater
 from zerorun.zero import uneven
 from zerorun.zero.unit.plan import STAGE3_UNIT_CAP
@@ -259,10 +260,7 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         self.updater = UnitUpdater(
             optimizer, self.records, self.group,
             data_parallel_world=self.pg.world_size, shard_world=1 if self.stage == 0 else self.pg.world_size,
-            update_bucket_size=cfg.zero.update_bucket_size,
-            # Note [refresh on first read] in refresh_ahead.py: stages 1-2 only (stage 3's replicated
-            # units are its small persistent ones; stage 0 has nothing to spread).
-            refresh=RefreshAhead(self.module) if cfg.zero.overlap_comm and self.stage in (1, 2) else None,
+            update_bucket_size=cfg.zero.update_bucket_size, refresh=self._refresh(cfg.zero),
         )
         policy = ReducePolicy.for_stage(self.stage)  # Note [scatter in place] in grad_reduce.py (stage 1)
         self.reducer = GradReducer(
@@ -295,6 +293,17 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         param_access.refuse_resizing(model, self.stage)  # Note [resize before initialize]
         engine_built(self)  # Note [engine hooks] in engine_api.py (DeepSpeed's ds_* attributes)
         LIVE_ENGINES.add(self)  # deepspeed.zero.GatheredParameters finds units here
+
+    def _refresh(self, zero) -> EagerRefresh:
+        """How the step's updated values reach the ranks. Stages 1-2: Note [refresh on first read]
+        (refresh_ahead.py); stage 3 with a prefetch budget: Note [next forward's gathers in the
+        step] (step_gathers.py), its replicated (persistent) units refreshed inside the step;
+        otherwise (stage 0 has nothing to spread) inside the step."""
+        if zero.overlap_comm and self.stage in (1, 2):
+            return RefreshAhead(self.module)
+        if zero.overlap_comm and self.gatherer is not None and zero.prefetch_bucket_size > 0 and self.pg.world_size > 1:
+            return StepGathers(self.gatherer)
+        return EagerRefresh()
 
     def _quantize_collectives(self, zero) -> None:
         """ZeRO++ (Note [quantized collectives] in comm/quantized_collectives.py): which stage-3 units
@@ -481,8 +490,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         for record in self.records + self.frozen_records:  # a stage-3 chunk counts where its param home keeps it
             params[record.param_home.location if record.unit.partitioned else "device"] += record.unit.param_nbytes()
         gradients, transient = self.reducer.nbytes()
-        if self.gatherer is not None:
-            transient += self.gatherer.pool_nbytes()
+        if self.gatherer is not None:  # gathered copies are transient, as the estimate counts them
+            transient += self.gatherer.pool_nbytes() + sum(r.unit.gathered_nbytes() for r in self.gatherer.records)
         placed = self.updater.placed_nbytes()
         breakdown = {
             "parameters": params["device"],

@@ -26,6 +26,7 @@ def in_turn(engine, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     """``named`` as it is, each partitioned parameter's unit gathered while it is yielded, one
     unit alive at a time (every rank must run through it all: each gather is a collective)."""
     unit_of = _partitioned_units(engine)
+    engine.updater.refresh.settle()  # exact values: Note [next forward's gathers in the step] (step_gathers.py)
     current, gathered_here = None, False
 
     def let_go():

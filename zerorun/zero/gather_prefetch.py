@@ -94,6 +94,7 @@ class Prefetcher:
         self._through_backward: list[nn.Module] = []
         self.held_for_backward: frozenset[int] = frozenset()
         self.gathering_for_backward = False  # while issuing backward's gathers from forward
+        self.gathering_for_forward = False  # while issuing forward's gathers from the step
         # Note [execution order]: modules in the order their backward hooks fire, and where
         # each first appears in it.
         self.backward_order: list[nn.Module] = []
@@ -117,6 +118,20 @@ class Prefetcher:
         within ``budget`` elements (None: ``prefetch_elements``); returns the position just past
         it. Positions from ``backward_from`` on are backward's (Note [forward runs on into
         backward]): their gathers are issued as backward's."""
+        end = self._span(order, start, minimum, budget)
+        for position in range(start, end):
+            # hpZ: a gather for backward reads the host's secondary copy (Note [secondary copy]).
+            self.gathering_for_backward = backward_from is not None and position >= backward_from
+            for record in self._records_of(order[position]):
+                record.unit.start_gather(self.group)
+        self.gathering_for_backward = False
+        return end
+
+    def _span(self, order: list[nn.Module], start: int, minimum: int, budget: int | None = None,
+              live_besides: int = 0) -> int:
+        """The position just past the window of ``order`` from ``start`` on (Note [prefetch
+        budget]); ``live_besides``: elements about to be gathered that ``live_elements`` does not
+        count yet."""
         budget = self.prefetch_elements if budget is None else budget
         ahead: list[int] = []  # per next call, the elements of its units, each unit counted once
         counted: dict[int, UnitRecord] = {}
@@ -131,16 +146,35 @@ class Prefetcher:
         # reach it again in backward's order), so it stays counted in ``live_elements``.
         held = sum(r.unit.layout.numel for r in counted.values()
                    if r.unit.state is not ParamState.SHARDED and r.gathering.in_use == 0 and not _held_anyway(r))
-        room = (self.max_live_elements - self.live_elements + held if self.max_live_elements is not None
-                else sum(ahead))
-        window = prefetch_window(ahead, minimum, budget, room)
-        for position in range(start, start + window):
-            # hpZ: a gather for backward reads the host's secondary copy (Note [secondary copy]).
-            self.gathering_for_backward = backward_from is not None and position >= backward_from
-            for record in self._records_of(order[position]):
-                record.unit.start_gather(self.group)
-        self.gathering_for_backward = False
-        return start + window
+        room = (self.max_live_elements - self.live_elements - live_besides + held
+                if self.max_live_elements is not None else sum(ahead))
+        return start + prefetch_window(ahead, minimum, budget, room)
+
+    def gather_for_next_forward(self, record: UnitRecord) -> None:
+        """Note [next forward's gathers in the step]: a gather the step issues is the next
+        forward's (with hpZ it refreshes the host's secondary copy, as forward's own do)."""
+        self.gathering_for_forward = True
+        try:
+            record.unit.start_gather(self.group)
+        finally:
+            self.gathering_for_forward = False
+
+    def next_forward_gathers(self) -> list[UnitRecord]:
+        """Note [next forward's gathers in the step]: the partitioned units the next forward's
+        first call gathers and the window it prefetches then, in the order it issues them; none
+        without a budget or a recorded forward."""
+        order = self._forward_order
+        if self.prefetch_elements <= 0 or not order:
+            return []
+        first = [r for r in self._records_of(order[0]) if r.unit.partitioned]
+        besides = sum(r.unit.layout.numel for r in first if r.unit.state is ParamState.SHARDED)
+        end = self._span(order, 1, 1, live_besides=besides)
+        seen: dict[int, UnitRecord] = {}
+        for module in order[:end]:
+            for record in self._records_of(module):
+                if record.unit.partitioned:
+                    seen.setdefault(record.index, record)
+        return list(seen.values())
 
     def forward(self, order: list[nn.Module], module: nn.Module, on_order: bool) -> None:
         """Issue the async gather of the module expected to run after ``module`` in forward, and

@@ -24,8 +24,11 @@ def attach(gatherer: ParamGatherer, size: int, world_size: int, rank: int):
 
     def phase() -> str:
         # Note [forward runs on into backward] (gather_prefetch.py): backward's gathers issued
-        # at the end of forward are backward's.
-        return "backward" if gatherer.prefetcher.gathering_for_backward else _PHASES[passes.state]
+        # at the end of forward are backward's; Note [next forward's gathers in the step]
+        # (step_gathers.py): those the step issues are forward's.
+        if gatherer.prefetcher.gathering_for_backward:
+            return "backward"
+        return "forward" if gatherer.prefetcher.gathering_for_forward else _PHASES[passes.state]
 
     for record in gatherer.records:
         if record.unit.partitioned:

@@ -165,6 +165,8 @@ class ParamGatherer:
             if record.unit.partitioned:
                 record.unit.state_listeners.append(self.prefetcher.count_live)
                 self.prefetcher.count_live(record.unit)
+        # Note [next forward's gathers in the step] (step_gathers.py): told when a forward starts.
+        self.on_forward_start: list[Callable[[], None]] = []
         self.root = root
         root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
         root.register_forward_hook(_eager(self._root_post_forward))
@@ -189,6 +191,8 @@ class ParamGatherer:
             for record in self.records:
                 record.gathering.forget_calls()
         self.passes.move(PassState.FORWARD)
+        for told in self.on_forward_start:
+            told()
         if self.pool is not None:
             self.pool.expect(None)  # forward keeps what it releases: the next module takes it
         self._recording = []

@@ -109,13 +109,22 @@ class EagerRefresh:
     def settle(self) -> None:
         pass
 
+    # What the update asks of every refresh (update.py); stage 3's step gathers answer otherwise
+    # (Note [next forward's gathers in the step] in step_gathers.py).
+    def update_order(self, records: list) -> list:
+        """The order to update ``records`` in: as they come."""
+        return records
+
+    def updated(self) -> None:
+        """One optimizer call of the update is done."""
+
 
 def compiled(model: nn.Module) -> bool:
     """Is ``model``, or any module in it, compiled (``torch.compile(model)``, ``module.compile()``)?"""
     return isinstance(model, OptimizedModule) or any(m._compiled_call_impl is not None for m in model.modules())
 
 
-class RefreshAhead:
+class RefreshAhead(EagerRefresh):
     """Note [refresh on first read]: the all-gathers are waited by the first read of each unit."""
 
     def __init__(self, model: nn.Module) -> None:

@@ -60,7 +60,7 @@ from zerorun.zero.comm import collectives
 from zerorun.zero.offload.grad_copy import final_event, wait_for_final
 from zerorun.zero.offload.placements import device_gradient
 from zerorun.zero.precision import LossScaler
-from zerorun.zero.refresh_ahead import EagerRefresh, RefreshAhead
+from zerorun.zero.refresh_ahead import EagerRefresh
 from zerorun.zero.unit.record import UnitRecord, by_state_home
 from zerorun.zero.unit.storage import FlatUnit
 
@@ -134,9 +134,10 @@ def update_batches(records: list[UnitRecord], cap: int) -> list[list[UnitRecord]
 class UnitUpdater:
     def __init__(self, optimizer: torch.optim.Optimizer, records: list[UnitRecord], group, *,
                  data_parallel_world: int, shard_world: int, update_bucket_size: int = 6_250_000,
-                 refresh: EagerRefresh | RefreshAhead | None = None):
+                 refresh: EagerRefresh | None = None):
         self.optimizer = optimizer
-        # How the updated chunks reach every rank (Note [refresh on first read] in refresh_ahead.py).
+        # How the updated chunks reach every rank (Note [refresh on first read] in refresh_ahead.py;
+        # stage 3: Note [next forward's gathers in the step] in step_gathers.py).
         self.refresh = refresh if refresh is not None else EagerRefresh()
         self.records = records
         self.group = group
@@ -203,8 +204,10 @@ class UnitUpdater:
         applied = loss_scaler.update(overflow)
         if applied:
             coefficient = clip / (norm + 1e-6) if clip > 0 and norm is not None and norm > clip else 1.0
-            for batch in update_batches([r for r in self.records if not r.update.updated], self.update_bucket_size):
+            pending = self.refresh.update_order([r for r in self.records if not r.update.updated])
+            for batch in update_batches(pending, self.update_bucket_size):
                 self._apply(batch, window, coefficient)
+                self.refresh.updated()  # Note [next forward's gathers in the step] in step_gathers.py
             self.refresh.start(replicated_units(self.records), self.group)
         for record in self.records:
             record.update.close_window()

@@ -368,7 +368,11 @@ class FlatUnit:
         return collectives.all_gather(self.full, self.shard, group=group, async_op=True, unit=self.collective_id)
 
     def param_nbytes(self) -> int:
-        alive = self.full.untyped_storage().nbytes()
+        """This rank's own parameter bytes: its shard (stage 3), or the whole unit."""
         if self.partitioned:
-            alive += self.shard.numel() * self.shard.element_size()
-        return alive
+            return self.shard.numel() * self.shard.element_size()
+        return self.full.untyped_storage().nbytes()
+
+    def gathered_nbytes(self) -> int:
+        """Stage 3: the bytes of the gathered copy alive now (in flight or gathered), else 0."""
+        return self.full.untyped_storage().nbytes() if self.partitioned else 0
