@@ -22,7 +22,10 @@ Every rank plans from the same recorded order and unit states and updates in the
 the gathers are paired. Without a budget (zerorun's default) nothing changes: the budget is the
 user's consent to hold gathered units ahead of their use, and here that is from the update to
 the forward (at most the first call's units and the budget; ``zerorun estimate`` adds them to
-the step's workspace).
+the step's workspace). On the CPU link bench the first gather's wait in forward fell by 20-45 ms
+and the update grew by 15-30 ms (issuing and the ring's sends share the rank's core): the
+bench's loop goes straight from ``step()`` into forward; a loop's own work between steps is
+time the gathers have besides (docs/benchmarks.md, 2026-12-02).
 
 Until the forward takes them, these units are in flight and their parameters keep the sharded
 class (param_access.py): a read between steps is refused as before. Whatever wants the exact
