@@ -93,8 +93,10 @@ class Prefetcher:
         self._forward_order: list[nn.Module] = []
         self._through_backward: list[nn.Module] = []
         self.held_for_backward: frozenset[int] = frozenset()
-        self.gathering_for_backward = False  # while issuing backward's gathers from forward
-        self.gathering_for_forward = False  # while issuing forward's gathers from the step
+        # The pass a gather issued now is for, when not the pass running: "backward" while forward
+        # issues backward's (Note [forward runs on into backward]), "forward" while the step
+        # issues forward's (Note [next forward's gathers in the step] in step_gathers.py).
+        self.gathering_for: str | None = None
         # Note [execution order]: modules in the order their backward hooks fire, and where
         # each first appears in it.
         self.backward_order: list[nn.Module] = []
@@ -121,10 +123,10 @@ class Prefetcher:
         end = self._span(order, start, minimum, budget)
         for position in range(start, end):
             # hpZ: a gather for backward reads the host's secondary copy (Note [secondary copy]).
-            self.gathering_for_backward = backward_from is not None and position >= backward_from
+            self.gathering_for = "backward" if backward_from is not None and position >= backward_from else None
             for record in self._records_of(order[position]):
                 record.unit.start_gather(self.group)
-        self.gathering_for_backward = False
+        self.gathering_for = None
         return end
 
     def _span(self, order: list[nn.Module], start: int, minimum: int, budget: int | None = None,
@@ -153,11 +155,11 @@ class Prefetcher:
     def gather_for_next_forward(self, record: UnitRecord) -> None:
         """Note [next forward's gathers in the step]: a gather the step issues is the next
         forward's (with hpZ it refreshes the host's secondary copy, as forward's own do)."""
-        self.gathering_for_forward = True
+        self.gathering_for = "forward"
         try:
             record.unit.start_gather(self.group)
         finally:
-            self.gathering_for_forward = False
+            self.gathering_for = None
 
     def next_forward_gathers(self) -> list[UnitRecord]:
         """Note [next forward's gathers in the step]: the partitioned units the next forward's

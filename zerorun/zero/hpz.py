@@ -26,9 +26,7 @@ def attach(gatherer: ParamGatherer, size: int, world_size: int, rank: int):
         # Note [forward runs on into backward] (gather_prefetch.py): backward's gathers issued
         # at the end of forward are backward's; Note [next forward's gathers in the step]
         # (step_gathers.py): those the step issues are forward's.
-        if gatherer.prefetcher.gathering_for_backward:
-            return "backward"
-        return "forward" if gatherer.prefetcher.gathering_for_forward else _PHASES[passes.state]
+        return gatherer.prefetcher.gathering_for or _PHASES[passes.state]
 
     for record in gatherer.records:
         if record.unit.partitioned:
