@@ -64,8 +64,9 @@ def fine_plan_jobs(families: list[Family]) -> list[Job]:
     gradient checkpointing, reentrant and not; every family with PEFT LoRA on its attention
     projections, and on them and its input embedding (the LoRA families of the plain zoo are
     LoRA already), and in bf16; these with the pool off, the path the GPU takes; every family with
-    a prefetch budget (Setting.prefetch), pool on and off; the MoE set on a skewed batch, pool on
-    and off."""
+    a prefetch budget (Setting.prefetch), pool on and off, and with the pool off also under
+    non-reentrant checkpointing (text families), LoRA on the attention projections and, for the
+    MoE set, a skewed batch; the MoE set on a skewed batch, pool on and off."""
     text = [f for f in families if f.task != "image-classification"]
     base = [f for f in families if not f.model_type.endswith(LORA_SUFFIX)]
     jobs = [(f, 3, Setting("fine", pool=pool)) for pool in (True, False) for f in families]
@@ -73,8 +74,11 @@ def fine_plan_jobs(families: list[Family]) -> list[Job]:
     jobs += [(f, 3, Setting("fine", pool=False, lora=lora)) for lora in ("attention", "attention+embedding") for f in base]
     jobs += [(f, 3, Setting("fine", pool=False, dtype="bf16")) for f in families]
     jobs += [(f, 3, Setting("fine", pool=pool, prefetch=True)) for pool in (True, False) for f in families]
+    jobs += [(f, 3, Setting("fine", "non-reentrant", pool=False, prefetch=True)) for f in text]
+    jobs += [(f, 3, Setting("fine", pool=False, lora="attention", prefetch=True)) for f in base]
     moe = [f for f in families if f.name in MOE_FAMILIES]
     jobs += [(f, 3, Setting("fine", pool=pool, skew=True)) for pool in (True, False) for f in moe]
+    jobs += [(f, 3, Setting("fine", pool=False, skew=True, prefetch=True)) for f in moe]
     return jobs
 
 
