@@ -85,6 +85,14 @@ def test_a_turn_window_without_a_prefetch_budget():
     ]
 
 
+def test_sparse_embedding_gradients_below_stage_3():
+    load_config({"zero": {"stage": 3, "sparse_embedding_gradients": True}}, environ={})
+    assert problems({"zero": {"stage": 2, "sparse_embedding_gradients": True}}) == [
+        "zero.sparse_embedding_gradients = true: sparse embedding gradients split stage 3's tied embedding "
+        "units (stage is 2); set zero.stage: 3 or sparse_embedding_gradients: false"
+    ]
+
+
 def test_optimizer_offload_at_stage_0():
     assert problems({"zero": {"offload_optimizer": {"device": "cpu"}}}) == [
         "zero.offload_optimizer.device = 'cpu': optimizer offload needs ZeRO stage 1, 2 or 3 "

@@ -79,6 +79,10 @@ class ZeroConfig:
     # partitioned among groups of this many ranks on one host, and backward gathers from those
     # copies, within the host. 1: off. It must divide the ranks of every host.
     hpz_partition_size: int = 1
+    # Stage 3 (Note [lookup gradients] in zero/lookup_gradients.py): a token embedding tied to
+    # the head sends its lookup's gradient as the rows of the tokens looked up, and its head's
+    # dense share is reduced at backward's start instead of its end. Off by default.
+    sparse_embedding_gradients: bool = False
 
 
 @dataclass

@@ -25,7 +25,7 @@ from zerorun.config import ZerorunConfig, load_config
 from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import announce_monitor, get_recorder
 from zerorun.worker import preemption_grace
-from zerorun.zero import full_state, hpz, param_access
+from zerorun.zero import full_state, hpz, lookup_gradients, param_access
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
@@ -273,6 +273,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         )
         if self.gatherer is not None:  # Note [expert gradients] in grad_reduce.py
             self.gatherer.on_backward_over = self.reducer.close_unit
+        if self.gatherer is not None and cfg.zero.sparse_embedding_gradients:
+            self._sparse_lookups(model)
         self._quantize_collectives(cfg.zero)
         if self.hpz_groups[1] is not None:  # ZeRO++ hpZ over several hosts
             self.reducer.hierarchy = self.hpz_groups
@@ -304,6 +306,15 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         if zero.overlap_comm and self.gatherer is not None and zero.prefetch_bucket_size > 0 and self.pg.world_size > 1:
             return StepGathers(self.gatherer)
         return EagerRefresh()
+
+    def _sparse_lookups(self, model: nn.Module) -> None:
+        """Note [lookup gradients] in lookup_gradients.py: tied embeddings' lookup rows apart
+        from their dense share, which is reduced where the head registers it."""
+        tied = lookup_gradients.tied_lookups(model, self.records)
+        if tied:
+            self.reducer.lookups = lookup_gradients.LookupGradients(tied, self.group)
+            self.reducer.order = lookup_gradients.reduce_order(self.reducer.order, self.records, model,
+                                                               set(self.reducer.lookups.units))
 
     def _quantize_collectives(self, zero) -> None:
         """ZeRO++ (Note [quantized collectives] in comm/quantized_collectives.py): which stage-3 units

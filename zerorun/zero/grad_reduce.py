@@ -83,6 +83,7 @@ import torch
 from zerorun.errors import InternalError
 from zerorun.zero.comm import collectives, quantized_collectives
 from zerorun.zero.host_memory import host_buffer
+from zerorun.zero.lookup_gradients import LookupGradients
 from zerorun.zero.unit.parts import GradState
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import FlatUnit
@@ -208,6 +209,9 @@ class GradReducer:
         # the host then across (Note [hierarchical reduce-scatter] in comm/quantized_collectives.py);
         # None: flat.
         self.hierarchy: tuple | None = None
+        # Note [lookup gradients] in lookup_gradients.py: tied embeddings whose lookup rows are
+        # added after their dense reduce-scatter; None: none.
+        self.lookups: LookupGradients | None = None
         self._next = 0
         self._in_flight: deque = deque()
         self._pools: dict[tuple, BucketPool] = {}
@@ -364,7 +368,8 @@ class GradReducer:
                 param.grad = None
         if pooled is not None:
             self._pool_of(record.unit).give_back(pooled)
-        if self.on_unit_reduced is not None and self.communicate:
+        if self.on_unit_reduced is not None and self.communicate and (self.lookups is None
+                                                                       or record.index not in self.lookups.units):
             self.on_unit_reduced(record)
 
     def finish_backward(self) -> None:
@@ -381,6 +386,10 @@ class GradReducer:
         self._launch_ready_prefix()
         while self._in_flight:
             self._complete_oldest()
+        if self.lookups is not None:  # Note [lookup gradients]: the rows, then the unit is final
+            for record in self.lookups.finish():
+                if self.on_unit_reduced is not None:
+                    self.on_unit_reduced(record)
         self._next = 0
         for pool in self._pools.values():
             pool.clear()

@@ -54,7 +54,7 @@ import torch
 
 from zerorun.errors import ZerorunError
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "reduce_scatter_q")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "reduce_scatter_q", "lookup_rows")
 PHASES = ("setup", "forward", "eval", "generate", "backward", "step", "checkpoint")
 _DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)

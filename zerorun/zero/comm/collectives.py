@@ -411,6 +411,21 @@ def _point_to_point(start, group, route: str) -> _Transport:
     return _Transport(lambda seq, d: driver.submit(route, seq, d, lambda tag: start(tag, False)), True, route)
 
 
+def exchange(op: str, send: torch.Tensor, into: torch.Tensor, part: int, *, group, async_op: bool = False,
+             unit: tuple[int, int] | None = None, described: torch.Tensor | None = None):
+    """Point-to-point exchange of equal byte parts (comm/quantized_exchange.py): ``send`` holds one
+    part of ``part`` bytes per rank (this rank's slot unused); rank r's part for this one lands in
+    slot r of ``into``. ``op`` names it in the agreement and the link split (qgZ's reduce-scatter,
+    a tied lookup's gradient rows); the agreement describes ``described`` (default ``send``)."""
+    from zerorun.zero.comm.quantized_exchange import Exchange
+
+    transport = _point_to_point(lambda tag, post: Exchange(send, into, part, group, tag=tag, start=post),
+                                group, "exchange")
+    return _issue(op, (group_size(group) - 1) * part, None, async_op, transport=transport,
+                  descriptor=agreement.describe(op, send if described is None else described, unit),
+                  group=group, part=part)
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool = False,
                    unit: tuple[int, int] | None = None):
     """Sum ``input`` over the group; rank r receives elements [r*n, (r+1)*n), n = output.numel()."""

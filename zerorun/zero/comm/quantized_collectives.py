@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zerorun.zero.comm import agreement, collectives
+from zerorun.zero.comm import collectives
 
 
 # --- hpZ: the hierarchical reduce-scatter ----------------------------------------------------
@@ -134,8 +134,6 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group
                              async_op: bool = False, unit: tuple[int, int] | None = None):
     """reduce_scatter with the chunks other ranks own block-quantized (Note [quantized collectives])."""
     from zerorun.zero.comm import quantize
-    from zerorun.zero.comm.quantized_exchange import Exchange
-
     size = collectives.group_size(group)
     if size == 1:
         return collectives.reduce_scatter(output, input, group=group, async_op=async_op, unit=unit)
@@ -147,10 +145,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, group
             quantize.pack(input[r * n : (r + 1) * n], block, send[r * part : (r + 1) * part])
     own = input[rank * n : (rank + 1) * n].float()  # read now: the caller may reuse ``input`` after wait()
     received = torch.empty_like(send)
-    exchange = collectives._point_to_point(
-        lambda tag, post: Exchange(send, received, part, group, tag=tag, start=post), group, "exchange")
-    inner = collectives._issue("reduce_scatter_q", (size - 1) * part, None, True, transport=exchange,
-                               descriptor=agreement.describe("reduce_scatter_q", input, unit), group=group, part=part)
+    inner = collectives.exchange("reduce_scatter_q", send, received, part, group=group, async_op=True, unit=unit,
+                                 described=input)
 
     def finish() -> None:
         total = torch.zeros(n, dtype=torch.float32, device=output.device)
