@@ -13,9 +13,10 @@ allows; docs/benchmarks.md).
 
 Peers in one run, on the 33.7M-parameter GPT of examples/gpt.py in fp32 (the model and the
 systems of scripts/bench_cpu.py): torch DDP, FSDP2 and zerorun stages 1-3, and zerorun stage 3
-with ZeRO++'s quantized weights (``+qwz``), quantized gradients (``+qgz``) or both, and with
-hpZ (``+hpz``: secondary copies partitioned over each host's ranks, for --ranks-per-host 2 and
-up). Per system and rate:
+with ZeRO++'s quantized weights (``+qwz``), quantized gradients (``+qgz``) or both, with hpZ
+(``+hpz``: secondary copies partitioned over each host's ranks, for --ranks-per-host 2 and up),
+and with the tied embedding's lookup gradient sent as rows (``+rows``:
+``zero.tied_embedding_rows``). Per system and rate:
 
   step s      median over the timed steps of the slowest rank's step (with --repeats N, every
               system runs N times at each rate, interleaved, and this is the median of the runs')
@@ -62,7 +63,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE.parent))
 
-SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3+qwz", "zero3+qgz", "zero3+qwz+qgz", "zero3+hpz")
+SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3+rows", "zero3+qwz", "zero3+qgz", "zero3+qwz+qgz",
+           "zero3+hpz")
 SUBNET = "10.231.{}.{}"
 RANK_TIMEOUT_S = 1800
 

@@ -66,7 +66,8 @@ def fine_plan_jobs(families: list[Family]) -> list[Job]:
     LoRA already), and in bf16; these with the pool off, the path the GPU takes; every family with
     a prefetch budget (Setting.prefetch), pool on and off, and with the pool off also under
     non-reentrant checkpointing (text families), LoRA on the attention projections and, for the
-    MoE set, a skewed batch; the MoE set on a skewed batch, pool on and off."""
+    MoE set, a skewed batch; the MoE set on a skewed batch, pool on and off; every family with
+    the pool off, a prefetch budget and a tied embedding's rows (Setting.rows)."""
     text = [f for f in families if f.task != "image-classification"]
     base = [f for f in families if not f.model_type.endswith(LORA_SUFFIX)]
     jobs = [(f, 3, Setting("fine", pool=pool)) for pool in (True, False) for f in families]
@@ -79,6 +80,7 @@ def fine_plan_jobs(families: list[Family]) -> list[Job]:
     moe = [f for f in families if f.name in MOE_FAMILIES]
     jobs += [(f, 3, Setting("fine", pool=pool, skew=True)) for pool in (True, False) for f in moe]
     jobs += [(f, 3, Setting("fine", pool=False, skew=True, prefetch=True)) for f in moe]
+    jobs += [(f, 3, Setting("fine", pool=False, prefetch=True, rows=True)) for f in families]
     return jobs
 
 
@@ -122,7 +124,9 @@ def write_table(outcomes: list[Outcome], path: Path, command: str, fine: bool = 
             "some masters, now and then a bf16 weight a step apart; scripts/zoo_settings.py says why and how much). "
             f"`prefetch`: `prefetch_bucket_size` set to {PREFETCH_SHARE:g} of the model's elements, so stage 3's "
             "window reaches several units ahead and runs on from forward's end into backward, as a DeepSpeed "
-            "config's budget asks. "
+            "config's budget asks. `rows`: `zero.tied_embedding_rows`, so a token embedding tied to the output "
+            "head reads only the rows it looks up and sends its lookup's gradient as rows (a family without "
+            "one trains as without it). "
             "`skew`: the MoE set (Mixtral, Qwen2-MoE, OLMoE, Switch Transformers, a plain per-expert "
             "MoE) on a batch whose rank-0 rows repeat one token, so that rank 0's routers leave experts "
             "idle that rank 1 runs.\n\n" + "\n".join(overview(outcomes)))

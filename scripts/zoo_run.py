@@ -136,6 +136,8 @@ def zerorun_config(model, stage: int, setting: Setting) -> dict:
         zero["allgather_bucket_size"] = 1
     if setting.prefetch:
         zero["prefetch_bucket_size"] = max(1, int(PREFETCH_SHARE * sum(p.numel() for p in model.parameters())))
+    if setting.rows:
+        zero["tied_embedding_rows"] = True
     config: dict = {"zero": zero, "precision": {"dtype": setting.dtype}}
     if setting.checkpointing == "zerorun":
         config["activation_checkpointing"] = {"enabled": True, "modules": list(model._no_split_modules or [])}

@@ -69,7 +69,10 @@ class Setting:
     of a quarter of the model's elements (``PREFETCH_SHARE``), so stage 3's window reaches
     several units ahead and runs on from forward's end into backward (Note [forward runs on
     into backward] in zerorun/zero/gather_prefetch.py), as Hugging Face's "auto" DeepSpeed
-    config asks of real models; plain torch is unchanged by it."""
+    config asks of real models; plain torch is unchanged by it. rows: ``zero.tied_embedding_rows``
+    (a token embedding tied to the head reads the rows it looks up and sends its lookup's
+    gradient as rows: zerorun/zero/lookup_rows.py, lookup_gradients.py); a family without a
+    tied embedding trains as without it."""
 
     plan: str = "default"
     checkpointing: str = ""
@@ -80,6 +83,7 @@ class Setting:
     lora: str = ""  # PEFT LoRA on "attention" or "attention+embedding" (``apply_lora``)
     dtype: str = "fp32"  # "bf16": zerorun's bf16 mixed precision, plain torch's the same (``Bf16Masters``)
     prefetch: bool = False  # stage 3's prefetch budget: PREFETCH_SHARE of the model's elements
+    rows: bool = False  # zero.tied_embedding_rows: a tied embedding's lookup reads and sends rows
 
     @property
     def tag(self) -> str:
@@ -92,6 +96,7 @@ class Setting:
         parts += [f"lora={self.lora}"] if self.lora else []
         parts += [self.dtype] if self.dtype != "fp32" else []
         parts += ["prefetch"] if self.prefetch else []
+        parts += ["rows"] if self.rows else []
         return ",".join(parts)
 
     @property

@@ -1,13 +1,17 @@
 """pytest tests/distributed/test_lookup_gradients.py — a tied embedding's lookup gradient sent as
 rows (Note [lookup gradients] in zerorun/zero/lookup_gradients.py) trains as the dense path does.
 
-Two gloo ranks, stage 3, every block and MLP its own unit, 3 steps, ``sparse_embedding_gradients``
+Two gloo ranks, stage 3, every block and MLP its own unit, 3 steps, ``tied_embedding_rows``
 off and on, on:
 - the tiny GPT of examples/gpt.py (a head tied to the token embedding), fp32 with 2 micro-steps of
   gradient accumulation and clipping (the updates start while backward runs), bf16 with every
   block recomputed, and fp32 with a prefetch budget and clipping (the step gathers the next
   forward's first units, the tied one first);
-- a tiny tied model whose embedding has a padding token, present in the batch.
+- a tiny tied model whose embedding has a padding token, present in the batch, its lookup
+  reading rows and (more than half the table looked up) gathering.
+Every lookup reads its rows instead of the gathered table (Note [lookup rows first] in
+zerorun/zero/lookup_rows.py), or gathers where its rows are most of the table; the first loss is
+bit-equal to the dense path's.
 Losses and final weights match the dense path's within summation-order error (TOLERANCE below),
 every backward exchanges rows once, the tied unit's dense
 reduce-scatter is the first of each backward (the head's share, where before it was the last),
@@ -75,7 +79,7 @@ class Collectives:
         pass
 
 
-def train(rank: int, model_name: str, extra: dict, accumulation: int, sparse: bool) -> dict:
+def train(rank: int, model_name: str, extra: dict, accumulation: int, sparse: bool, rows_fraction: float | None = None) -> dict:
     import zerorun
     from gpt import GPT, preset, rank_slice, synthetic_batch
     from zerorun.zero.comm import collectives
@@ -84,10 +88,14 @@ def train(rank: int, model_name: str, extra: dict, accumulation: int, sparse: bo
     torch.manual_seed(0)
     cfg = preset("tiny")
     model = GPT(cfg) if model_name == "gpt" else PaddedTied()
-    zero = {"stage": 3, "param_persistence_threshold": 0, "sparse_embedding_gradients": sparse, **extra.get("zero", {})}
+    zero = {"stage": 3, "param_persistence_threshold": 0, "tied_embedding_rows": sparse, **extra.get("zero", {})}
     config = {**extra, "zero": zero, "batch": {"micro_batch_size": 2, "gradient_accumulation_steps": accumulation}}
     engine = zerorun.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
     tied = next(r for r in engine.records if any(p is model.head.weight for p in r.unit.params))
+    rows_first = engine.gatherer.rows_first
+    assert (rows_first is not None) == sparse
+    if rows_first is not None and rows_fraction is not None:
+        rows_first.fraction = rows_fraction
     seen = Collectives()
     reduced_units: list[list[int]] = []
     original = collectives.reduce_scatter
@@ -123,6 +131,7 @@ def train(rank: int, model_name: str, extra: dict, accumulation: int, sparse: bo
     rows = [nbytes for op, _, nbytes in seen.issued if op == "lookup_rows"]
     return {"losses": losses, "in_flight": in_flight, "state": {k: v.float() for k, v in state.items()}, "tied": tied.index,
             "first_reduced": [units[0] for units in reduced_units], "last_reduced": [units[-1] for units in reduced_units],
+            "rows_read": [rows_first.served, rows_first.gathered] if rows_first is not None else None,
             "rows_sent": rows, "tied_dense_bytes": tied.unit.layout.padded_numel * tied.unit.dtype.itemsize // 2}
 
 
@@ -136,7 +145,11 @@ def compared(dense: dict, rows: dict) -> dict:
 def all_cases(rank: int) -> dict:
     runs = {name: compared(train(rank, "gpt", extra, accumulation, False), train(rank, "gpt", extra, accumulation, True))
             for name, (extra, accumulation) in CASES.items()}
-    runs["padding"] = compared(train(rank, "padded", {}, 1, False), train(rank, "padded", {}, 1, True))
+    dense = train(rank, "padded", {}, 1, False)
+    # 2 x 12 tokens of 48 per rank: the union is more than half the table, so the lookup gathers
+    # (Note [lookup rows first]); with the bar at the whole table it reads rows, the padding's too
+    runs["padding"] = compared(dense, train(rank, "padded", {}, 1, True))
+    runs["padding+rows"] = compared(dense, train(rank, "padded", {}, 1, True, rows_fraction=1.0))
     return runs
 
 
@@ -156,6 +169,13 @@ def test_lookup_rows_train_as_the_dense_gradient_does(tmp_path):
             assert sparse["first_reduced"] == [sparse["tied"]] * backwards, (rank, name, sparse["first_reduced"])
             assert len(sparse["rows_sent"]) == backwards and dense["rows_sent"] == [], (rank, name)
             assert 0 < max(sparse["rows_sent"]) < sparse["tied_dense_bytes"], (rank, name, sparse["rows_sent"])
+            # every forward's lookup read rows (Note [lookup rows first]), bit-equal to the gathered
+            # table's: the first loss, before any update, is the dense run's to the bit
+            expected_rows = [0, backwards] if name == "padding" else [backwards, 0]
+            assert sparse["rows_read"] == expected_rows, (rank, name, sparse["rows_read"])
+            assert sparse["losses"][0] == dense["losses"][0], (rank, name)
             # with a budget the step leaves the tied unit's gather in flight for the next forward
-            # (from the second step: the first forward records the order)
-            assert sparse["in_flight"][1:] == [name.endswith("prefetch+clip")] * (backwards - 1), (rank, name, sparse)
+            # (from the second step: the first forward records the order), unless that forward's
+            # first call reads rows: then the rows go first and the gather at the head
+            assert dense["in_flight"][1:] == [name.endswith("prefetch+clip")] * (backwards - 1), (rank, name, dense)
+            assert sparse["in_flight"] == [False] * backwards, (rank, name, sparse)

@@ -41,7 +41,9 @@ LOWER_STAGES = {1: ["causal-lm/llama", "seq2seq-lm/bart"], 2: ["causal-lm/opt+lo
 # ungathered weight (``setStorage``). The Llama and LoRA cases run in bf16 and with LoRA on the
 # embedding as well (scripts/zoo_settings.py: plain torch in the same precision, 1e-4). GPT-2
 # (its head tied to the token embedding) also runs with a prefetch budget under recomputation:
-# forward's window running on into backward, the tied unit held from forward's first call.
+# forward's window running on into backward, the tied unit held from forward's first call; and
+# with its tied embedding's rows (zero.tied_embedding_rows: the lookup reads rows, its gradient is
+# sent as rows, the table gathered at the head).
 FINE_SAMPLE = [
     ("causal-lm/llama", dict(plan="fine", checkpointing="non-reentrant", dtype="bf16")),
     ("causal-lm/gpt2", dict(checkpointing="non-reentrant", pool=False)),
@@ -52,6 +54,7 @@ FINE_SAMPLE = [
     ("causal-lm/llama", dict(plan="fine", checkpointing="non-reentrant", pool=False, lora="attention+embedding")),
     ("causal-lm/plain_moe", dict(plan="fine", compile="before")),
     ("causal-lm/gpt2", dict(plan="fine", checkpointing="non-reentrant", pool=False, prefetch=True)),
+    ("causal-lm/gpt2", dict(plan="fine", checkpointing="non-reentrant", pool=False, prefetch=True, rows=True)),
 ]
 # torch.compile of the model before and after initialize (AOT autograd through dynamo: the
 # zoo's COMPILE_BACKEND): at stage 3 dynamo traced into the gather hooks and failed

@@ -85,11 +85,11 @@ def test_a_turn_window_without_a_prefetch_budget():
     ]
 
 
-def test_sparse_embedding_gradients_below_stage_3():
-    load_config({"zero": {"stage": 3, "sparse_embedding_gradients": True}}, environ={})
-    assert problems({"zero": {"stage": 2, "sparse_embedding_gradients": True}}) == [
-        "zero.sparse_embedding_gradients = true: sparse embedding gradients split stage 3's tied embedding "
-        "units (stage is 2); set zero.stage: 3 or sparse_embedding_gradients: false"
+def test_tied_embedding_rows_below_stage_3():
+    load_config({"zero": {"stage": 3, "tied_embedding_rows": True}}, environ={})
+    assert problems({"zero": {"stage": 2, "tied_embedding_rows": True}}) == [
+        "zero.tied_embedding_rows = true: a tied embedding's rows replace the gathers and reduce-scatters of "
+        "stage 3's partitioned table (stage is 2); set zero.stage: 3 or tied_embedding_rows: false"
     ]
 
 

@@ -124,10 +124,10 @@ def check_combinations(config: ZerorunConfig, problems: Problems) -> None:
         problems.add("zero.turn_prefetch_bucket_size", "the gathers at the turn into backward extend stage 3's "
                      "prefetch budget, which is 0; set zero.prefetch_bucket_size too, or remove "
                      "turn_prefetch_bucket_size", zero.turn_prefetch_bucket_size)
-    if zero.sparse_embedding_gradients and zero.stage != 3:
-        problems.add("zero.sparse_embedding_gradients", "sparse embedding gradients split stage 3's tied "
-                     f"embedding units (stage is {zero.stage}); set zero.stage: 3 or "
-                     "sparse_embedding_gradients: false", True)
+    if zero.tied_embedding_rows and zero.stage != 3:
+        problems.add("zero.tied_embedding_rows", "a tied embedding's rows replace the gathers and reduce-scatters "
+                     f"of stage 3's partitioned table (stage is {zero.stage}); set zero.stage: 3 or "
+                     "tied_embedding_rows: false", True)
     for name in ("offload_optimizer", "offload_param"):
         offload = getattr(zero, name)
         if offload.device == "nvme" and not offload.nvme_path:

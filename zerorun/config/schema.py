@@ -79,10 +79,11 @@ class ZeroConfig:
     # partitioned among groups of this many ranks on one host, and backward gathers from those
     # copies, within the host. 1: off. It must divide the ranks of every host.
     hpz_partition_size: int = 1
-    # Stage 3 (Note [lookup gradients] in zero/lookup_gradients.py): a token embedding tied to
-    # the head sends its lookup's gradient as the rows of the tokens looked up, and its head's
-    # dense share is reduced at backward's start instead of its end. Off by default.
-    sparse_embedding_gradients: bool = False
+    # Stage 3: a token embedding tied to the head moves rows, not its table, where it can: its
+    # lookup reads the rows of the tokens (Note [lookup rows first] in zero/lookup_rows.py) and
+    # sends its gradient as those rows, the head's dense share reduced at backward's start
+    # instead of its end (Note [lookup gradients] in zero/lookup_gradients.py). Off by default.
+    tied_embedding_rows: bool = False
 
 
 @dataclass

@@ -26,6 +26,7 @@ from zerorun.errors import RuntimeConfigError, UsageError, ZerorunError
 from zerorun.telemetry import announce_monitor, get_recorder
 from zerorun.worker import preemption_grace
 from zerorun.zero import full_state, hpz, lookup_gradients, param_access
+from zerorun.zero.lookup_rows import RowsFirst
 from zerorun.zero.checkpoint import load as checkpoint_load
 from zerorun.zero.checkpoint import save as checkpoint_save
 from zerorun.zero.checkpoint import schedule as checkpoint_schedule
@@ -273,8 +274,8 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
         )
         if self.gatherer is not None:  # Note [expert gradients] in grad_reduce.py
             self.gatherer.on_backward_over = self.reducer.close_unit
-        if self.gatherer is not None and cfg.zero.sparse_embedding_gradients:
-            self._sparse_lookups(model)
+        if self.gatherer is not None and cfg.zero.tied_embedding_rows:
+            self._tied_lookups_as_rows(model, self.gatherer)
         self._quantize_collectives(cfg.zero)
         if self.hpz_groups[1] is not None:  # ZeRO++ hpZ over several hosts
             self.reducer.hierarchy = self.hpz_groups
@@ -307,12 +308,14 @@ class Engine(DeepSpeedEngineAPI):  # DeepSpeed's accessor names: engine_api.py
             return StepGathers(self.gatherer)
         return EagerRefresh()
 
-    def _sparse_lookups(self, model: nn.Module) -> None:
-        """Note [lookup gradients] in lookup_gradients.py: tied embeddings' lookup rows apart
-        from their dense share, which is reduced where the head registers it."""
+    def _tied_lookups_as_rows(self, model: nn.Module, gatherer: ParamGatherer) -> None:
+        """Tied embeddings' lookups as rows: their gradient (Note [lookup gradients] in
+        lookup_gradients.py: the dense share reduced where the head registers it) and the rows
+        they read (Note [lookup rows first] in lookup_rows.py)."""
         tied = lookup_gradients.tied_lookups(model, self.records)
         if tied:
             self.reducer.lookups = lookup_gradients.LookupGradients(tied, self.group)
+            gatherer.rows_first = RowsFirst(tied, self.group, model)
             self.reducer.order = lookup_gradients.reduce_order(self.reducer.order, self.records, model,
                                                                set(self.reducer.lookups.units))
 

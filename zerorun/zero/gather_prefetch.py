@@ -161,10 +161,11 @@ class Prefetcher:
         finally:
             self.gathering_for = None
 
-    def next_forward_gathers(self) -> list[UnitRecord]:
+    def next_forward_gathers(self, stop_before: Callable[[nn.Module], bool] | None = None) -> list[UnitRecord]:
         """Note [next forward's gathers in the step]: the partitioned units the next forward's
-        first call gathers and the window it prefetches then, in the order it issues them; none
-        without a budget or a recorded forward."""
+        first call gathers and the window it prefetches then, in the order it issues them, up to
+        the first call ``stop_before`` names (one that reads rows instead: Note [lookup rows
+        first] in lookup_rows.py); none without a budget or a recorded forward."""
         order = self._forward_order
         if self.prefetch_elements <= 0 or not order:
             return []
@@ -173,6 +174,8 @@ class Prefetcher:
         end = self._span(order, 1, 1, live_besides=besides)
         seen: dict[int, UnitRecord] = {}
         for module in order[:end]:
+            if stop_before is not None and stop_before(module):
+                break
             for record in self._records_of(module):
                 if record.unit.partitioned:
                     seen.setdefault(record.index, record)
@@ -232,6 +235,10 @@ class Prefetcher:
 def _held_anyway(record: UnitRecord) -> bool:
     """Held from the end of forward into backward whatever is prefetched (Note [prefetch
     budget]): a unit of forward's last call that a call of this forward has gathered already (a
-    tied embedding, from forward's first call on). Before that, gathering it is a prefetch."""
+    tied embedding, from forward's first call on), or whose rows it read instead (Note [lookup
+    rows first] in lookup_rows.py: the table is gathered when the window reaches the head, and
+    the window reaches as far past it as when the lookup gathered it). Before that, gathering it
+    is a prefetch."""
     gathering = record.gathering
-    return gathering.keep_for_backward and gathering.calls > 0 and record.unit.state is not ParamState.SHARDED
+    return (gathering.keep_for_backward and gathering.calls > 0
+            and (record.unit.state is not ParamState.SHARDED or gathering.rows_read))

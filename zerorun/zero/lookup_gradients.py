@@ -10,7 +10,7 @@ of backward, and its whole dense gradient (vocab x width) is reduce-scattered th
 compute left to hide behind: 16.8 MB sent per rank for the 33.7M GPT, 0.47 s at 300 Mbit/s,
 while at backward's start the link stood idle waiting for the first block's gradient. Yet the
 lookup's share of that gradient is nonzero only in the rows of the tokens looked up. With
-``zero.sparse_embedding_gradients``:
+``zero.tied_embedding_rows``:
 - the lookup is recomputed by ``_Lookup`` (a forward hook that runs before the gatherer's
   own), whose backward keeps (token ids, output gradient) instead of adding into the weight's
   gradient. The weight's hook then fires with the head's share alone, right after the head's
@@ -25,8 +25,10 @@ Bytes per rank for the lookup share: the rows of its distinct tokens that other 
 (width + 2) x 4 bytes each in fp32, instead of a reduce-scatter of vocab x width. The sum is the
 dense path's sum taken in another order (per row in fp32, then across ranks), so results differ
 from it in the last bits. It applies to an nn.Embedding whose weight is trained, is a unit of its
-own, is registered in another module too (the tied head) and is looked up plainly (no max_norm,
-scale_grad_by_freq or sparse); other embeddings keep the dense path. A model that calls the
+own, is registered in another module too (the tied head) and is looked up plainly (nn.Embedding's
+own forward, no max_norm, scale_grad_by_freq or sparse: ``looked_up_plainly``); other embeddings
+keep the dense path. When the lookup reads rows (Note [lookup rows first] in lookup_rows.py),
+the weight it recomputes from is the stand-in table of those rows. A model that calls the
 embedding but not the head still trains right, but its dense reduce then waits for the end of
 backward and holds the other units' launches back (Note [launch order] in grad_reduce.py).
 """
@@ -34,6 +36,7 @@ backward and holds the other units' launches back (Note [launch order] in grad_r
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -117,6 +120,16 @@ class _Lookup(torch.autograd.Function):
         return None, None, None, None, None
 
 
+def looked_up_plainly(module: nn.Module) -> TypeGuard[nn.Embedding]:
+    """An ``nn.Embedding`` that computes ``F.embedding(ids, weight, padding_idx)`` and nothing
+    else, the lookup ``_Lookup`` recomputes: its forward is nn.Embedding's own, neither a
+    subclass's (BART's scaled word embedding multiplies its rows) nor one set on the instance (a
+    wrapper's), and it takes none of the options that lookup leaves out."""
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and "forward" not in vars(module) and module.max_norm is None
+            and not module.scale_grad_by_freq and not module.sparse)
+
+
 def tied_lookups(model: nn.Module, records: list[UnitRecord]) -> dict[nn.Embedding, UnitRecord]:
     """The embeddings whose weight takes the sparse path (Note [lookup gradients]): trained, a
     unit of its own, registered elsewhere too, looked up plainly."""
@@ -126,7 +139,7 @@ def tied_lookups(model: nn.Module, records: list[UnitRecord]) -> dict[nn.Embeddi
     lone = {id(r.unit.params[0]): r for r in records if r.unit.partitioned and len(r.unit.params) == 1}
     found: dict[nn.Embedding, UnitRecord] = {}
     for module in model.modules():
-        if not isinstance(module, nn.Embedding) or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        if not looked_up_plainly(module):
             continue
         weight = module.weight
         if weight.requires_grad and id(weight) in lone and registrations.get(id(weight), 0) > 1:

@@ -81,6 +81,7 @@ from zerorun.zero.gather_plan import (
 )
 from zerorun.zero.gather_prefetch import Prefetcher
 from zerorun.zero.gather_use import CallObserver, common_caller
+from zerorun.zero.lookup_rows import RowsFirst
 from zerorun.zero.unit.record import UnitRecord
 from zerorun.zero.unit.storage import GatherPool, ParamState
 
@@ -167,6 +168,10 @@ class ParamGatherer:
                 self.prefetcher.count_live(record.unit)
         # Note [next forward's gathers in the step] (step_gathers.py): told when a forward starts.
         self.on_forward_start: list[Callable[[], None]] = []
+        # Note [lookup rows first] (lookup_rows.py): the tied lookups that may read rows instead
+        # of their gathered unit (set by the engine), and the calls now doing so.
+        self.rows_first: RowsFirst | None = None
+        self._served: dict[nn.Module, UnitRecord] = {}
         self.root = root
         root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
         root.register_forward_hook(_eager(self._root_post_forward))
@@ -202,6 +207,13 @@ class ParamGatherer:
         if self._observe_next and not self._observer.active:
             self._undo_promotions()
             self._observer.start()
+
+    def next_forward_gathers(self) -> list[UnitRecord]:
+        """Note [next forward's gathers in the step] (step_gathers.py): what the step gathers for
+        the next forward, up to its first call that reads rows (Note [lookup rows first]): the
+        rows go first on the link, and the table is gathered at the head."""
+        rows_first = self.rows_first
+        return self.prefetcher.next_forward_gathers(rows_first.would_serve if rows_first is not None else None)
 
     # -- Note [gather follows use] ----------------------------------------------------------
     def _promote(self, module: nn.Module, stranded: list[UnitRecord]) -> None:
@@ -316,9 +328,16 @@ class ParamGatherer:
                           and self.forward_order[position] is module)
         self._calls.append(position)
         self._recording.append(module)
+        served = (self.rows_first.serve(module, args)
+                  if self.rows_first is not None and self.passes.state is PassState.FORWARD else None)
+        if served is not None:  # Note [lookup rows first]: no gather, no hold for this call
+            self._served[module] = served
+            served.gathering.read_rows()
         for record in records:
-            record.gathering.hold()
             record.gathering.count_call()
+            if record is served:
+                continue
+            record.gathering.hold()
             record.unit.gather(self.group)
             self._unwatch(record)
         self.prefetcher.forward(self.forward_order, module, self._on_order)
@@ -354,8 +373,13 @@ class ParamGatherer:
         records = self.module_records.get(module)
         if not records:
             return
+        served = self._served.pop(module, None)
+        if served is not None and self.rows_first is not None:
+            self.rows_first.restore(module)
         position = self._calls.pop() if self._calls else -1  # in forward_order
         for record in records:
+            if record is served:
+                continue
             record.gathering.let_go()
             # Note [kept gathered]; Note [forward runs on into backward] (gather_prefetch.py)
             kept = self._on_order and (position in record.gathering.keep_after

@@ -56,7 +56,7 @@ class StepGathers(EagerRefresh):
 
     def update_order(self, records: list[UnitRecord]) -> list[UnitRecord]:
         """``records`` with the next forward's first units first, in the forward's order."""
-        self._planned = self._gatherer.prefetcher.next_forward_gathers()
+        self._planned = self._gatherer.next_forward_gathers()
         planned = {r.index for r in self._planned}
         pending = {r.index for r in records}
         return [r for r in self._planned if r.index in pending] + [r for r in records if r.index not in planned]

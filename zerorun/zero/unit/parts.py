@@ -169,6 +169,9 @@ class GatheringPart:
     calls: int = 0
     keep_after: frozenset[int] = frozenset()  # forward positions after which it stays gathered
     keep_for_backward: bool = False  # held from the end of forward into backward
+    # a call of this forward read its rows instead of gathering it (Note [lookup rows first] in
+    # zero/lookup_rows.py)
+    rows_read: bool = False
 
     def add_user(self) -> None:
         self.users += 1
@@ -181,6 +184,10 @@ class GatheringPart:
 
     def forget_calls(self) -> None:
         self.calls = 0
+        self.rows_read = False
+
+    def read_rows(self) -> None:
+        self.rows_read = True
 
     def let_go(self) -> None:
         if self.in_use == 0:
