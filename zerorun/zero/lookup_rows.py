@@ -130,7 +130,7 @@ class RowsFirst:
         weight = unit.params[0]
         rows, width = weight.shape
         union = self._union(args[0], unit)
-        if union.numel() > self.fraction * rows:
+        if union.numel() == 0 or union.numel() > self.fraction * rows:  # every rank sees the same union
             self.gathered += 1
             return None
         table = torch.empty(rows, width, dtype=unit.dtype, device=unit.device)
@@ -155,6 +155,8 @@ class RowsFirst:
         collectives.all_gather(counts, torch.tensor([mine.numel()], dtype=torch.int64, device=device),
                                group=self.group, unit=unit.collective_id)
         most = int(counts.max())
+        if most == 0:  # no rank looks anything up: nothing to gather (the caller falls back)
+            return mine
         padded = torch.zeros(most, dtype=torch.int64, device=device)
         padded[: mine.numel()] = mine
         everyone = torch.empty(world * most, dtype=torch.int64, device=device)
