@@ -105,7 +105,7 @@ class RowsFirst:
         self.lookups = lookups
         self.group = group
         self.model = model
-        self._standing: dict[nn.Embedding, nn.Parameter] = {}
+        self._standing: dict[nn.Embedding, tuple[nn.Parameter, UnitRecord]] = {}  # calls reading rows now
         self.fraction = ROWS_FRACTION
         self.served = self.gathered = 0  # calls that read rows, and that gathered after the union (tests read them)
 
@@ -135,16 +135,19 @@ class RowsFirst:
             return None
         table = torch.empty(rows, width, dtype=unit.dtype, device=unit.device)
         table.index_copy_(0, union, self._fetch(unit, union, rows, width).view(-1, width))
-        self._standing[module] = weight  # type: ignore[index]
+        self._standing[module] = (weight, record)  # type: ignore[index]
         module._parameters["weight"] = table  # type: ignore[assignment]  # this call's weight
         self.served += 1
         return record
 
-    def restore(self, module: nn.Module) -> None:
-        """The lookup returned: the parameter is the module's weight again."""
-        weight = self._standing.pop(module, None)  # type: ignore[call-overload]
-        if weight is not None:
-            module._parameters["weight"] = weight
+    def restore(self, module: nn.Module) -> UnitRecord | None:
+        """The call returned: if it read rows, the parameter is the module's weight again, and the
+        record it served is returned; else None."""
+        standing = self._standing.pop(module, None)  # type: ignore[call-overload]
+        if standing is None:
+            return None
+        module._parameters["weight"] = standing[0]
+        return standing[1]
 
     def _union(self, ids: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
         """The sorted distinct ids of every rank's call."""

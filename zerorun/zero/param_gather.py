@@ -169,9 +169,8 @@ class ParamGatherer:
         # Note [next forward's gathers in the step] (step_gathers.py): told when a forward starts.
         self.on_forward_start: list[Callable[[], None]] = []
         # Note [lookup rows first] (lookup_rows.py): the tied lookups that may read rows instead
-        # of their gathered unit (set by the engine), and the calls now doing so.
+        # of their gathered unit (set by the engine; it knows the calls now doing so).
         self.rows_first: RowsFirst | None = None
-        self._served: dict[nn.Module, UnitRecord] = {}
         self.root = root
         root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True)
         root.register_forward_hook(_eager(self._root_post_forward))
@@ -331,7 +330,6 @@ class ParamGatherer:
         served = (self.rows_first.serve(module, args)
                   if self.rows_first is not None and self.passes.state is PassState.FORWARD else None)
         if served is not None:  # Note [lookup rows first]: no gather, no hold for this call
-            self._served[module] = served
             served.gathering.read_rows()
         for record in records:
             record.gathering.count_call()
@@ -373,9 +371,7 @@ class ParamGatherer:
         records = self.module_records.get(module)
         if not records:
             return
-        served = self._served.pop(module, None)
-        if served is not None and self.rows_first is not None:
-            self.rows_first.restore(module)
+        served = self.rows_first.restore(module) if self.rows_first is not None else None
         position = self._calls.pop() if self._calls else -1  # in forward_order
         for record in records:
             if record is served:
