@@ -213,6 +213,43 @@ def test_a_dead_processs_scratch_is_removed_by_the_next_start_and_a_live_ones_ke
     assert not lone.parent.exists() and lone.parent not in scratch._held
 
 
+_SWEEPER = r"""
+import sys
+from pathlib import Path
+from zerorun.zero.offload import scratch
+print(len(scratch.sweep_dead(Path(sys.argv[1]))), flush=True)
+"""
+
+
+def test_a_sweep_while_another_rank_makes_its_directory_leaves_it_alone(tmp_path, monkeypatch):
+    """Two ranks of one host start together: one sweeps while the other has made its lock file
+    and not yet locked it (CI on bec512c failed this way: "is not writable (No such file or
+    directory)"). The sweep runs in a second process, at that instant, every time."""
+    import fcntl
+    import subprocess
+    import sys
+    import types
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    swept = []
+
+    def lockf_after_a_sweep(fd, flags):
+        swept.append(subprocess.run([sys.executable, "-c", _SWEEPER, str(nvme)], capture_output=True,
+                                    text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}, check=True).stdout)
+        return fcntl.lockf(fd, flags)
+
+    monkeypatch.setattr(scratch, "fcntl", types.SimpleNamespace(lockf=lockf_after_a_sweep, LOCK_EX=fcntl.LOCK_EX,
+                                                                LOCK_NB=fcntl.LOCK_NB))
+    directory = scratch.placement_directory(str(nvme), 7, "optim", "zero.offload_optimizer.nvme_path")
+    assert swept == ["0\n"], "the sweep removed a directory being made"
+    assert directory.is_dir() and (directory.parent / scratch.LOCK_FILE).is_file()
+    monkeypatch.undo()
+    directory.rmdir()
+    scratch.remove_if_empty(directory.parent)
+    assert not directory.parent.exists()
+
+
 def test_job_keys():
     assert scratch.job_key({"SLURM_JOB_ID": "4242"}) == "slurm4242"
     assert scratch.job_key({"SLURM_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "3"}) == "slurm4242a3"

@@ -11,7 +11,8 @@ start of a process removed what an earlier one of "the same job" left: two job s
 Slurm allocation (or a job and its retry) with one nvme_path then deleted each other's live
 files. Leftovers of dead processes are found by a lock instead of by name: each directory holds
 ``.lock``, locked (``fcntl.lockf``) by its process from before the directory gets its name
-(it is built as ``.zerorun-new-<hex>`` and renamed) until the process ends, however it ends. A
+(it is built as ``.zerorun-new-<hex>`` and renamed), and before the lock file gets its own,
+until the process ends, however it ends. A
 process starting on an nvme_path removes every sibling directory of ours whose lock it can take
 (its owner is dead: a SIGKILL, a crash), so a killed job's files do not accumulate (898 MB
 after one killed 59M-parameter run, before any cleanup), and never touches one whose lock is
@@ -49,6 +50,7 @@ from zerorun.worker.launch_env import LAUNCH_ID_ENV
 _NAME = re.compile(r"zerorun-[A-Za-z0-9]+-[0-9a-f]{8}-rank[0-9]+\Z")
 _NEW = re.compile(r"\.zerorun-new-[0-9a-f]{16}\Z")  # a directory not yet renamed to its name
 LOCK_FILE = ".lock"
+_LOCK_BEING_MADE = ".lock-new"  # the lock file until it is locked (_make_locked)
 _LAUNCH_ID = re.compile(r"[0-9a-f]{1,32}\Z")
 _lock = threading.RLock()  # re-entrant: a placement finalizer (remove_if_empty) can run in any allocation
 _launch = secrets.token_hex(4)  # <launch> of Note [scratch names]
@@ -134,17 +136,23 @@ def _create_nvme_path(path: Path, key: str, rank: int) -> None:
 
 
 def _make_locked(base: Path) -> None:
-    """Create ``base`` holding a ``.lock`` this process has locked, under a name no sweeper
-    touches until the lock is held."""
+    """Create ``base`` holding a ``.lock`` this process has locked. The lock file is made and
+    locked under a name no sweeper opens (``.lock-new``) and only then named ``.lock``: a
+    sweeper that opened ``.lock`` between its creation and its locking used to take the lock,
+    judge the directory dead and remove it from under the rank that was making it (two ranks
+    of one host starting together: "nvme_path ... is not writable (No such file or directory)").
+    A process killed inside this function leaves an empty ``.zerorun-new-*`` with no ``.lock``,
+    which no sweeper removes: bytes, and only on a kill at this instant."""
     new = base.parent / f".zerorun-new-{secrets.token_hex(8)}"
     new.mkdir(mode=0o700)
-    fd = os.open(new / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(new / _LOCK_BEING_MADE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno != errno.ENOLCK:  # a file system without locks: nothing is ever swept there
                 raise
+        os.rename(new / _LOCK_BEING_MADE, new / LOCK_FILE)  # a POSIX lock is the inode's: it stays held
         os.rename(new, base)
     except OSError:
         os.close(fd)
