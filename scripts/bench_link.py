@@ -180,14 +180,16 @@ class LinkResult:
     local_mb: float | None = None
     link_s: float | None = None
     compute_s: float | None = None
+    cpu_s: float | None = None  # a rank's CPU seconds (user + system, all its threads) per step
+    compute_cpu_s: float | None = None  # the same in the one-host run
     last_loss: float | None = None
     error: str | None = None
 
 
 def _link_result(system: str, rate_name: str, rate: float, runs: list[dict], compute_s: float | None,
-                 per_host: int) -> LinkResult:
-    """One row from a system's runs at one rate (--repeats): the median of their step times, their
-    bytes averaged; a failed run fails the row."""
+                 per_host: int, compute_cpu_s: float | None = None) -> LinkResult:
+    """One row from a system's runs at one rate (--repeats): the median of their step times and
+    CPU times, their bytes averaged; a failed run fails the row."""
     failed = next((out["error"] for out in runs if "error" in out), None)
     if failed is not None:
         return LinkResult(system, rate_name, error=failed)
@@ -197,7 +199,8 @@ def _link_result(system: str, rate_name: str, rate: float, runs: list[dict], com
         system, rate_name, step_s=statistics.median(out["step_s"] for out in runs), link_mb=link_bytes / 1e6,
         told_link_mb=statistics.mean(told) / 1e6 if told else None,
         local_mb=statistics.mean(out["local_bytes"] for out in runs) / 1e6, link_s=link_bytes * per_host * 8 / rate,
-        compute_s=compute_s, last_loss=runs[-1]["last_loss"])
+        compute_s=compute_s, cpu_s=statistics.median(out["cpu_s"] for out in runs), compute_cpu_s=compute_cpu_s,
+        last_loss=runs[-1]["last_loss"])
 
 
 def run_world(link: Link, system: str, options: dict, hosts: int, per_host: int, one_host: bool,
@@ -244,7 +247,8 @@ def run_world(link: Link, system: str, options: dict, hosts: int, per_host: int,
     told = [r["sent"] for r in ranks if r.get("sent") is not None]
     told_link = statistics.mean(between for _, between in told) / steps if told else None
     return {"step_s": statistics.median(per_step), "link_bytes": link_bytes, "local_bytes": local_bytes,
-            "told_link_bytes": told_link, "last_loss": ranks[0]["losses"][-1]}
+            "told_link_bytes": told_link, "last_loss": ranks[0]["losses"][-1],
+            "cpu_s": statistics.mean(r["cpu_s"] for r in ranks)}
 
 
 class SentCounter:
@@ -325,11 +329,13 @@ def rank_main(spec: dict) -> None:
     times, losses = [], []
     before: dict[str, int] = {}
     told_before = [0, 0]
+    cpu_before = 0.0
     for step in range(spec["warmup"] + spec["steps"]):
         if step == spec["warmup"]:
             dist.barrier()
             before = counters()
             told_before = list(counter.sent)
+            cpu_before = _cpu_seconds()
         tokens, targets = synthetic_batch(cfg, spec["micro_batch"] * world, step=step)
         if timeline is not None:
             timeline.begin_step()
@@ -339,14 +345,25 @@ def rank_main(spec: dict) -> None:
         if step >= spec["warmup"]:
             times.append(elapsed)
         losses.append(loss.item())
+    cpu_per_step = (_cpu_seconds() - cpu_before) / spec["steps"]
     dist.barrier()
     after = counters()
     sent = {k: after[k] - before[k] for k in after} if spec["counts"] else None
     told = [counter.sent[0] - told_before[0], counter.sent[1] - told_before[1]] if spec["system"].startswith("zero") else None
-    Path(spec["out"]).write_text(json.dumps({"step_times_s": times, "losses": losses, "counters": sent, "sent": told}))
+    Path(spec["out"]).write_text(json.dumps({"step_times_s": times, "losses": losses, "counters": sent, "sent": told,
+                                             "cpu_s": cpu_per_step}))
     if timeline is not None:
         Path(spec["trace"], f"{spec['tag']}-rank{rank}.json").write_text(json.dumps(timeline.steps))
     dist.destroy_process_group()
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, every thread (the model's, gloo's, the ring driver's), user and
+    system. The kernel's TCP work lands here too when it runs in the rank's context (its sends,
+    and the softirqs a tick finds on its core): with one core per rank, a step whose CPU time is
+    near its wall time is bound by the core, whatever the link leaves idle."""
+    times = os.times()
+    return times.user + times.system
 
 
 def _mark_ring_transfers(timeline: Timeline) -> None:
@@ -425,11 +442,11 @@ def render(results: list[LinkResult], per_host: int, load: str, congestion: str 
 
     table = Table(title=f"2 hosts x {per_host} rank(s), fp32 GPT, TCP {congestion}; load average {load}")
     for header in ("rate", "system", "step s", "xDDP", "link MB", "xDDP", "zr link MB", "local MB", "link s",
-                   "compute s", "step/max(link,compute)", "loss"):
+                   "compute s", "step/max(link,compute)", "cpu s", "compute cpu s", "loss"):
         table.add_column(header, justify="left" if header in ("rate", "system") else "right", no_wrap=True)
     for r in results:
         if r.error:
-            table.add_row(r.rate, r.system, *["-"] * 9, "failed: " + r.error[:60])
+            table.add_row(r.rate, r.system, *["-"] * 11, "failed: " + r.error[:60])
             continue
         ddp = next((d for d in results if d.rate == r.rate and d.system == "ddp" and d.error is None), None)
         bound = max(r.link_s or 0.0, r.compute_s or 0.0)
@@ -438,8 +455,12 @@ def render(results: list[LinkResult], per_host: int, load: str, congestion: str 
             f"{r.link_mb:.1f}", _ratio(r.link_mb, ddp.link_mb if ddp else None),
             "-" if r.told_link_mb is None else f"{r.told_link_mb:.1f}", f"{r.local_mb:.1f}",
             f"{r.link_s:.2f}", "-" if r.compute_s is None else f"{r.compute_s:.2f}",
-            _ratio(r.step_s, bound or None), f"{r.last_loss:.4f}")
+            _ratio(r.step_s, bound or None), _seconds(r.cpu_s), _seconds(r.compute_cpu_s), f"{r.last_loss:.4f}")
     return table
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ratio(value, base) -> str:
@@ -458,7 +479,7 @@ def main(argv=None) -> int:
         return 2
     from rich.console import Console
 
-    console = Console(width=160)
+    console = Console(width=190)
     options = {"preset": args.preset, "steps": args.steps, "warmup": args.warmup,
                "congestion_control": args.congestion_control,
                "micro_batch": args.micro_batch, "zerorun_config": args.zerorun_config,
@@ -472,7 +493,7 @@ def main(argv=None) -> int:
     try:
         create_link(link, args.congestion_control)
         with tempfile.TemporaryDirectory(prefix="zerorun-link-") as workdir:
-            compute: dict[str, float] = {}
+            compute: dict[str, dict] = {}
             if not args.no_compute:
                 shape(link, None)
                 for system in args.systems:
@@ -480,8 +501,8 @@ def main(argv=None) -> int:
                     out = run_world(link, system, {**options, "tag": f"{system}-one-host"}, 2,
                                     args.ranks_per_host, True, Path(workdir))
                     if "error" not in out:
-                        compute[system] = out["step_s"]
-                    console.print(out.get("error") or f"{out['step_s']:.2f} s/step")
+                        compute[system] = out
+                    console.print(out.get("error") or f"{out['step_s']:.2f} s/step, {out['cpu_s']:.2f} CPU s")
             for rate_name, rate in args.rates:
                 shape(link, rate)
                 runs: dict[str, list[dict]] = {system: [] for system in args.systems}
@@ -493,11 +514,12 @@ def main(argv=None) -> int:
                         out = run_world(link, system, {**options, "tag": tag}, 2, args.ranks_per_host, False,
                                         Path(workdir))
                         runs[system].append(out)
-                        console.print(out.get("error") or f"{out['step_s']:.2f} s/step, "
+                        console.print(out.get("error") or f"{out['step_s']:.2f} s/step, {out['cpu_s']:.2f} CPU s, "
                                       f"{out['link_bytes'] / 1e6:.1f} MB to the other host per rank")
                 for system in args.systems:
-                    results.append(_link_result(system, rate_name, rate, runs[system], compute.get(system),
-                                                args.ranks_per_host))
+                    one_host = compute.get(system, {})
+                    results.append(_link_result(system, rate_name, rate, runs[system], one_host.get("step_s"),
+                                                args.ranks_per_host, one_host.get("cpu_s")))
     finally:
         delete_link(link)
         signal.signal(signal.SIGTERM, previous)

@@ -13,15 +13,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_link  # noqa: E402  (scripts/ is not a package)
 
 
-def run(step_s: float, link_bytes: float, told: float | None = None) -> dict:
+def run(step_s: float, link_bytes: float, told: float | None = None, cpu_s: float = 1.0) -> dict:
     return {"step_s": step_s, "link_bytes": link_bytes, "local_bytes": 0.0, "told_link_bytes": told,
-            "last_loss": 7.0}
+            "last_loss": 7.0, "cpu_s": cpu_s}
 
 
 def test_a_row_is_the_median_run_and_the_mean_bytes():
-    runs = [run(5.5, 164.4e6, 164.0e6), run(5.2, 164.6e6, 164.2e6), run(5.3, 164.5e6, 164.1e6)]
-    row = bench_link._link_result("zero3", "300mbit", 300e6, runs, compute_s=3.58, per_host=1)
+    runs = [run(5.5, 164.4e6, 164.0e6, 3.9), run(5.2, 164.6e6, 164.2e6, 3.7), run(5.3, 164.5e6, 164.1e6, 4.0)]
+    row = bench_link._link_result("zero3", "300mbit", 300e6, runs, compute_s=3.58, per_host=1, compute_cpu_s=3.5)
     assert row.step_s == 5.3 and row.error is None
+    assert row.cpu_s == 3.9 and row.compute_cpu_s == 3.5  # the median run's CPU, the one-host run's
     assert abs(row.link_mb - 164.5) < 1e-9 and abs(row.told_link_mb - 164.1) < 1e-9
     assert abs(row.link_s - 164.5e6 * 8 / 300e6) < 1e-9 and row.compute_s == 3.58
 
