@@ -449,7 +449,7 @@ def render(results: list[LinkResult], per_host: int, load: str, congestion: str 
             table.add_row(r.rate, r.system, *["-"] * 11, "failed: " + r.error[:60])
             continue
         ddp = next((d for d in results if d.rate == r.rate and d.system == "ddp" and d.error is None), None)
-        bound = max(r.link_s or 0.0, r.compute_s or 0.0)
+        bound = None if r.compute_s is None else max(r.link_s or 0.0, r.compute_s)  # --no-compute: no bound
         table.add_row(
             r.rate, r.system, f"{r.step_s:.2f}", _ratio(r.step_s, ddp.step_s if ddp else None),
             f"{r.link_mb:.1f}", _ratio(r.link_mb, ddp.link_mb if ddp else None),

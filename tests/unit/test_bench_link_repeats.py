@@ -41,3 +41,19 @@ def test_repeats_must_be_at_least_one(capsys):
     else:
         raise AssertionError("--repeats 0 was accepted")
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_without_a_compute_run_no_bound_is_claimed():
+    """--no-compute: the link time alone is no bound on a step (a 10 Gbit/s row once read 24.68x)."""
+    from rich.console import Console
+
+    rows = [bench_link._link_result("zero3", "10gbit", 10e9, [run(5.5, 139.2e6, cpu_s=2.7)], compute_s=None, per_host=2),
+            bench_link._link_result("zero3", "1gbit", 1e9, [run(3.2, 164.4e6, cpu_s=2.8)], compute_s=3.0, per_host=1)]
+    console = Console(width=250, record=True)
+    console.print(bench_link.render(rows, 2, "1.0 -> 2.0"))
+    lines = [line for line in console.export_text().splitlines() if "zero3" in line]
+    cells = [[cell.strip() for cell in line.split("│")] for line in lines]
+    bound_column = ["rate", "system", "step s", "xDDP", "link MB", "xDDP", "zr link MB", "local MB", "link s",
+                    "compute s", "step/max(link,compute)"].index("step/max(link,compute)") + 1
+    assert cells[0][bound_column] == "-" and cells[0][bound_column + 1] == "2.70"
+    assert cells[1][bound_column] == "1.07" and cells[1][bound_column + 1] == "2.80"
