@@ -454,7 +454,7 @@ def render(results: list[LinkResult], per_host: int, load: str, congestion: str 
             r.rate, r.system, f"{r.step_s:.2f}", _ratio(r.step_s, ddp.step_s if ddp else None),
             f"{r.link_mb:.1f}", _ratio(r.link_mb, ddp.link_mb if ddp else None),
             "-" if r.told_link_mb is None else f"{r.told_link_mb:.1f}", f"{r.local_mb:.1f}",
-            f"{r.link_s:.2f}", "-" if r.compute_s is None else f"{r.compute_s:.2f}",
+            f"{r.link_s:.2f}", _seconds(r.compute_s),
             _ratio(r.step_s, bound or None), _seconds(r.cpu_s), _seconds(r.compute_cpu_s), f"{r.last_loss:.4f}")
     return table
 

@@ -44,7 +44,7 @@ OFFLOADS = {"cpu": {"offload_optimizer": {"device": "cpu"}},
             # ZeRO++ (scripts/bench_link.py): quantized weight gathers and gradient reduce-scatters
             "qwz": {"quantized_weights": True},
             "qgz": {"quantized_gradients": True},
-            # a tied embedding's lookup gradient as rows (Note [lookup gradients] in zero/lookup_gradients.py)
+            # a tied embedding's lookup reads and sends rows (zero/lookup_rows.py, zero/lookup_gradients.py)
             "rows": {"tied_embedding_rows": True},
             # ZeRO++ hpZ: its partition size is the ranks per host, which scripts/bench_link.py sets
             "hpz": {}}

@@ -157,27 +157,25 @@ class RowsFirst:
         counts = torch.empty(world, dtype=torch.int64, device=device)
         collectives.all_gather(counts, torch.tensor([mine.numel()], dtype=torch.int64, device=device),
                                group=self.group, unit=unit.collective_id)
-        most = int(counts.max())
-        if most == 0:  # no rank looks anything up: nothing to gather (the caller falls back)
-            return mine
-        padded = torch.zeros(most, dtype=torch.int64, device=device)
-        padded[: mine.numel()] = mine
-        everyone = torch.empty(world * most, dtype=torch.int64, device=device)
-        collectives.all_gather(everyone, padded, group=self.group, unit=unit.collective_id)
         sizes = counts.tolist()
-        return torch.unique(torch.cat([everyone[r * most : r * most + sizes[r]] for r in range(world)]))
+        if max(sizes) == 0:  # no rank looks anything up: nothing to gather (the caller falls back)
+            return mine
+        return torch.unique(self._end_to_end(mine, sizes, unit))
 
     def _fetch(self, unit: FlatUnit, union: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-        """The union's rows, flat, from every rank's chunk (one padded all-gather)."""
-        world, chunk_numel = collectives.group_size(self.group), unit.layout.chunk_numel
-        sizes = piece_sizes(union, world, chunk_numel, width, rows)
+        """The union's rows, flat, from every rank's chunk."""
+        sizes = piece_sizes(union, collectives.group_size(self.group), unit.layout.chunk_numel, width, rows)
+        return self._end_to_end(rows_piece(unit.shard, unit.rank, union, width, rows).to(unit.dtype), sizes, unit)
+
+    def _end_to_end(self, mine: torch.Tensor, sizes: list[int], unit: FlatUnit) -> torch.Tensor:
+        """Every rank's ``mine`` (``sizes[r]`` elements on rank r) laid end to end in rank order:
+        one all-gather, each rank's part padded to the largest."""
         most = max(sizes)
-        mine = rows_piece(unit.shard, unit.rank, union, width, rows).to(unit.dtype)
-        padded = torch.zeros(most, dtype=unit.dtype, device=unit.device)
+        padded = torch.zeros(most, dtype=mine.dtype, device=unit.device)
         padded[: mine.numel()] = mine
-        everyone = torch.empty(world * most, dtype=unit.dtype, device=unit.device)
+        everyone = torch.empty(len(sizes) * most, dtype=mine.dtype, device=unit.device)
         collectives.all_gather(everyone, padded, group=self.group, unit=unit.collective_id)
-        return torch.cat([everyone[r * most : r * most + sizes[r]] for r in range(world)])
+        return torch.cat([everyone[r * most : r * most + size] for r, size in enumerate(sizes)])
 
 
 def _plain_gather(unit: FlatUnit) -> bool:
